@@ -1,0 +1,27 @@
+"""Typed errors. Every error autoshard raises derives from `AutoshardError`.
+
+Messages follow the jax style: name the argument (by pytree keypath), its value or shape, why it
+fails and how to fix it. The user's own exception is chained (`raise ... from err`), never lost.
+"""
+
+from __future__ import annotations
+
+
+class AutoshardError(Exception):
+    """Base of every typed error autoshard raises."""
+
+
+class NotCallableError(AutoshardError, TypeError):
+    """The object given as the step function cannot be called."""
+
+
+class UntraceableArgumentError(AutoshardError, TypeError):
+    """An argument leaf is not an array, a scalar or a jax.ShapeDtypeStruct."""
+
+
+class TraceFailedError(AutoshardError, RuntimeError):
+    """The user's function raised while jax traced it; the original exception is chained."""
+
+
+class GroupingError(AutoshardError, ValueError):
+    """Invalid options for grouping an OpGraph."""
