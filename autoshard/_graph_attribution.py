@@ -49,17 +49,42 @@ def parse_scope(scope: str) -> tuple[str, tuple[str, ...]]:
     hit = _scope_cache.get(scope)
     if hit is not None:
         return hit
-    parts: list[str] = []
+    # a transform-wrapped component starts a segment; segments are joined like nested scopes
+    # ("transpose(jvp(GPT))/jvp(GPT)/block_1" is GPT/block_1, seen from remat recomputation)
+    segments: list[list[str]] = [[]]
     transforms: list[str] = []
     for comp in scope.split("/") if scope else ():
+        wrapped = False
         while (m := _WRAPPED.match(comp)) is not None:
             transforms.append(m.group(1))
-            comp = m.group(2)
-        if comp and comp not in _PSEUDO_SCOPES:
-            parts.append(comp)
-    out = ("/".join(parts), tuple(transforms))
+            comp, wrapped = m.group(2), True
+        if wrapped and segments[-1]:
+            segments.append([])
+        # jnp.einsum names its scope after the spec ("bqhd,bkhd->bhqk"): not a module
+        if comp and comp not in _PSEUDO_SCOPES and "->" not in comp:
+            segments[-1].append(comp)
+    module = ""
+    for seg in segments:
+        module = join_modules(module, "/".join(seg))
+    out = (module, tuple(transforms))
     _scope_cache[scope] = out
     return out
+
+
+def join_modules(outer: str, inner: str) -> str:
+    """Module path of an eqn in a nested jaxpr. Name stacks inside nested jaxprs are relative,
+    except where jax re-traces a body with its original stack (remat recomputation in the
+    backward pass carries "jvp(GPT)/block_1/..." under "transpose(jvp(GPT))"): the overlap of
+    the outer path's tail with the inner path's head is counted once."""
+    if not outer:
+        return inner
+    if not inner:
+        return outer
+    o, i = outer.split("/"), inner.split("/")
+    for k in range(min(len(o), len(i)), 0, -1):
+        if o[len(o) - k:] == i[:k]:
+            return "/".join(o + i[k:])
+    return "/".join(o + i)
 
 
 def infer_phases(graph: OpGraph, optimizer_scopes: Sequence[str] = ("optimizer",)) -> None:
@@ -189,10 +214,11 @@ def attribute_modules(graph: OpGraph) -> None:
     # In a program with name scopes, an unscoped forward/backward op lies outside every module
     # (the loss, say): it stays at the root instead of being guessed from data flow.
     has_scopes = any(op.scope_module for op in ops if op.phase == "forward")
+    canonical = _canonical_scopes(graph)
     label: list[str | None] = [None] * len(ops)
     for op in ops:
-        if op.phase in ("forward", "backward") and (op.scope_module or has_scopes):
-            label[op.index] = op.scope_module
+        if op.phase != "optimizer" and (op.scope_module or (has_scopes and op.phase != "other")):
+            label[op.index] = canonical.get(op.scope_module, op.scope_module)
             continue
         best, best_bytes = None, -1
         for v in op.inputs:
@@ -218,32 +244,54 @@ def attribute_modules(graph: OpGraph) -> None:
             if v in out_label:
                 cands.append(out_label[v])
             for lc in cands:
-                if lc is None or (agreed is not None and lc != agreed):
+                if lc is None:
+                    continue  # decided later, from its inputs
+                if agreed is not None and lc != agreed:
                     return None
                 agreed = lc
         return agreed
 
-    # forward ops from which no parameterised forward op is reachable form the tail (the loss)
-    feeds_param = [False] * len(ops)
+    # the forward tail after the last parameterised forward op (the loss) belongs to no module
+    last_param_op = max((op.index for op in ops if op.phase == "forward"
+                         and any(v in value_module for v in op.inputs)), default=len(ops))
     for op in reversed(ops):
         if label[op.index] is None:
             label[op.index] = consensus(op)
-        if op.phase == "forward":
-            feeds_param[op.index] = any(v in value_module for v in op.inputs) or any(
-                feeds_param[c] for v in op.outputs for c in values[v].consumers
-                if ops[c].phase == "forward")
-            if label[op.index] is None and not feeds_param[op.index]:
-                label[op.index] = ""
+        if label[op.index] is None and op.phase == "forward" and op.index > last_param_op:
+            label[op.index] = ""
 
     for op in ops:
         if label[op.index] is not None:
             continue
-        best, best_producer = "", -1
+        best, best_producer = None, -1
         for v in op.inputs:
             p = values[v].producer
-            if p is not None and p > best_producer and label[p] is not None:
+            if p is not None and p > best_producer and label[p]:
                 best, best_producer = label[p], p
         label[op.index] = best
 
+    # constants built inside the step (iota, broadcast scalars) join their first consumer
+    for op in reversed(ops):
+        if label[op.index] is None:
+            label[op.index] = next((label[c] for v in op.outputs for c in values[v].consumers
+                                    if label[c]), "")
+
     for op in ops:
         op.module = label[op.index] or ""
+
+
+def _canonical_scopes(graph: OpGraph) -> dict[str, str]:
+    """Map scope modules seen without their enclosing scopes to the full path: ops hoisted out of
+    an nn.scan body carry "blocks/..." where the body has "GPT/blocks/..."."""
+    full = {op.scope_module for op in graph.ops if op.phase == "forward" and op.scope_module}
+    by_suffix: dict[str, set[str]] = {}
+    for m in full:
+        parts = m.split("/")
+        for k in range(1, len(parts)):
+            by_suffix.setdefault("/".join(parts[k:]), set()).add(m)
+    out = {}
+    for op in graph.ops:
+        sm = op.scope_module
+        if sm and sm not in full and len(by_suffix.get(sm, ())) == 1:
+            out[sm] = next(iter(by_suffix[sm]))
+    return out

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -19,7 +19,7 @@ from . import _jax_compat as jc
 from ._errors import NotCallableError, TraceFailedError, UntraceableArgumentError
 from ._flops import estimate_flops
 from ._graph import Loop, Op, OpGraph, Value, nbytes
-from ._graph_attribution import attribute_modules, infer_phases, parse_scope
+from ._graph_attribution import attribute_modules, infer_phases, join_modules, parse_scope
 
 # call-like primitives whose body runs once with the eqn's operands: inlined
 _TRANSPARENT = {
@@ -87,10 +87,19 @@ def _plain(v: Any, depth: int = 0) -> Any:
     return _SKIP
 
 
-def _join_scope(prefix: str, inner: str) -> str:
-    if not prefix:
-        return inner
-    return f"{prefix}/{inner}" if inner else prefix
+class _Scope(NamedTuple):
+    """Where an eqn sits: the joined name stack text, its module path and its transforms."""
+
+    text: str
+    module: str
+    transforms: tuple[str, ...]
+
+    def enter(self, inner: str) -> _Scope:
+        if not inner:
+            return self
+        module, transforms = parse_scope(inner)
+        text = f"{self.text}/{inner}" if self.text else inner
+        return _Scope(text, join_modules(self.module, module), self.transforms + transforms)
 
 
 class _Builder:
@@ -111,7 +120,7 @@ class _Builder:
             return self.new_value(atom, "literal")
         return env[atom]
 
-    def add_op(self, primitive: str, inputs: list[int], out_atoms: list[Any], scope: str,
+    def add_op(self, primitive: str, inputs: list[int], out_atoms: list[Any], scope: _Scope,
                loops: tuple[Loop, ...], params: dict, in_atoms: list[Any] | None = None) -> list[int]:
         index = len(self.ops)
         outs = [self.new_value(a, "intermediate", producer=index) for a in out_atoms]
@@ -122,21 +131,21 @@ class _Builder:
         out_sd = [(self.values[v].shape, self.values[v].dtype) for v in outs]
         in_shapes = tuple(s for s, _ in in_sd)
         out_shapes = tuple(s for s, _ in out_sd)
-        module, transforms = parse_scope(scope)
         op = Op(
             index=index, primitive=primitive, inputs=tuple(inputs), outputs=tuple(outs),
             in_shapes=in_shapes, in_dtypes=tuple(d for _, d in in_sd),
             out_shapes=out_shapes, out_dtypes=tuple(d for _, d in out_sd),
             flops=estimate_flops(primitive, in_shapes, out_shapes, params),
             bytes=sum(nbytes(s, d) for s, d in in_sd) + sum(nbytes(s, d) for s, d in out_sd),
-            scope=scope, scope_module=module, transforms=transforms, loops=loops, params=params,
+            scope=scope.text, scope_module=scope.module, transforms=scope.transforms, loops=loops,
+            params=params,
         )
         self.ops.append(op)
         for v in inputs:
             self.values[v].consumers.append(index)
         return outs
 
-    def inline(self, jaxpr: Any, consts: list, in_ids: list[int], scope: str,
+    def inline(self, jaxpr: Any, consts: list, in_ids: list[int], scope: _Scope,
                loops: tuple[Loop, ...]) -> list[int]:
         env: dict = {}
         for var in jaxpr.constvars:
@@ -146,9 +155,9 @@ class _Builder:
         self.walk(jaxpr, env, scope, loops)
         return [self.read(env, a) for a in jaxpr.outvars]
 
-    def walk(self, jaxpr: Any, env: dict, scope: str, loops: tuple[Loop, ...]) -> None:
+    def walk(self, jaxpr: Any, env: dict, scope: _Scope, loops: tuple[Loop, ...]) -> None:
         for eqn in jaxpr.eqns:
-            full = _join_scope(scope, jc.name_stack(eqn))
+            full = scope.enter(jc.name_stack(eqn))
             name = eqn.primitive.name
             in_ids = [self.read(env, a) for a in eqn.invars]
             outs = self._expand(eqn, name, in_ids, full, loops)
@@ -158,7 +167,7 @@ class _Builder:
             for var, vid in zip(eqn.outvars, outs, strict=True):
                 env[var] = vid
 
-    def _expand(self, eqn: Any, name: str, in_ids: list[int], scope: str,
+    def _expand(self, eqn: Any, name: str, in_ids: list[int], scope: _Scope,
                 loops: tuple[Loop, ...]) -> list[int] | None:
         params = eqn.params
         if name in _TRANSPARENT:
@@ -229,7 +238,7 @@ def trace(fn: Callable, *args: Any, name: str | None = None,
         b.values[vid].keypath_parts = jc.keypath_parts(path)
         env[var] = vid
         inputs.append(vid)
-    b.walk(jaxpr, env, "", ())
+    b.walk(jaxpr, env, _Scope("", "", ()), ())
     outputs = [b.read(env, a) for a in jaxpr.outvars]
     out_paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(out_shape)[0]]
     graph = OpGraph(

@@ -1,0 +1,339 @@
+"""group(): TAP's PruneGraph over an OpGraph (pure: no jax import).
+
+TAP (§4.3, Algorithm 1) walks the module tree and groups nodes whose names share a prefix and whose
+operator composition is similar; a model that is one block repeated L times then needs a sharding
+search over one block, whatever L is. Here:
+
+* the module tree comes from op module paths (name scopes, or parameter attribution for nnx and
+  plain jax), so forward, backward and optimizer ops of a module sit under the same node;
+* a node is a repetition candidate when its name is numbered (`block_3`, `layers_0`, nnx `blocks/3`)
+  or when its ops run inside a loop (`nn.scan`: one node, trip-count instances);
+* candidates with the same name stem and the same parameter shapes are compared by their *forward*
+  op composition (primitive and shapes per relative sub-module), with a tolerance, because instances
+  legitimately differ (the first block's backward lacks the input-gradient ops; loop-invariant ops
+  are hoisted out of scans; the residual add of the last block can join the head);
+* a group with at least `min_duplicate` instances is a block type at that depth; the shallowest
+  types win, unless most of their forward ops lie in a deeper type's instances (a branch made of 8
+  layers is reported as layers, so all branches share one type).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import re
+from collections import Counter, defaultdict
+from collections.abc import Iterable
+
+from ._errors import GroupingError
+from ._graph import OpGraph
+from ._graph_attribution import parameter_modules
+
+_NUMBERED = re.compile(r"^(.*?)(\d+)$")
+PHASE_ORDER = ("forward", "backward", "optimizer", "other")
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockInstance:
+    """One occurrence of a block type: a module subtree (or one iteration of a scanned one)."""
+
+    path: str
+    ops: tuple[int, ...]
+    iteration: int | None = None
+    missing_forward_ops: int = 0     # vs the type's reference composition (tolerated differences)
+    extra_forward_ops: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockType:
+    """A unique block: its instances share forward composition and parameter shapes."""
+
+    name: str
+    depth: int
+    signature: str
+    instances: tuple[BlockInstance, ...]
+    params: tuple[tuple[str, tuple[int, ...], str], ...]   # (relative keypath, shape, dtype)
+    ops_per_phase: dict[str, int]                          # of the reference instance
+    flops_per_instance: float
+    scanned: bool = False
+
+    @property
+    def count(self) -> int:
+        return len(self.instances)
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """A repeated group found at one depth of the module tree (reported, maybe not selected)."""
+
+    name: str
+    depth: int
+    count: int
+    forward_ops: int
+    selected: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Grouping:
+    """Contract: `block_types` (each with `.instances`), plus the remainder and per-depth report."""
+
+    graph: OpGraph
+    block_types: tuple[BlockType, ...]
+    remainder: tuple[int, ...]
+    levels: tuple[Candidate, ...]
+    min_duplicate: int
+
+    def block_of(self, op_index: int) -> tuple[int, int] | None:
+        """(block type index, instance index) of an op; None for remainder ops. For ops of a
+        scanned block, the first instance."""
+        return self._op_block.get(op_index)
+
+    @property
+    def _op_block(self) -> dict[int, tuple[int, int]]:
+        cache = self.__dict__.get("_op_block_cache")
+        if cache is None:
+            cache = {}
+            for t, bt in enumerate(self.block_types):
+                for i, inst in enumerate(bt.instances):
+                    for o in inst.ops:
+                        cache.setdefault(o, (t, i))
+            object.__setattr__(self, "_op_block_cache", cache)
+        return cache
+
+    def summary(self) -> dict:
+        """JSON-able summary (for benches and the CLI)."""
+        g = self.graph
+        return {
+            "ops": len(g.ops),
+            "block_types": [
+                {"name": bt.name, "depth": bt.depth, "instances": bt.count,
+                 "scanned": bt.scanned, "signature": bt.signature,
+                 "ops_per_instance": bt.ops_per_phase,
+                 "params_per_instance": len(bt.params),
+                 "gflops_per_instance": bt.flops_per_instance / 1e9}
+                for bt in self.block_types],
+            "remainder_ops": len(self.remainder),
+            "levels": [dataclasses.asdict(c) for c in self.levels],
+        }
+
+    def table(self) -> str:
+        """The block table: one row per unique block type, then the remainder and depth report."""
+        rows = [("block type", "depth", "instances", "fwd", "bwd", "opt", "params", "GFLOP/inst")]
+        for bt in self.block_types:
+            p = bt.ops_per_phase
+            inst = f"{bt.count}" + (" (scan)" if bt.scanned else "")
+            rows.append((bt.name, str(bt.depth), inst, str(p["forward"]), str(p["backward"]),
+                         str(p["optimizer"]), str(len(bt.params)),
+                         f"{bt.flops_per_instance / 1e9:.4g}"))
+        rem = Counter(self.graph.ops[i].phase for i in self.remainder)
+        rows.append(("(remainder)", "-", "1", str(rem["forward"]), str(rem["backward"]),
+                     str(rem["optimizer"]), "-", "-"))
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        lines.append("")
+        lines.append("repeated groups by depth (min_duplicate=%d):" % self.min_duplicate)
+        for c in self.levels:
+            mark = "selected" if c.selected else "-"
+            lines.append(f"  depth {c.depth}: {c.name} x{c.count} "
+                         f"({c.forward_ops} forward ops) {mark}")
+        return "\n".join(lines)
+
+
+def _stem(name: str) -> str | None:
+    m = _NUMBERED.match(name)
+    return m.group(1) if m else None
+
+
+def _pattern(paths: Iterable[tuple[str, ...]]) -> str:
+    paths = list(paths)
+    out = []
+    for comps in zip(*paths, strict=True):
+        if len(set(comps)) == 1:
+            out.append(comps[0])
+        else:
+            stems = {_stem(c) for c in comps}
+            out.append((stems.pop() or "") + "*" if len(stems) == 1 and None not in stems else "*")
+    return "/".join(out)
+
+
+def group(graph: OpGraph, min_duplicate: int = 2, tolerance: float = 0.1,
+          descend_fraction: float = 0.8) -> Grouping:
+    """Group `graph` into unique block types with their instances (TAP PruneGraph).
+
+    min_duplicate: a group needs at least this many instances to be a block type (TAP's
+        minDuplicate). tolerance: the largest fraction of forward ops by which an instance may
+        differ from its type's reference composition. descend_fraction: a candidate whose forward
+        ops lie at least this much in deeper candidates' instances is reported as those instead.
+    """
+    if not isinstance(min_duplicate, int) or min_duplicate < 2:
+        raise GroupingError(f"autoshard.group: min_duplicate={min_duplicate!r} must be an int >= 2 "
+                            "(a block type needs at least two instances).")
+    if not 0.0 <= tolerance < 1.0:
+        raise GroupingError(f"autoshard.group: tolerance={tolerance!r} must be in [0, 1).")
+    ops = graph.ops
+
+    # ops by module, then the module tree (few distinct modules, so this is cheap)
+    by_module: dict[tuple[str, ...], list[int]] = defaultdict(list)
+    for op in ops:
+        by_module[tuple(op.module.split("/")) if op.module else ()].append(op.index)
+    node_modules: dict[tuple[str, ...], list[tuple[str, ...]]] = defaultdict(list)
+    for mod in by_module:
+        for d in range(1, len(mod) + 1):
+            node_modules[mod[:d]].append(mod)
+
+    # per-module forward composition, interned
+    key_ids: dict[tuple, int] = {}
+    fwd_key: dict[tuple[str, ...], Counter] = {}
+    for mod, idxs in by_module.items():
+        c: Counter = Counter()
+        for i in idxs:
+            op = ops[i]
+            if op.phase == "forward":
+                k = (op.primitive, op.in_shapes, op.out_shapes)
+                c[key_ids.setdefault(k, len(key_ids))] += 1
+        fwd_key[mod] = c
+
+    # parameters by module
+    param_mod, _ = parameter_modules(graph)
+    params_of: dict[tuple[str, ...], list[tuple[str, tuple[int, ...], str]]] = defaultdict(list)
+    for vid, m in param_mod.items():
+        v = graph.values[vid]
+        leaf = str(v.keypath_parts[-1]) if v.keypath_parts else ""
+        if leaf in (".value", ".raw_value") and len(v.keypath_parts) > 1:
+            leaf = str(v.keypath_parts[-2])
+        params_of[tuple(m.split("/"))].append((leaf, v.shape, v.dtype))
+
+    def composition(node: tuple[str, ...]) -> Counter:
+        c: Counter = Counter()
+        for mod in node_modules[node]:
+            rel = "/".join(mod[len(node):])
+            for k, n in fwd_key[mod].items():
+                c[(rel, k)] += n
+        return c
+
+    def param_sig(node: tuple[str, ...]) -> tuple:
+        out = []
+        for mod in node_modules[node]:
+            rel = "/".join(mod[len(node):])
+            for leaf, shape, dtype in params_of.get(mod, ()):
+                out.append((f"{rel}/{leaf}" if rel else leaf, shape, dtype))
+        return tuple(sorted(out))
+
+    def node_ops(node: tuple[str, ...]) -> list[int]:
+        out: list[int] = []
+        for mod in node_modules[node]:
+            out.extend(by_module[mod])
+        out.sort()
+        return out
+
+    def scan_trip(node: tuple[str, ...]) -> int | None:
+        """Trip count of the loop the node's forward ops run in (an nn.scan over layers); ops
+        hoisted out of the loop body (loop invariants) are tolerated."""
+        trips: Counter = Counter()
+        total = 0
+        for mod in node_modules[node]:
+            for i in by_module[mod]:
+                op = ops[i]
+                if op.phase == "forward":
+                    total += 1
+                    trips[op.loops[0].trip_count if op.loops else None] += 1
+        trip, n = trips.most_common(1)[0] if trips else (None, 0)
+        return trip if trip and n >= (1.0 - tolerance) * total else None
+
+    # candidate groups per depth
+    buckets: dict[tuple, list[tuple[str, ...]]] = defaultdict(list)
+    trip_of: dict[tuple[str, ...], int] = {}
+    for node in node_modules:
+        if not any(fwd_key[m] for m in node_modules[node]):
+            continue  # no forward ops: nothing to search over
+        trip = scan_trip(node) if len(node) > 0 else None
+        parent_trip = scan_trip(node[:-1]) if len(node) > 1 else None
+        stem = _stem(node[-1])
+        if trip and trip >= 2 and trip != parent_trip:
+            trip_of[node] = trip
+            buckets[(len(node), "scan:" + node[-1], param_sig(node))].append(node)
+        elif stem is not None:
+            buckets[(len(node), stem, param_sig(node))].append(node)
+
+    clusters: list[tuple[int, list[tuple[str, ...]], Counter, dict]] = []
+    for (depth, _, _), nodes in buckets.items():
+        comps = {n: composition(n) for n in nodes}
+        remaining = sorted(nodes)
+        while remaining:
+            exact = Counter(frozenset(comps[n].items()) for n in remaining)
+            ref_items = exact.most_common(1)[0][0]
+            ref = Counter(dict(ref_items))
+            size = max(sum(ref.values()), 1)
+            members, diffs, rest = [], {}, []
+            for n in remaining:
+                missing = sum((ref - comps[n]).values())
+                extra = sum((comps[n] - ref).values())
+                if (missing + extra) <= tolerance * size:
+                    members.append(n)
+                    diffs[n] = (missing, extra)
+                else:
+                    rest.append(n)
+            clusters.append((depth, members, ref, diffs))
+            remaining = rest
+
+    def instance_count(members: list[tuple[str, ...]]) -> int:
+        return sum(trip_of.get(n, 1) for n in members)
+
+    repeated = [c for c in clusters if instance_count(c[1]) >= min_duplicate]
+    repeated.sort(key=lambda c: (c[0], -instance_count(c[1]), c[1][0]))
+
+    # forward ops of each repeated node, to decide when to descend
+    fwd_count = {n: sum(sum(fwd_key[m].values()) for m in node_modules[n])
+                 for c in repeated for n in c[1]}
+
+    def best_inner_coverage(depth: int, members: list[tuple[str, ...]]) -> float:
+        """Largest share of the members' forward ops held by one deeper repeated group."""
+        total = sum(fwd_count[m] for m in members) or 1
+        best = 0
+        for d2, inner, _, _ in repeated:
+            if d2 <= depth:
+                continue
+            held = sum(fwd_count[n] for n in inner if any(n[:depth] == m for m in members))
+            best = max(best, held)
+        return best / total
+
+    selected_paths: list[tuple[str, ...]] = []
+    block_types: list[BlockType] = []
+    levels: list[Candidate] = []
+    for depth, members, ref, diffs in repeated:
+        name = _pattern(members)
+        if trip_of.get(members[0]):
+            name += f"[scan x{trip_of[members[0]]}]"
+        fwd = sum(ref.values())
+        inside = any(m[:len(s)] == s for m in members for s in selected_paths)
+        descend = not inside and best_inner_coverage(depth, members) >= descend_fraction
+        select = not inside and not descend
+        levels.append(Candidate(name, depth, instance_count(members), fwd, select))
+        if not select:
+            continue
+        selected_paths.extend(members)
+        instances: list[BlockInstance] = []
+        for m in members:
+            o = tuple(node_ops(m))
+            miss, extra = diffs[m]
+            trip = trip_of.get(m)
+            for it in range(trip) if trip else [None]:
+                instances.append(BlockInstance("/".join(m), o, it, miss, extra))
+        first = instances[0]
+        per_phase = dict.fromkeys(PHASE_ORDER, 0)
+        flops = 0.0
+        for i in first.ops:
+            per_phase[ops[i].phase] += 1
+            flops += ops[i].flops * ops[i].repeat
+        if trip_of.get(members[0]):
+            flops /= trip_of[members[0]]
+        psig = param_sig(members[0])
+        digest = hashlib.sha1(repr((sorted(ref.items()), psig)).encode()).hexdigest()[:12]
+        block_types.append(BlockType(name, depth, digest, tuple(instances), psig, per_phase,
+                                     flops, scanned=bool(trip_of.get(members[0]))))
+
+    in_block = {i for bt in block_types for inst in bt.instances for i in inst.ops}
+    remainder = tuple(i for i in range(len(ops)) if i not in in_block)
+    levels.sort(key=lambda c: (c.depth, c.name))
+    return Grouping(graph, tuple(block_types), remainder, tuple(levels), min_duplicate)
