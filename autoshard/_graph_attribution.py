@@ -134,7 +134,8 @@ def _common_prefix(seqs: list[tuple]) -> tuple:
 
 def parameter_modules(graph: OpGraph) -> tuple[dict[int, str], dict[str, str]]:
     """Module path of each program input that is a parameter or per-parameter state, and of each
-    output keypath that is one. Returns ({value id: module}, {output keypath: module})."""
+    output keypath that is one. Returns ({value id: module}, {output keypath: module}) and sets
+    `role` and `module` on the input values."""
     values = graph.values
     fwd_inputs = [v for v in graph.inputs
                   if any(graph.ops[c].phase == "forward" for c in values[v].consumers)]
@@ -170,8 +171,14 @@ def parameter_modules(graph: OpGraph) -> tuple[dict[int, str], dict[str, str]]:
         return None
 
     for v in graph.inputs:
-        if v not in module_of and (hit := match(_rel_parts(values[v]))) is not None:
+        val = values[v]
+        if v in module_of:
+            val.role, val.module = "parameter", module_of[v]
+        elif (hit := match(_rel_parts(val))) is not None:
             module_of[v] = hit
+            val.role, val.module = "state", hit
+        else:
+            val.role = "data"
     out_modules: dict[str, str] = {}
     for kp, parts in zip(graph.output_keypaths, graph.output_keypath_parts, strict=True):
         p = parts[1:]

@@ -27,7 +27,6 @@ from collections.abc import Iterable
 
 from ._errors import GroupingError
 from ._graph import OpGraph
-from ._graph_attribution import parameter_modules
 
 _NUMBERED = re.compile(r"^(.*?)(\d+)$")
 PHASE_ORDER = ("forward", "backward", "optimizer", "other")
@@ -195,10 +194,12 @@ def group(graph: OpGraph, min_duplicate: int = 2, tolerance: float = 0.1,
         fwd_key[mod] = c
 
     # parameters by module
-    param_mod, _ = parameter_modules(graph)
     params_of: dict[tuple[str, ...], list[tuple[str, tuple[int, ...], str]]] = defaultdict(list)
-    for vid, m in param_mod.items():
+    for vid in graph.inputs:
         v = graph.values[vid]
+        if v.role != "parameter":
+            continue
+        m = v.module
         leaf = str(v.keypath_parts[-1]) if v.keypath_parts else ""
         if leaf in (".value", ".raw_value") and len(v.keypath_parts) > 1:
             leaf = str(v.keypath_parts[-2])
@@ -227,19 +228,25 @@ def group(graph: OpGraph, min_duplicate: int = 2, tolerance: float = 0.1,
         out.sort()
         return out
 
+    # per module: forward ops by the trip count of their outermost loop (None: not in a loop)
+    fwd_trips: dict[tuple[str, ...], Counter] = {}
+    for mod, idxs in by_module.items():
+        fwd_trips[mod] = Counter(ops[i].loops[0].trip_count if ops[i].loops else None
+                                 for i in idxs if ops[i].phase == "forward")
+    trip_cache: dict[tuple[str, ...], int | None] = {}
+
     def scan_trip(node: tuple[str, ...]) -> int | None:
         """Trip count of the loop the node's forward ops run in (an nn.scan over layers); ops
         hoisted out of the loop body (loop invariants) are tolerated."""
+        if node in trip_cache:
+            return trip_cache[node]
         trips: Counter = Counter()
-        total = 0
         for mod in node_modules[node]:
-            for i in by_module[mod]:
-                op = ops[i]
-                if op.phase == "forward":
-                    total += 1
-                    trips[op.loops[0].trip_count if op.loops else None] += 1
+            trips.update(fwd_trips[mod])
         trip, n = trips.most_common(1)[0] if trips else (None, 0)
-        return trip if trip and n >= (1.0 - tolerance) * total else None
+        out = trip if trip and n >= (1.0 - tolerance) * sum(trips.values()) else None
+        trip_cache[node] = out
+        return out
 
     # candidate groups per depth
     buckets: dict[tuple, list[tuple[str, ...]]] = defaultdict(list)
