@@ -96,10 +96,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
+    # no command (or only options): the default job, `group`
+    if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):
+        argv = ["group", *argv]
     args = parser.parse_args(argv)
-    if args.command is None:
-        args = parser.parse_args(["group", *(argv or [])])
     return args.func(args)
 
 
