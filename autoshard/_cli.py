@@ -36,9 +36,8 @@ def _setup_devices(n: int) -> Any:
 
 
 def _cmd_group(args: argparse.Namespace) -> int:
-    import models
-
     import autoshard
+    import models
 
     overrides = {}
     for item in args.set or []:

@@ -131,7 +131,7 @@ class Grouping:
         lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
         lines.insert(1, "  ".join("-" * w for w in widths))
         lines.append("")
-        lines.append("repeated groups by depth (min_duplicate=%d):" % self.min_duplicate)
+        lines.append(f"repeated groups by depth (min_duplicate={self.min_duplicate}):")
         for c in self.levels:
             mark = "selected" if c.selected else "-"
             lines.append(f"  depth {c.depth}: {c.name} x{c.count} "

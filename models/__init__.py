@@ -1,13 +1,12 @@
 """Model zoo: `models.get(name, config, **overrides)` -> Model with init/loss/batch/train_step."""
 
-from ._base import Model as Model
-from ._registry import configs as configs
-from ._registry import get as get
-from ._registry import names as names
-from ._registry import register as register
-
 # Imported for their registration side effect.
 from . import bert as bert  # noqa: E402
 from . import gpt as gpt  # noqa: E402
 from . import gpt_nnx as gpt_nnx  # noqa: E402
 from . import mlp as mlp  # noqa: E402
+from ._base import Model as Model
+from ._registry import configs as configs
+from ._registry import get as get
+from ._registry import names as names
+from ._registry import register as register

@@ -70,7 +70,7 @@ class Model:
         # Cached: tracing init for 100+ layer configs takes a noticeable fraction of a second.
         return jax.eval_shape(self.init, jax.random.key(0))
 
-    def _param_count_proxy(self) -> "Model":
+    def _param_count_proxy(self) -> Model:
         """A model with the same parameter count that is cheaper to trace (default: self).
         Layer-stacked models return their `scan_layers=True` twin: tracing one scanned layer
         instead of 256 unrolled ones keeps num_params() fast for the enlarged configs."""

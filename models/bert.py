@@ -54,7 +54,7 @@ CONFIGS = {
     "debug": BERTConfig(),
     "bert-large": BERTConfig(vocab_size=30522, seq_len=512, hidden=1024, num_heads=16, num_layers=24,
                              d_ff=4096, batch_size=32),
-    **{f"bert-h{h}-l{l}": _enlarged(h, l) for h in (1024, 1536, 2048) for l in (24, 48, 96, 144, 192, 256)},
+    **{f"bert-h{h}-l{n}": _enlarged(h, n) for h in (1024, 1536, 2048) for n in (24, 48, 96, 144, 192, 256)},
 }
 
 
