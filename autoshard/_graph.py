@@ -26,7 +26,9 @@ _ITEMSIZE = {
 
 
 def itemsize(dtype: str) -> int:
-    """Bytes per element of a dtype given by name (unknown dtypes, e.g. key types, count 4)."""
+    """Bytes per element of a dtype given by name (PRNG keys: two uint32 words; unknown: 4)."""
+    if dtype.startswith("key<"):
+        return 8
     return _ITEMSIZE.get(dtype, 4)
 
 

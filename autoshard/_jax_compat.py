@@ -65,3 +65,11 @@ def keypath_parts(path: tuple) -> tuple[str | int, ...]:
 
 def keystr(path: tuple) -> str:
     return jax.tree_util.keystr(path)
+
+
+def nested_eqn_count(params: dict) -> int:
+    """Equations inside the jaxprs an eqn carries (for container primitives kept opaque)."""
+    total = 0
+    for sub in jex_core.jaxprs_in_params(params):
+        total += len(sub.eqns)
+    return total

@@ -162,8 +162,12 @@ class _Builder:
             in_ids = [self.read(env, a) for a in eqn.invars]
             outs = self._expand(eqn, name, in_ids, full, loops)
             if outs is None:
-                outs = self.add_op(name, in_ids, list(eqn.outvars), full, loops,
-                                   _simple_params(name, eqn.params), in_atoms=list(eqn.invars))
+                params = _simple_params(name, eqn.params)
+                nested = jc.nested_eqn_count(eqn.params)
+                if nested:  # a container kept whole (shard_map, pallas_call, ...): say how big
+                    params["nested_eqns"] = nested
+                outs = self.add_op(name, in_ids, list(eqn.outvars), full, loops, params,
+                                   in_atoms=list(eqn.invars))
             for var, vid in zip(eqn.outvars, outs, strict=True):
                 env[var] = vid
 
@@ -218,7 +222,7 @@ def trace(fn: Callable, *args: Any, name: str | None = None,
     try:
         closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
     except Exception as err:  # the user's error, chained below
-        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        first = str(err).strip().splitlines()[0].rstrip(".") if str(err).strip() else ""
         raise TraceFailedError(
             f"autoshard.trace: tracing {fn_name}(...) with {len(args)} argument(s) raised "
             f"{type(err).__name__}: {first}. The error comes from the function (or from jax "

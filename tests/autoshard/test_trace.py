@@ -178,3 +178,20 @@ def test_gpt3_175b_traces_abstractly():
     assert abs(params - 175e9) / 175e9 < 0.02
     grouping = autoshard.group(g)
     assert [bt.count for bt in grouping.block_types] == [96]
+
+
+def test_jitted_step_is_inlined_and_opaque_containers_report_size():
+    m = models.get("mlp", "debug")
+    plain = autoshard.trace(m.train_step, *m.abstract_state())
+    jitted = autoshard.trace(jax.jit(m.train_step), *m.abstract_state())
+    assert [(o.primitive, o.module, o.phase) for o in jitted.ops] == \
+           [(o.primitive, o.module, o.phase) for o in plain.ops]
+
+    from jax.sharding import AxisType
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((8,), ("x",), axis_types=(AxisType.Auto,))
+    f = jax.shard_map(lambda a: jnp.sin(a) * 2, mesh=mesh, in_specs=P("x"), out_specs=P("x"))
+    g = autoshard.trace(f, jax.ShapeDtypeStruct((16,), jnp.float32))
+    (op,) = g.ops
+    assert op.primitive == "shard_map" and op.params["nested_eqns"] >= 2
