@@ -281,7 +281,14 @@ def attribute_modules(graph: OpGraph) -> None:
     for op in reversed(ops):
         if label[op.index] is None:
             label[op.index] = next((label[c] for v in op.outputs for c in values[v].consumers
-                                    if label[c]), "")
+                                    if label[c]), None)
+    # what is left reads and feeds nothing labelled (dead code): it joins the op before it
+    previous = ""
+    for op in ops:
+        if label[op.index] is None:
+            label[op.index] = previous if op.phase != "forward" or op.index < last_param_op else ""
+        elif label[op.index]:
+            previous = label[op.index]
 
     for op in ops:
         op.module = label[op.index] or ""

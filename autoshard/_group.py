@@ -144,6 +144,23 @@ def _stem(name: str) -> str | None:
     return m.group(1) if m else None
 
 
+def _natural(node: tuple[str, ...]) -> tuple:
+    """Sort key putting block_2 before block_10."""
+    out = []
+    for comp in node:
+        m = _NUMBERED.match(comp)
+        out.append((m.group(1), int(m.group(2))) if m else (comp, -1))
+    return tuple(out)
+
+
+def _common_prefix(paths: list[tuple[str, ...]]) -> tuple[str, ...]:
+    first, last = paths[0], paths[-1]  # sorted: their common prefix is everyone's
+    i = 0
+    while i < min(len(first), len(last)) and first[i] == last[i]:
+        i += 1
+    return first[:i]
+
+
 def _pattern(paths: Iterable[tuple[str, ...]]) -> str:
     paths = list(paths)
     out = []
@@ -205,6 +222,11 @@ def group(graph: OpGraph, min_duplicate: int = 2, tolerance: float = 0.1,
             leaf = str(v.keypath_parts[-2])
         params_of[tuple(m.split("/"))].append((leaf, v.shape, v.dtype))
 
+    kinds = list(key_ids)  # id -> (primitive, in_shapes, out_shapes)
+
+    def fwd_total(node: tuple[str, ...]) -> int:
+        return sum(sum(fwd_key[m].values()) for m in node_modules[node])
+
     def composition(node: tuple[str, ...]) -> Counter:
         c: Counter = Counter()
         for mod in node_modules[node]:
@@ -228,37 +250,45 @@ def group(graph: OpGraph, min_duplicate: int = 2, tolerance: float = 0.1,
         out.sort()
         return out
 
-    # per module: forward ops by the trip count of their outermost loop (None: not in a loop)
-    fwd_trips: dict[tuple[str, ...], Counter] = {}
+    # Loops over layers (nn.scan): each loop of forward ops with a known trip count >= 2 has a
+    # body node, the longest common module prefix of its forward ops ("GPT/blocks"). The node must
+    # be (nearly) all loop: invariants hoisted out of the body are tolerated, other content not.
+    loop_mods: dict[int, set[tuple[str, ...]]] = defaultdict(set)
+    loop_trip: dict[int, int] = {}
+    loop_ops: Counter = Counter()
     for mod, idxs in by_module.items():
-        fwd_trips[mod] = Counter(ops[i].loops[0].trip_count if ops[i].loops else None
-                                 for i in idxs if ops[i].phase == "forward")
-    trip_cache: dict[tuple[str, ...], int | None] = {}
-
-    def scan_trip(node: tuple[str, ...]) -> int | None:
-        """Trip count of the loop the node's forward ops run in (an nn.scan over layers); ops
-        hoisted out of the loop body (loop invariants) are tolerated."""
-        if node in trip_cache:
-            return trip_cache[node]
-        trips: Counter = Counter()
-        for mod in node_modules[node]:
-            trips.update(fwd_trips[mod])
-        trip, n = trips.most_common(1)[0] if trips else (None, 0)
-        out = trip if trip and n >= (1.0 - tolerance) * sum(trips.values()) else None
-        trip_cache[node] = out
-        return out
-
-    # candidate groups per depth
-    buckets: dict[tuple, list[tuple[str, ...]]] = defaultdict(list)
+        for i in idxs:
+            op = ops[i]
+            if op.phase != "forward":
+                continue
+            for loop in op.loops:
+                if loop.trip_count and loop.trip_count >= 2:
+                    loop_mods[loop.uid].add(mod)
+                    loop_trip[loop.uid] = loop.trip_count
+                    loop_ops[loop.uid] += 1
     trip_of: dict[tuple[str, ...], int] = {}
+    best_loop: dict[tuple[str, ...], int] = {}
+    for uid in sorted(loop_mods):
+        node = _common_prefix(sorted(loop_mods[uid]))
+        if not node or loop_ops[uid] < (1.0 - tolerance) * fwd_total(node):
+            continue
+        if node not in best_loop or loop_ops[uid] > loop_ops[best_loop[node]]:
+            best_loop[node], trip_of[node] = uid, loop_trip[uid]
+
+    def multiplicity(node: tuple[str, ...]) -> int:
+        """How many times the node's body runs per step: product of enclosing layer loops."""
+        mult = 1
+        for k in range(1, len(node) + 1):
+            mult *= trip_of.get(node[:k], 1)
+        return mult
+
+    # candidate groups per depth: loop bodies and numbered nodes, by name stem and parameters
+    buckets: dict[tuple, list[tuple[str, ...]]] = defaultdict(list)
     for node in node_modules:
-        if not any(fwd_key[m] for m in node_modules[node]):
+        if not fwd_total(node):
             continue  # no forward ops: nothing to search over
-        trip = scan_trip(node) if len(node) > 0 else None
-        parent_trip = scan_trip(node[:-1]) if len(node) > 1 else None
         stem = _stem(node[-1])
-        if trip and trip >= 2 and trip != parent_trip:
-            trip_of[node] = trip
+        if node in trip_of:
             buckets[(len(node), "scan:" + node[-1], param_sig(node))].append(node)
         elif stem is not None:
             buckets[(len(node), stem, param_sig(node))].append(node)
@@ -266,7 +296,7 @@ def group(graph: OpGraph, min_duplicate: int = 2, tolerance: float = 0.1,
     clusters: list[tuple[int, list[tuple[str, ...]], Counter, dict]] = []
     for (depth, _, _), nodes in buckets.items():
         comps = {n: composition(n) for n in nodes}
-        remaining = sorted(nodes)
+        remaining = sorted(nodes, key=_natural)
         while remaining:
             exact = Counter(frozenset(comps[n].items()) for n in remaining)
             ref_items = exact.most_common(1)[0][0]
@@ -285,14 +315,13 @@ def group(graph: OpGraph, min_duplicate: int = 2, tolerance: float = 0.1,
             remaining = rest
 
     def instance_count(members: list[tuple[str, ...]]) -> int:
-        return sum(trip_of.get(n, 1) for n in members)
+        return sum(multiplicity(n) for n in members)
 
     repeated = [c for c in clusters if instance_count(c[1]) >= min_duplicate]
-    repeated.sort(key=lambda c: (c[0], -instance_count(c[1]), c[1][0]))
+    repeated.sort(key=lambda c: (c[0], -instance_count(c[1]), _natural(c[1][0])))
 
     # forward ops of each repeated node, to decide when to descend
-    fwd_count = {n: sum(sum(fwd_key[m].values()) for m in node_modules[n])
-                 for c in repeated for n in c[1]}
+    fwd_count = {n: fwd_total(n) for c in repeated for n in c[1]}
 
     def best_inner_coverage(depth: int, members: list[tuple[str, ...]]) -> float:
         """Largest share of the members' forward ops held by one deeper repeated group."""
@@ -310,7 +339,7 @@ def group(graph: OpGraph, min_duplicate: int = 2, tolerance: float = 0.1,
     levels: list[Candidate] = []
     for depth, members, ref, diffs in repeated:
         name = _pattern(members)
-        if trip_of.get(members[0]):
+        if members[0] in trip_of:
             name += f"[scan x{trip_of[members[0]]}]"
         fwd = sum(ref.values())
         inside = any(m[:len(s)] == s for m in members for s in selected_paths)
@@ -324,21 +353,22 @@ def group(graph: OpGraph, min_duplicate: int = 2, tolerance: float = 0.1,
         for m in members:
             o = tuple(node_ops(m))
             miss, extra = diffs[m]
-            trip = trip_of.get(m)
-            for it in range(trip) if trip else [None]:
+            mult = multiplicity(m)
+            for it in range(mult) if mult > 1 else [None]:
                 instances.append(BlockInstance("/".join(m), o, it, miss, extra))
-        first = instances[0]
+        # describe the type by a member that matches the reference composition exactly
+        ref_node = next((m for m in members if diffs[m] == (0, 0)), members[0])
         per_phase = dict.fromkeys(PHASE_ORDER, 0)
         flops = 0.0
-        for i in first.ops:
+        for i in node_ops(ref_node):
             per_phase[ops[i].phase] += 1
             flops += ops[i].flops * ops[i].repeat
-        if trip_of.get(members[0]):
-            flops /= trip_of[members[0]]
-        psig = param_sig(members[0])
-        digest = hashlib.sha1(repr((sorted(ref.items()), psig)).encode()).hexdigest()[:12]
+        flops /= multiplicity(ref_node)
+        psig = param_sig(ref_node)
+        composition_key = sorted((rel, kinds[k], n) for (rel, k), n in ref.items())
+        digest = hashlib.sha1(repr((composition_key, psig)).encode()).hexdigest()[:12]
         block_types.append(BlockType(name, depth, digest, tuple(instances), psig, per_phase,
-                                     flops, scanned=bool(trip_of.get(members[0]))))
+                                     flops, scanned=any(multiplicity(m) > 1 for m in members)))
 
     in_block = {i for bt in block_types for inst in bt.instances for i in inst.ops}
     remainder = tuple(i for i in range(len(ops)) if i not in in_block)
