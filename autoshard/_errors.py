@@ -25,3 +25,27 @@ class TraceFailedError(AutoshardError, RuntimeError):
 
 class GroupingError(AutoshardError, ValueError):
     """Invalid options for grouping an OpGraph."""
+
+
+class PlanError(AutoshardError, ValueError):
+    """A plan cannot be used as asked (wrong arguments, wrong model, unreadable file)."""
+
+
+class InfeasiblePlanError(AutoshardError, ValueError):
+    """No plan fits the memory budget."""
+
+
+class UnknownHardwareError(AutoshardError, ValueError):
+    """A hardware preset name or an override field that does not exist."""
+
+
+class InvalidHardwareError(AutoshardError, ValueError):
+    """A HardwareSpec number that cannot describe a device (non-positive, missing dtype or kind)."""
+
+
+class MeshError(AutoshardError, ValueError):
+    """A mesh description with a bad axis name or size, or an impossible device count."""
+
+
+class CostModelError(AutoshardError, ValueError):
+    """A cost query with an unknown collective kind, unknown mesh axis or negative size."""

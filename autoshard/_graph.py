@@ -91,6 +91,8 @@ class Op:
     transforms: tuple[str, ...]
     loops: tuple[Loop, ...] = ()
     params: dict = dataclasses.field(default_factory=dict)
+    top_eqn: int = -1                    # index of the top-level jaxpr eqn the op comes from
+    nested: bool = False                 # inside a nested jaxpr (jit/remat/scan/cond body)
     module: str = ""
     phase: Phase = "other"
 

@@ -73,3 +73,32 @@ def nested_eqn_count(params: dict) -> int:
     for sub in jex_core.jaxprs_in_params(params):
         total += len(sub.eqns)
     return total
+
+
+def eval_jaxpr_with(closed: Any, args: list, after_eqn: Any) -> list:
+    """Evaluate a ClosedJaxpr like `jax.core.eval_jaxpr`, calling `after_eqn(index, outs)` on the
+    outputs of every top-level eqn (it returns the outputs to use, e.g. sharding-constrained).
+    Name stacks and source info are kept so the compiled program's op metadata is unchanged."""
+    from jax._src import source_info_util
+
+    jaxpr = closed.jaxpr
+    env: dict = {}
+
+    def read(v):
+        return v.val if isinstance(v, Literal) else env[v]
+
+    for var, val in zip(jaxpr.constvars, closed.consts, strict=True):
+        env[var] = val
+    for var, val in zip(jaxpr.invars, args, strict=True):
+        env[var] = val
+    for k, eqn in enumerate(jaxpr.eqns):
+        subfuns, bind_params = eqn.primitive.get_bind_params(eqn.params)
+        name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+        with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack), \
+                eqn.ctx.manager:
+            ans = eqn.primitive.bind(*subfuns, *map(read, eqn.invars), **bind_params)
+        outs = list(ans) if eqn.primitive.multiple_results else [ans]
+        outs = after_eqn(k, outs)
+        for var, val in zip(eqn.outvars, outs, strict=True):
+            env[var] = val
+    return [read(v) for v in jaxpr.outvars]

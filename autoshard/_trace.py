@@ -81,6 +81,8 @@ def _plain(v: Any, depth: int = 0) -> Any:
         return v
     if isinstance(v, np.dtype):
         return str(v)
+    if isinstance(v, np.generic):  # numpy scalars in params (e.g. broadcast_dimensions)
+        return v.item()
     if isinstance(v, tuple | list) and depth < 3 and len(v) <= 16:
         items = [_plain(x, depth + 1) for x in v]
         return _SKIP if any(x is _SKIP for x in items) else tuple(items)
@@ -155,8 +157,10 @@ class _Builder:
         self.walk(jaxpr, env, scope, loops)
         return [self.read(env, a) for a in jaxpr.outvars]
 
-    def walk(self, jaxpr: Any, env: dict, scope: _Scope, loops: tuple[Loop, ...]) -> None:
-        for eqn in jaxpr.eqns:
+    def walk(self, jaxpr: Any, env: dict, scope: _Scope, loops: tuple[Loop, ...],
+             top: bool = False) -> None:
+        for k, eqn in enumerate(jaxpr.eqns):
+            start = len(self.ops)
             full = scope.enter(jc.name_stack(eqn))
             name = eqn.primitive.name
             in_ids = [self.read(env, a) for a in eqn.invars]
@@ -170,6 +174,10 @@ class _Builder:
                                    in_atoms=list(eqn.invars))
             for var, vid in zip(eqn.outvars, outs, strict=True):
                 env[var] = vid
+            if top:
+                leaf = len(self.ops) - start == 1 and self.ops[start].primitive == name
+                for op in self.ops[start:]:
+                    op.top_eqn, op.nested = k, not leaf
 
     def _expand(self, eqn: Any, name: str, in_ids: list[int], scope: _Scope,
                 loops: tuple[Loop, ...]) -> list[int] | None:
@@ -242,7 +250,7 @@ def trace(fn: Callable, *args: Any, name: str | None = None,
         b.values[vid].keypath_parts = jc.keypath_parts(path)
         env[var] = vid
         inputs.append(vid)
-    b.walk(jaxpr, env, _Scope("", "", ()), ())
+    b.walk(jaxpr, env, _Scope("", "", ()), (), top=True)
     outputs = [b.read(env, a) for a in jaxpr.outvars]
     out_paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(out_shape)[0]]
     graph = OpGraph(

@@ -9,7 +9,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 PURE_MODULES = ["autoshard._graph", "autoshard._graph_attribution", "autoshard._flops",
-                "autoshard._group", "autoshard._errors"]
+                "autoshard._group", "autoshard._errors", "autoshard._hardware", "autoshard._mesh",
+                "autoshard._cost"]
 
 
 def test_pure_modules_import_without_jax():

@@ -1,0 +1,177 @@
+"""@autoshard.autoshard: plan on the first call (or load a cached plan), compile, place; then run."""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import tomllib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+
+from ._emit import jit_step, make_mesh, shardings
+from ._errors import AutoshardError, PlanError
+from ._plan import Plan
+from ._planner import fingerprint
+from ._planner import plan as make_plan
+from ._search import SearchOptions
+from ._trace import trace
+
+
+class ConfigError(AutoshardError, ValueError):
+    """An autoshard config file or option is invalid."""
+
+
+_CONFIG_KEYS = {"mesh", "hardware", "memory_budget", "options", "cache_dir"}
+_OPTION_KEYS = {"storage_modes", "max_plans", "overlap", "bucket_bytes"}
+_PLAN_CACHE: dict[tuple, Plan] = {}
+
+
+def load_config(path: str | os.PathLike) -> dict[str, Any]:
+    """Read an autoshard TOML config (mesh, hardware, memory_budget, options, cache_dir)."""
+    p = Path(path)
+    try:
+        data = tomllib.loads(p.read_text())
+    except FileNotFoundError as err:
+        raise ConfigError(f"autoshard config {str(p)!r} does not exist.") from err
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(f"autoshard config {str(p)!r} is not valid TOML: {err}.") from err
+    unknown = sorted(set(data) - _CONFIG_KEYS)
+    if unknown:
+        raise ConfigError(f"autoshard config {str(p)!r}: unknown key(s) {unknown}; valid keys: "
+                          f"{sorted(_CONFIG_KEYS)}.")
+    bad = sorted(set(data.get("options", {})) - _OPTION_KEYS)
+    if bad:
+        raise ConfigError(f"autoshard config {str(p)!r}: unknown [options] key(s) {bad}; valid: "
+                          f"{sorted(_OPTION_KEYS)}.")
+    return data
+
+
+def default_hardware() -> str:
+    dev = jax.devices()[0]
+    if dev.platform == "cpu":
+        return "cpu-sim"
+    kind = getattr(dev, "device_kind", "").upper()
+    for key, name in (("H100", "h100-sxm"), ("A100", "a100-sxm"), ("V100", "v100-sxm")):
+        if key in kind:
+            return name
+    raise ConfigError(f"autoshard: no hardware preset for device kind {kind!r}; pass hardware= a "
+                      "preset name or explicit numbers (see autoshard hardware presets).")
+
+
+def _abstract(args: tuple) -> tuple:
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if hasattr(x, "shape") else x,
+                        args)
+
+
+class Autosharded:
+    """A step function parallelised by autoshard. Call it like the original."""
+
+    def __init__(self, fn: Callable, *, mesh: Any = None, hardware: Any = None,
+                 memory_budget: float | None = None, config: str | os.PathLike | None = None,
+                 plan: Plan | str | os.PathLike | None = None, donate: bool = True,
+                 cache_dir: str | os.PathLike | None = None, options: SearchOptions | None = None):
+        cfg = load_config(config) if config is not None else {}
+        self.fn = fn
+        self.mesh_arg = mesh if mesh is not None else cfg.get("mesh")
+        if self.mesh_arg is None:
+            raise ConfigError("autoshard: no mesh given; pass mesh={'data': 2, 'model': 4} (axis "
+                              "name -> size), a jax Mesh, or 'auto', or a config file with [mesh].")
+        self.hardware = hardware if hardware is not None else cfg.get("hardware")
+        self.memory_budget = memory_budget if memory_budget is not None else cfg.get("memory_budget")
+        self.options = options or (SearchOptions(**{k: tuple(v) if isinstance(v, list) else v
+                                                    for k, v in cfg.get("options", {}).items()}))
+        self.cache_dir = cache_dir if cache_dir is not None else cfg.get("cache_dir")
+        self.donate = donate
+        self._given_plan = plan
+        self._plan: Plan | None = None
+        self._jitted = None
+        self._mesh = None
+        self._structure = None
+        functools.update_wrapper(self, fn)
+
+    # --- planning -------------------------------------------------------------------------
+    def _key(self, fp: str) -> tuple:
+        return (fp, repr(self.mesh_arg if not hasattr(self.mesh_arg, "shape") else dict(self.mesh_arg.shape)),
+                repr(self.hardware), self.memory_budget, repr(self.options))
+
+    def _load_given(self, args: tuple) -> Plan:
+        given = self._given_plan
+        p = given if isinstance(given, Plan) else Plan.from_json(Path(given).read_text())
+        fp = fingerprint(trace(self.fn, *_abstract(args)))
+        if p.provenance.get("fingerprint") != fp:
+            raise PlanError(
+                f"autoshard: the plan was made for another model or step (plan fingerprint "
+                f"{p.provenance.get('fingerprint')}, step {p.provenance.get('step')!r}; this step's "
+                f"fingerprint {fp}). Fix: re-plan with autoshard.plan(step, *args, mesh=...) or drop "
+                "the plan= argument.")
+        return p.bind(*args)
+
+    def _make_plan(self, args: tuple) -> Plan:
+        if self._given_plan is not None:
+            return self._load_given(args)
+        abstract = _abstract(args)
+        hw = self.hardware if self.hardware is not None else default_hardware()
+        fp = fingerprint(trace(self.fn, *abstract))
+        key = self._key(fp)
+        if key in _PLAN_CACHE:
+            return _PLAN_CACHE[key].bind(*args)
+        path = None
+        if self.cache_dir is not None:
+            path = Path(self.cache_dir) / (hashlib.sha1(repr(key).encode()).hexdigest()[:20] + ".json")
+            if path.exists():
+                p = Plan.from_json(path.read_text())
+                if p.provenance.get("fingerprint") == fp:
+                    _PLAN_CACHE[key] = p
+                    return p.bind(*args)
+        p = make_plan(self.fn, *abstract, mesh=self.mesh_arg, hardware=hw,
+                      memory_budget=self.memory_budget, devices=len(jax.devices()), options=self.options)
+        _PLAN_CACHE[key] = p
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(p.to_json())
+        return p
+
+    def _prepare(self, args: tuple) -> None:
+        self._plan = self._make_plan(args)
+        self._mesh = make_mesh(self._plan)
+        self._jitted = jit_step(self.fn, self._plan, self._mesh, _abstract(args), donate=self.donate)
+        self._in_shardings, _ = shardings(self._plan, self._mesh)
+        self._structure = jax.tree_util.tree_structure(args)
+
+    # --- public ---------------------------------------------------------------------------
+    def __call__(self, *args):
+        if self._jitted is None or jax.tree_util.tree_structure(args) != self._structure:
+            self._prepare(args)
+            args = jax.device_put(args, self._in_shardings)
+        return self._jitted(*args)
+
+    @property
+    def plan(self) -> Plan:
+        if self._plan is None:
+            raise PlanError("autoshard: no plan yet; call the step once (or .lower(*args)).")
+        return self._plan
+
+    def lower(self, *args):
+        if self._jitted is None:
+            self._prepare(args)
+        return self._jitted.lower(*args)
+
+    def explain(self) -> str:
+        return self.plan.explain()
+
+    def place(self, *args):
+        """Put arguments on the mesh with the planned shardings (done on the first call)."""
+        if self._jitted is None:
+            self._prepare(args)
+        return jax.device_put(args, self._in_shardings)
+
+
+def autoshard(fn: Callable | None = None, **kwargs) -> Any:
+    """Decorator: `@autoshard(mesh={"data": 2, "model": 4}, hardware="h100-sxm")`."""
+    if fn is None:
+        return lambda f: Autosharded(f, **kwargs)
+    return Autosharded(fn, **kwargs)

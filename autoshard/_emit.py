@@ -1,0 +1,99 @@
+"""Emission: a Plan → NamedSharding pytrees, a sharding-constrained step, and `jax.jit` with
+in/out shardings and donated state. Plain jax objects, inspectable and editable."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+from . import _jax_compat as jc
+from ._errors import MeshError
+from ._plan import Plan, Spec
+
+
+def make_mesh(plan_or_axes: Plan | tuple, devices: list | None = None) -> Mesh:
+    """A concrete `jax.sharding.Mesh` (Auto axis types) for the plan's axes on the local devices."""
+    axes = plan_or_axes.mesh if isinstance(plan_or_axes, Plan) else tuple(plan_or_axes)
+    devices = list(devices if devices is not None else jax.devices())
+    names = tuple(n for n, _ in axes)
+    sizes = tuple(s for _, s in axes)
+    need = 1
+    for s in sizes:
+        need *= s
+    if need != len(devices):
+        raise MeshError(
+            f"autoshard: mesh {dict(axes)} needs {need} devices, but {len(devices)} are available "
+            f"({devices[0].platform if devices else 'none'}). Fix: choose axis sizes whose product is "
+            f"{len(devices)}, or run with more devices (on CPU: "
+            f"jax.config.update('jax_num_cpu_devices', {need}) before jax starts).")
+    return jax.make_mesh(sizes, names, axis_types=(AxisType.Auto,) * len(names), devices=devices)
+
+
+def _pspec(spec: Spec) -> PartitionSpec:
+    return PartitionSpec(*[(axes[0] if len(axes) == 1 else axes) if axes else None for axes in spec])
+
+
+def shardings(plan: Plan, mesh: Mesh) -> tuple[Any, Any]:
+    """(in_shardings, out_shardings) pytrees of NamedSharding for the plan's step."""
+    if plan._treedef is None:
+        raise jc_plan_unbound()
+    ins = jax.tree_util.tree_unflatten(plan._treedef, [NamedSharding(mesh, _pspec(s))
+                                                       for s in plan.input_specs_flat])
+    outs = [NamedSharding(mesh, _pspec(s)) for s in plan.output_specs_flat]
+    return ins, outs
+
+
+def jc_plan_unbound():
+    from ._errors import PlanError
+
+    return PlanError("autoshard: the plan is not bound to the step's arguments; call plan.bind(*args).")
+
+
+def constrained(step: Callable, plan: Plan, mesh: Mesh, args: tuple) -> Callable:
+    """`step` re-evaluated from its jaxpr with `with_sharding_constraint` on the planned
+    activations (graph rewriting without touching the user's code)."""
+    closed, out_shape = jax.make_jaxpr(step, return_shape=True)(*args)
+    out_tree = jax.tree_util.tree_structure(out_shape)
+    cons: dict[int, NamedSharding] = {}
+    for op_index, spec in plan.activation_constraints:
+        cons[op_index] = NamedSharding(mesh, _pspec(spec))
+    # op index → top-level eqn: recorded by trace(); re-derive from a fresh trace of the same step
+    from ._trace import trace
+
+    graph = trace(step, *args)
+    by_eqn = {graph.ops[i].top_eqn: s for i, s in cons.items() if i < len(graph.ops)
+              and not graph.ops[i].nested}
+
+    def after(k: int, outs: list) -> list:
+        s = by_eqn.get(k)
+        if s is not None and getattr(outs[0], "ndim", 0) == len(s.spec):
+            outs = [jax.lax.with_sharding_constraint(outs[0], s), *outs[1:]]
+        return outs
+
+    def run(*call_args):
+        flat = jax.tree_util.tree_leaves(call_args)
+        return jax.tree_util.tree_unflatten(out_tree, jc.eval_jaxpr_with(closed, flat, after))
+
+    run.__name__ = getattr(step, "__name__", "step")
+    return run
+
+
+def donated_argnums(plan: Plan, nargs: int) -> tuple[int, ...]:
+    """Arguments made only of state the step returns (params, optimizer state): donated."""
+    outs = set(plan.output_keypaths)
+    by_arg: dict[int, list[str]] = {}
+    for kp in plan.input_keypaths:
+        by_arg.setdefault(int(kp[1:kp.index("]")]), []).append(kp)
+    return tuple(i for i in range(nargs) if by_arg.get(i) and all(k in outs for k in by_arg[i]))
+
+
+def jit_step(step: Callable, plan: Plan, mesh: Mesh, args: tuple, donate: bool = True) -> Callable:
+    ins, outs = shardings(plan, mesh)
+    fn = constrained(step, plan, mesh, args)
+    out_tree = jax.tree_util.tree_structure(jax.eval_shape(step, *args))
+    outs = jax.tree_util.tree_unflatten(out_tree, outs)
+    return jax.jit(fn, in_shardings=ins, out_shardings=outs,
+                   donate_argnums=donated_argnums(plan, len(args)) if donate else ())

@@ -1,0 +1,179 @@
+"""Plan: the frozen, JSON-round-tripping result of planning (contract in shared/DESIGN.md).
+
+Specs are stored as plain data keyed by pytree keypath — per dimension a tuple of mesh axis names,
+`()` for unsplit — so a plan is readable, diffable (tests/golden) and editable. `input_specs` turns
+them into a pytree of `jax.sharding.PartitionSpec` shaped like the step's arguments.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from ._errors import PlanError
+
+Spec = tuple[tuple[str, ...], ...]
+FORMAT_VERSION = 1
+
+
+def spec_str(spec: Spec) -> str:
+    parts = []
+    for axes in spec:
+        parts.append("None" if not axes else (axes[0] if len(axes) == 1 else "(" + ",".join(axes) + ")"))
+    return "P(" + ", ".join(parts) + ")"
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamReport:
+    keypath: str
+    shape: tuple[int, ...]
+    dtype: str
+    spec: Spec
+    bytes_per_device: int
+    grad_sync: str        # e.g. "all-reduce over data", "reduce-scatter over data", "none"
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """A sharding plan for one traced step on one mesh and hardware."""
+
+    mesh: tuple[tuple[str, int], ...]
+    hardware: str
+    input_keypaths: tuple[str, ...]
+    input_specs_flat: tuple[Spec, ...]
+    output_keypaths: tuple[str, ...]
+    output_specs_flat: tuple[Spec, ...]
+    activation_constraints: tuple[tuple[int, Spec], ...]   # (op index in the trace, spec of output 0)
+    factors: tuple[tuple[int, str, int, tuple[str, ...]], ...]  # (id, description, size, axes)
+    storage: str
+    predicted: Mapping[str, Any]
+    params: tuple[ParamReport, ...]
+    warnings: tuple[str, ...]
+    provenance: Mapping[str, Any]
+    stages: tuple = ()
+    microbatches: int = 1
+    _treedef: Any = dataclasses.field(default=None, compare=False, repr=False)
+
+    # --- pytrees -------------------------------------------------------------------------------
+    @property
+    def input_specs(self):
+        """PartitionSpec pytree shaped like the step's arguments (params, opt_state, batch)."""
+        if self._treedef is None:
+            raise PlanError(
+                "Plan.input_specs: this plan was loaded from JSON and does not know the structure "
+                "of the step's arguments. Fix: plan.bind(*args) with the same arguments (or "
+                "ShapeDtypeStructs), or use plan.specs_by_keypath().")
+        import jax
+        from jax.sharding import PartitionSpec
+
+        return jax.tree_util.tree_unflatten(
+            self._treedef, [PartitionSpec(*[a if a else None for a in s]) for s in self.input_specs_flat])
+
+    def specs_by_keypath(self) -> dict[str, Spec]:
+        return dict(zip(self.input_keypaths, self.input_specs_flat, strict=True))
+
+    def bind(self, *args) -> Plan:
+        """This plan with the argument structure of `args` (checked against its keypaths)."""
+        import jax
+
+        leaves, treedef = jax.tree_util.tree_flatten_with_path(args)
+        keypaths = tuple(jax.tree_util.keystr(p) for p, _ in leaves)
+        if keypaths != self.input_keypaths:
+            missing = sorted(set(self.input_keypaths) - set(keypaths))[:3]
+            extra = sorted(set(keypaths) - set(self.input_keypaths))[:3]
+            raise PlanError(
+                f"Plan.bind: the arguments do not match the plan ({len(keypaths)} leaves given, "
+                f"{len(self.input_keypaths)} planned; planned but missing: {missing}; "
+                f"not planned: {extra}). The plan belongs to another model or step; re-plan "
+                "with autoshard.plan(step, *args, ...).")
+        return dataclasses.replace(self, _treedef=treedef)
+
+    # --- JSON ----------------------------------------------------------------------------------
+    def to_json(self) -> str:
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "_treedef"}
+        d["params"] = [dataclasses.asdict(p) for p in self.params]
+        d["format_version"] = FORMAT_VERSION
+        return json.dumps(d, indent=1, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise PlanError(f"Plan.from_json: not JSON ({err}).") from err
+        if not isinstance(d, dict) or d.get("format_version") != FORMAT_VERSION:
+            raise PlanError(f"Plan.from_json: expected an autoshard plan of format_version "
+                            f"{FORMAT_VERSION}, got {d.get('format_version') if isinstance(d, dict) else d!r}.")
+        d.pop("format_version")
+
+        def spec(s) -> Spec:
+            return tuple(tuple(a) for a in s)
+
+        return cls(
+            mesh=tuple((n, int(s)) for n, s in d["mesh"]),
+            hardware=d["hardware"],
+            input_keypaths=tuple(d["input_keypaths"]),
+            input_specs_flat=tuple(spec(s) for s in d["input_specs_flat"]),
+            output_keypaths=tuple(d["output_keypaths"]),
+            output_specs_flat=tuple(spec(s) for s in d["output_specs_flat"]),
+            activation_constraints=tuple((int(i), spec(s)) for i, s in d["activation_constraints"]),
+            factors=tuple((int(i), desc, int(size), tuple(ax)) for i, desc, size, ax in d["factors"]),
+            storage=d["storage"],
+            predicted=_freeze(d["predicted"]),
+            params=tuple(ParamReport(p["keypath"], tuple(p["shape"]), p["dtype"], spec(p["spec"]),
+                                     int(p["bytes_per_device"]), p["grad_sync"]) for p in d["params"]),
+            warnings=tuple(d["warnings"]),
+            provenance=_freeze(d["provenance"]),
+            stages=tuple(d.get("stages", ())),
+            microbatches=int(d.get("microbatches", 1)),
+        )
+
+    # --- reports -------------------------------------------------------------------------------
+    @property
+    def mesh_dict(self) -> dict[str, int]:
+        return dict(self.mesh)
+
+    def explain(self) -> str:
+        p = self.predicted
+        lines = [
+            f"autoshard plan on mesh {' x '.join(f'{n}={s}' for n, s in self.mesh)}, "
+            f"hardware {self.hardware}, storage {self.storage}",
+            f"predicted step {p['step_time'] * 1e3:.3f} ms "
+            f"(compute {p['breakdown']['compute'] * 1e3:.3f} ms, forward comm "
+            f"{p['breakdown']['fwd_comm'] * 1e3:.3f} ms, backward comm {p['breakdown']['bwd_comm'] * 1e3:.3f} ms, "
+            f"grad sync {p['breakdown']['grad_sync'] * 1e3:.3f} ms (overlapped), storage comm "
+            f"{p['breakdown']['storage_comm'] * 1e3:.3f} ms); memory "
+            f"{p['memory']['total'] / 2**30:.3f} GiB per device of {p['memory_budget'] / 2**30:.2f} GiB",
+            "",
+            "logical dims (factors) -> mesh axes:",
+        ]
+        for _, desc, size, axes in self.factors:
+            lines.append(f"  {desc:<40} size {size:<8} -> {', '.join(axes) if axes else 'replicated'}")
+        lines.append("")
+        rows = [("parameter", "shape", "spec", "bytes/device", "gradient sync")]
+        for r in self.params:
+            rows.append((r.keypath, "x".join(map(str, r.shape)) or "scalar", spec_str(r.spec),
+                         f"{r.bytes_per_device:,}", r.grad_sync))
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        for k, r in enumerate(rows):
+            lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)))
+            if k == 0:
+                lines.append("  ".join("-" * w for w in widths))
+        if "experts" in p:
+            lines.append("")
+            lines.append("vs expert plans (predicted step time):")
+            for name, t in p["experts"].items():
+                lines.append(f"  {name:<24} {t * 1e3:.3f} ms" if t is not None else f"  {name:<24} infeasible")
+        for w in self.warnings:
+            lines.append(f"warning: {w}")
+        return "\n".join(lines)
+
+
+def _freeze(x):
+    if isinstance(x, dict):
+        return {k: _freeze(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return tuple(_freeze(v) for v in x)
+    return x

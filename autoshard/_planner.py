@@ -1,0 +1,223 @@
+"""autoshard.plan(): trace → group → search → Plan (the step's specs by keypath)."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from ._factors import corresponding_ops
+from ._graph import OpGraph
+from ._group import Grouping, group
+from ._hardware import HardwareSpec, get_hardware
+from ._mesh import MeshSpec, candidate_meshes, mesh_spec
+from ._plan import ParamReport, Plan, Spec
+from ._search import SearchOptions, SearchResult, search
+from ._trace import trace
+
+_CONSTRAINED = frozenset({"dot_general", "gather", "conv_general_dilated"})
+
+
+def fingerprint(graph: OpGraph) -> str:
+    """Identity of a traced step: its inputs and the op sequence (shapes included)."""
+    h = hashlib.sha1()
+    for v in graph.inputs:
+        val = graph.values[v]
+        h.update(f"{val.keypath}:{val.shape}:{val.dtype};".encode())
+    for op in graph.ops:
+        h.update(f"{op.primitive}{op.in_shapes}{op.out_shapes};".encode())
+    return h.hexdigest()[:16]
+
+
+def plan(step: Callable, *args: Any, mesh: Any, hardware: str | HardwareSpec | dict = "cpu-sim",
+         memory_budget: float | None = None, devices: int | None = None,
+         options: SearchOptions | None = None) -> Plan:
+    """Plan `step(*args)` on `mesh` (dict, jax Mesh, or "auto" with `devices`)."""
+    hw = get_hardware(hardware)
+    graph = trace(step, *args)
+    grouping = group(graph)
+    opts = options or SearchOptions()
+    if memory_budget is not None:
+        opts = dataclasses.replace(opts, memory_budget=float(memory_budget))
+    meshes = candidate_meshes(devices) if isinstance(mesh, str) and mesh == "auto" else [mesh_spec(mesh)]
+    t0 = time.perf_counter()
+    best = None
+    for m in meshes:
+        res = search(graph, grouping, m, hw, opts)
+        if best is None or _prefer(res, best[1]):
+            best = (m, res)
+    seconds = time.perf_counter() - t0
+    out = build_plan(graph, grouping, best[0], hw, best[1], opts, seconds)
+    import jax
+
+    return out.bind(*args) if jax is not None else out
+
+
+def _prefer(a: SearchResult, b: SearchResult) -> bool:
+    if a.best.feasible != b.best.feasible:
+        return a.best.feasible
+    return a.best.step_time < b.best.step_time
+
+
+def _spec_for(factors: tuple, axes_of: dict[int, tuple[str, ...]]) -> list[tuple[str, ...]]:
+    return [tuple(axes_of.get(f, ())) if f is not None else () for f in factors]
+
+
+def _add_storage_axes(spec: list[tuple[str, ...]], shape: tuple[int, ...], mesh: MeshSpec) -> list:
+    """ZeRO: split a tensor further over the mesh axes its factors leave unused, on the largest dim
+    that divides (the same rule the search's memory model used)."""
+    used = {a for axes in spec for a in axes}
+    free = tuple(a for a in mesh.names if a not in used)
+    n = 1
+    for a in free:
+        n *= mesh.axis_size(a)
+    if not free or n == 1:
+        return spec
+    order = sorted(range(len(shape)), key=lambda d: -shape[d])
+    for d in order:
+        cur = 1
+        for a in spec[d]:
+            cur *= mesh.axis_size(a)
+        if (shape[d] // cur) % n == 0 and shape[d] % cur == 0:
+            spec = list(spec)
+            spec[d] = tuple(spec[d]) + free
+            return spec
+    return spec
+
+
+def _instance_maps(graph: OpGraph, grouping: Grouping) -> dict[int, int]:
+    """Op index → the corresponding op of its block type's first instance (ops of other
+    instances take the first instance's factors)."""
+    out: dict[int, int] = {}
+    for bt in grouping.block_types:
+        first = bt.instances[0]
+        for inst in bt.instances[1:]:
+            if inst.ops is first.ops or inst.ops == first.ops:
+                continue
+            for a, b in corresponding_ops(graph, first.ops, inst.ops):
+                out[b] = a
+    return out
+
+
+def _input_maps(graph: OpGraph, grouping: Grouping) -> dict[int, int]:
+    """Input value → the corresponding input of its block type's first instance, matched by role,
+    shape, dtype and keypath with the instance's own path components removed."""
+    def strip(parts: tuple, path: str) -> tuple:
+        comps = path.split("/")
+        out = [str(p).lstrip(".") for p in parts[1:]]
+        for k in range(len(out) - len(comps) + 1):
+            if out[k:k + len(comps)] == comps:
+                return (parts[0], *out[:k], *out[k + len(comps):])
+        return (parts[0], *out)
+
+    by_module: dict[str, list[int]] = {}
+    for v in graph.inputs:
+        by_module.setdefault(graph.values[v].module, []).append(v)
+    out: dict[int, int] = {}
+    for bt in grouping.block_types:
+        first = bt.instances[0]
+        rep: dict[tuple, int] = {}
+        for mod, vids in by_module.items():
+            if mod == first.path or mod.startswith(first.path + "/"):
+                for v in vids:
+                    val = graph.values[v]
+                    rep[(val.role, val.shape, val.dtype, strip(val.keypath_parts, first.path))] = v
+        for inst in bt.instances[1:]:
+            if inst.path == first.path:
+                continue
+            for mod, vids in by_module.items():
+                if mod == inst.path or mod.startswith(inst.path + "/"):
+                    for v in vids:
+                        val = graph.values[v]
+                        hit = rep.get((val.role, val.shape, val.dtype, strip(val.keypath_parts, inst.path)))
+                        if hit is not None:
+                            out[v] = hit
+    return out
+
+
+def _describe_factors(graph: OpGraph, res: SearchResult) -> list[tuple[int, str, int, tuple[str, ...]]]:
+    fg = res.factors
+    desc: dict[int, str] = {}
+    for v in graph.inputs:
+        val = graph.values[v]
+        if val.role not in ("parameter", "data"):
+            continue
+        for d, f in enumerate(fg.value_factors(v)):
+            if f is not None and f not in desc:
+                desc[f] = f"{val.keypath} dim {d}"
+    return [(f, desc.get(f, f"factor {f}"), fg.factor_size(f), res.best.factor_axes.get(f, ()))
+            for f in res.candidates]
+
+
+def build_plan(graph: OpGraph, grouping: Grouping, mesh: MeshSpec, hw: HardwareSpec,
+               res: SearchResult, options: SearchOptions, seconds: float) -> Plan:
+    from . import __version__
+
+    fg = res.factors
+    axes_of = res.best.factor_axes
+    storage = res.best.storage
+    in_map = _input_maps(graph, grouping)
+    specs: list[Spec] = []
+    reports: list[ParamReport] = []
+    grad_axes = [a for f, axes in axes_of.items() for a in axes]  # for the report only
+    for v in graph.inputs:
+        val = graph.values[v]
+        src = in_map.get(v, v)
+        spec = _spec_for(fg.value_factors(src), axes_of) if len(graph.values[src].shape) == len(val.shape) \
+            else [()] * len(val.shape)
+        if (val.role == "parameter" and storage == "zero3") or (val.role == "state" and storage != "replicated"):
+            spec = _add_storage_axes(spec, val.shape, mesh)
+        spec_t: Spec = tuple(tuple(a) for a in spec)
+        specs.append(spec_t)
+        if val.role == "parameter":
+            shards = 1
+            for axes in spec_t:
+                for a in axes:
+                    shards *= mesh.axis_size(a)
+            own = {a for axes in spec_t for a in axes}
+            sync = [a for a in mesh.names if a not in own and a in grad_axes]
+            kind = "reduce-scatter" if storage != "replicated" else "all-reduce"
+            reports.append(ParamReport(val.keypath or "", val.shape, val.dtype, spec_t,
+                                       val.nbytes // shards, f"{kind} over {','.join(sync)}" if sync else "none"))
+    by_kp = dict(zip((graph.values[v].keypath for v in graph.inputs), zip(specs, graph.inputs, strict=True),
+                     strict=True))
+    out_specs: list[Spec] = []
+    for vid, kp in zip(graph.outputs, graph.output_keypaths, strict=True):
+        hit = by_kp.get(kp)
+        if hit is not None and graph.values[hit[1]].shape == graph.values[vid].shape:
+            out_specs.append(hit[0])
+        else:
+            out_specs.append(tuple(() for _ in graph.values[vid].shape))
+
+    op_map = _instance_maps(graph, grouping)
+    constraints = []
+    for op in graph.ops:
+        if op.phase != "forward" or op.nested or op.primitive not in _CONSTRAINED:
+            continue
+        src = op_map.get(op.index, op.index)
+        if src not in fg.op_factors:
+            continue
+        spec = _spec_for(fg.op_factors[src].out_factors, axes_of)
+        if any(spec):
+            constraints.append((op.index, tuple(tuple(a) for a in spec)))
+
+    warnings = tuple(f"unknown primitive '{graph.ops[i].primitive}' in module "
+                     f"'{graph.ops[i].module or '(root)'}': its operands are replicated"
+                     for i in fg.unknown_ops) + tuple(res.notes)
+    b = res.best
+    predicted = {"step_time": b.step_time, "breakdown": dict(b.breakdown), "memory": dict(b.memory),
+                 "memory_budget": res.budget, "feasible": b.feasible,
+                 "plans_evaluated": b.plans_evaluated, "search_seconds": seconds}
+    provenance = {"autoshard": __version__, "fingerprint": fingerprint(graph),
+                  "step": graph.name, "options": dataclasses.asdict(options),
+                  "hardware": {f.name: (dict(getattr(hw, f.name)) if isinstance(getattr(hw, f.name), Mapping)
+                                        else getattr(hw, f.name)) for f in dataclasses.fields(hw)}}
+    return Plan(
+        mesh=tuple(mesh.axes), hardware=hw.name,
+        input_keypaths=tuple(graph.values[v].keypath or "" for v in graph.inputs),
+        input_specs_flat=tuple(specs), output_keypaths=tuple(graph.output_keypaths),
+        output_specs_flat=tuple(out_specs), activation_constraints=tuple(constraints),
+        factors=tuple(_describe_factors(graph, res)), storage=storage,
+        predicted=predicted, params=tuple(reports), warnings=warnings, provenance=provenance)

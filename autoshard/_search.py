@@ -1,0 +1,361 @@
+"""Tensor-sharding search (pure: no jax import).
+
+A plan assigns mesh axes to factors (logical dims, see _factors.py) plus a storage mode for
+parameters and optimizer state (replicated where the factors leave them whole, ZeRO-1: optimizer
+state split over the remaining axes, ZeRO-3/FSDP: parameters too). Data parallel (batch on every
+axis), FSDP, Megatron column/row (heads+ffn+vocab on a model axis), 2-D data×model and TAP's partial
+plans (heads only, ffn only) are all points of this space.
+
+Following TAP, only the unique blocks are analysed: the remainder plus the first and last instance
+of each block type (two instances so that the residual stream links through the whole model);
+the first instance's costs count once per instance. The space is small (a few factors, a few axes),
+so it is enumerated exactly, vectorised with numpy: every op is summarised by the factors that
+split it and those it reduces over, ops with the same summary are summed into groups, and a plan's
+cost is a table lookup per group. Same inputs, same plan: enumeration order is canonical and ties
+go to the plan that shards less.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from collections import defaultdict
+from collections.abc import Sequence
+
+import numpy as np
+
+from ._cost import AnalyticalCostModel, CostModel
+from ._factors import FactorGraph, analyze, corresponding_ops
+from ._graph import OpGraph, nbytes
+from ._group import Grouping
+from ._hardware import HardwareSpec
+from ._mesh import MeshSpec
+
+STORAGE_MODES = ("replicated", "zero1", "zero3")
+
+
+@dataclasses.dataclass(frozen=True)
+class SearchOptions:
+    memory_budget: float | None = None       # bytes per device; None: 90 % of the hardware's
+    storage_modes: tuple[str, ...] = STORAGE_MODES
+    max_plans: int = 2_000_000               # enumeration cap (factors beyond it stay unsplit)
+    overlap: float = 1.0                     # share of backward compute grad sync can hide behind
+    bucket_bytes: int = 25 * 2**20           # TAP §4.7.1 gradient packing threshold
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanChoice:
+    """The chosen point and its predicted costs."""
+
+    factor_axes: dict[int, tuple[str, ...]]
+    storage: str
+    step_time: float
+    breakdown: dict[str, float]           # compute / forward comm / backward comm / grad sync ...
+    memory: dict[str, float]              # per device bytes: params, grads, optimizer, activations
+    comm_bytes: dict[str, float]          # per device bytes on the wire by "kind@axes"
+    plans_evaluated: int
+    feasible: bool
+
+
+@dataclasses.dataclass
+class SearchResult:
+    best: PlanChoice
+    factors: FactorGraph
+    candidates: tuple[int, ...]           # factors the search could split
+    op_weight: dict[int, float]
+    grad_ops: frozenset[int]
+    budget: float
+    notes: list[str]
+
+    def evaluate(self, factor_axes: dict[int, tuple[str, ...]], storage: str) -> PlanChoice:
+        """Cost of any assignment (used to compare with expert plans)."""
+        return self._evaluator.evaluate_one(factor_axes, storage)
+
+
+def _axis_masks(mesh: MeshSpec) -> list[int]:
+    return list(range(1 << len(mesh.names)))
+
+
+def _mask_axes(mesh: MeshSpec, mask: int) -> tuple[str, ...]:
+    return tuple(a for i, a in enumerate(mesh.names) if mask >> i & 1)
+
+
+def _mask_size(mesh: MeshSpec, mask: int) -> int:
+    return math.prod(s for i, s in enumerate(mesh.sizes) if mask >> i & 1)
+
+
+class _Evaluator:
+    """Vectorised cost and memory of many plans over one factor graph."""
+
+    def __init__(self, graph: OpGraph, fg: FactorGraph, weights: dict[int, float],
+                 grad_ops: frozenset[int], cands: tuple[int, ...], mesh: MeshSpec,
+                 hw: HardwareSpec, cost: CostModel, options: SearchOptions) -> None:
+        self.graph, self.fg, self.mesh, self.hw, self.cost = graph, fg, mesh, hw, cost
+        self.options = options
+        self.cands = cands
+        self.cidx = {f: i for i, f in enumerate(cands)}
+        nm = 1 << len(mesh.names)
+        self.nm = nm
+        self.msize = np.array([_mask_size(mesh, m) for m in range(nm)], dtype=np.float64)
+        self.coll = {}
+        for kind in ("all-reduce", "all-gather", "reduce-scatter"):
+            alpha = np.array([cost.collective(kind, 0.0, _mask_axes(mesh, m)) for m in range(nm)])
+            beta = np.array([(cost.collective(kind, 1e9, _mask_axes(mesh, m)) - alpha[m]) / 1e9
+                             for m in range(nm)])
+            self.coll[kind] = (alpha, beta)
+        self._build_groups(weights, grad_ops)
+        self._build_tensors(weights)
+
+    # --- summaries -------------------------------------------------------------------------
+    def _cmask(self, factors) -> tuple[int, ...]:
+        return tuple(sorted({self.cidx[f] for f in factors if f in self.cidx}))
+
+    def _build_groups(self, weights: dict[int, float], grad_ops: frozenset[int]) -> None:
+        hw = self.hw
+        groups: dict[tuple, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0])
+        unknown_gather: dict[tuple, float] = defaultdict(float)
+        for i, w in weights.items():
+            if w <= 0:
+                continue
+            of = self.fg.op_factors[i]
+            op = self.graph.ops[i]
+            dtype = op.out_dtypes[0] if op.out_dtypes else "float32"
+            t_flops = op.flops / (hw.peak_flops(dtype) * hw.compute_efficiency)
+            t_bytes = op.bytes / hw.memory_bandwidth
+            kind = "grad" if i in grad_ops else op.phase
+            key = (self._cmask(of.loop), self._cmask(of.reduced), kind)
+            g = groups[key]
+            g[0] += w * max(t_flops, t_bytes)
+            g[1] += w * of.out_bytes if of.reduced else 0.0
+            for b, fs in of.gathered:
+                unknown_gather[(self._cmask([f for f in fs if f is not None]), op.phase)] += w * b
+        self.groups = [(k, v[0], v[1]) for k, v in sorted(groups.items())]
+        self.gathers = sorted(unknown_gather.items())
+
+    def _build_tensors(self, weights: dict[int, float]) -> None:
+        g, fg = self.graph, self.fg
+        self.params: list[tuple[tuple[int, ...], float, tuple[int, ...], int]] = []
+        self.state: list[tuple[tuple[int, ...], float, tuple[int, ...]]] = []
+        self.data: list[tuple[tuple[int, ...], float]] = []
+        for v in g.inputs:
+            val = g.values[v]
+            fs = fg.value_factors(v)
+            if val.role == "parameter":
+                self.params.append((self._cmask(fs), val.nbytes, val.shape, v))
+            elif val.role == "state":
+                self.state.append((self._cmask(fs), val.nbytes, val.shape))
+            else:
+                self.data.append((self._cmask(fs), val.nbytes))
+        # activations kept for the backward pass (residuals), per instance weight
+        acts: dict[tuple[int, ...], float] = defaultdict(float)
+        for i, w in weights.items():
+            op = g.ops[i]
+            if w <= 0 or op.phase != "forward":
+                continue
+            for v, s, d in zip(op.outputs, op.out_shapes, op.out_dtypes, strict=True):
+                if any(g.ops[c].phase == "backward" for c in g.values[v].consumers):
+                    acts[self._cmask(fg.value_factors(v, len(s)))] += w * nbytes(s, d)
+        self.acts = sorted(acts.items())
+
+    # --- evaluation --------------------------------------------------------------------------
+    def _or(self, plans: np.ndarray, idxs: tuple[int, ...]) -> np.ndarray:
+        out = np.zeros(plans.shape[0], dtype=np.int64)
+        for i in idxs:
+            out |= plans[:, i]
+        return out
+
+    def _coll(self, kind: str, nbytes_: np.ndarray, mask: np.ndarray) -> np.ndarray:
+        alpha, beta = self.coll[kind]
+        t = alpha[mask] + nbytes_ * beta[mask]
+        return np.where(mask == 0, 0.0, t)
+
+    def evaluate(self, plans: np.ndarray, storage: str) -> dict[str, np.ndarray]:
+        """Per-plan step time, memory and breakdown for plans[C, K] (axis masks per factor)."""
+        C = plans.shape[0]
+        full = self.nm - 1
+        out = {k: np.zeros(C) for k in ("compute", "fwd_comm", "bwd_comm", "opt_comm", "grad_sync",
+                                         "storage_comm", "params", "grads", "optimizer",
+                                         "activations", "data")}
+        for (loop, red, kind), work, ar_bytes in self.groups:
+            s_mask = self._or(plans, loop)
+            n = self.msize[s_mask]
+            out["compute"] += work / n
+            if red and ar_bytes:
+                r_mask = self._or(plans, red)
+                t = self._coll("all-reduce", ar_bytes * self.msize[r_mask] / n, r_mask)
+                bucket = {"forward": "fwd_comm", "backward": "bwd_comm", "grad": "grad_sync",
+                          "optimizer": "opt_comm", "other": "fwd_comm"}[kind]
+                out[bucket] += t
+        for (fs, phase), b in self.gathers:
+            m = self._or(plans, fs)
+            out["fwd_comm" if phase == "forward" else "bwd_comm"] += self._coll(
+                "all-gather", b * np.ones(C), m)
+
+        # parameters, gradients, optimizer state under the storage mode
+        for fs, b, shape, _ in self.params:
+            m = self._or(plans, fs)
+            n = self.msize[m]
+            free = np.where(self._divisible_free(shape, m, full), full & ~m, 0)
+            nt = self.msize[free]
+            if storage == "replicated":
+                out["params"] += b / n
+                out["grads"] += b / n
+            elif storage == "zero1":
+                out["params"] += b / n
+                out["grads"] += b / n
+                # grads reduce-scatter (instead of all-reduce) + params all-gather after the update:
+                # the same bytes as the all-reduce already counted; one extra collective's latency
+                out["storage_comm"] += self._coll("all-gather", np.zeros(C), free)
+            else:  # zero3 / FSDP
+                out["params"] += b / (n * nt)
+                out["grads"] += b / (n * nt)
+                # gather before the forward and again before the backward (ZeRO-3)
+                out["storage_comm"] += 2 * self._coll("all-gather", b / n, free)
+        for fs, b, shape in self.state:
+            m = self._or(plans, fs)
+            n = self.msize[m]
+            if storage == "replicated":
+                out["optimizer"] += b / n
+            else:
+                free = np.where(self._divisible_free(shape, m, full), full & ~m, 0)
+                out["optimizer"] += b / (n * self.msize[free])
+        for fs, b in self.acts:
+            out["activations"] += b / self.msize[self._or(plans, fs)]
+        for fs, b in self.data:
+            out["data"] += b / self.msize[self._or(plans, fs)]
+        bwd_compute = out["compute"] * self.bwd_share
+        sync_exposed = np.maximum(0.0, out["grad_sync"] - self.options.overlap * bwd_compute)
+        out["step_time"] = (out["compute"] + out["fwd_comm"] + out["bwd_comm"] + out["opt_comm"]
+                            + sync_exposed + out["storage_comm"])
+        out["memory"] = (out["params"] + out["grads"] + out["optimizer"] + out["activations"]
+                         + out["data"])
+        return out
+
+    def _divisible_free(self, shape: tuple[int, ...], used: np.ndarray, full: int) -> np.ndarray:
+        """Whether the axes not used by a tensor's factors can split one of its dims."""
+        ok = np.zeros(self.nm, dtype=bool)
+        for m in range(self.nm):
+            free = full & ~m
+            n = _mask_size(self.mesh, free)
+            ok[m] = any(d % (n * _mask_size(self.mesh, m)) == 0 or d % n == 0 for d in shape) \
+                if shape else False
+        return ok[used]
+
+    def evaluate_one(self, factor_axes: dict[int, tuple[str, ...]], storage: str) -> PlanChoice:
+        row = np.zeros((1, len(self.cands)), dtype=np.int64)
+        for f, axes in factor_axes.items():
+            if f in self.cidx:
+                row[0, self.cidx[f]] = sum(1 << self.mesh.names.index(a) for a in axes)
+        res = self.evaluate(row, storage)
+        return self._choice(row[0], res, 0, storage, 1)
+
+    def _choice(self, row: np.ndarray, res: dict, i: int, storage: str, n_plans: int) -> PlanChoice:
+        fa = {f: _mask_axes(self.mesh, int(row[k])) for k, f in enumerate(self.cands) if row[k]}
+        bd = {k: float(res[k][i]) for k in ("compute", "fwd_comm", "bwd_comm", "opt_comm",
+                                             "grad_sync", "storage_comm")}
+        mem = {k: float(res[k][i]) for k in ("params", "grads", "optimizer", "activations", "data")}
+        mem["total"] = float(res["memory"][i])
+        return PlanChoice(fa, storage, float(res["step_time"][i]), bd, mem, {}, n_plans,
+                          bool(res["memory"][i] <= self.budget))
+
+
+def _grad_ops(graph: OpGraph, ops: Sequence[int]) -> frozenset[int]:
+    """Backward ops that only feed parameter updates (weight-gradient matmuls, bias reductions,
+    embedding scatters and what follows them): their all-reduce is the overlappable gradient
+    sync, not a stall on the critical path."""
+    only_grads = [False] * len(graph.ops)
+    for op in reversed(graph.ops):
+        if op.phase != "backward":
+            continue
+        consumers = [c for v in op.outputs for c in graph.values[v].consumers]
+        only_grads[op.index] = bool(consumers) and all(
+            graph.ops[c].phase == "optimizer" or only_grads[c] for c in consumers)
+    return frozenset(i for i in ops if only_grads[i])
+
+
+def search(graph: OpGraph, grouping: Grouping, mesh: MeshSpec, hw: HardwareSpec,
+           options: SearchOptions = SearchOptions(), cost: CostModel | None = None) -> SearchResult:
+    """Find the fastest memory-feasible assignment of mesh axes to factors and a storage mode."""
+    cost = cost or AnalyticalCostModel(mesh, hw)
+    notes: list[str] = []
+    weights: dict[int, float] = {}
+    ops: list[int] = []
+    pairs: list[tuple[int, int]] = []
+    for i in grouping.remainder:
+        weights[i] = float(graph.ops[i].repeat)
+        ops.append(i)
+    for bt in grouping.block_types:
+        first, last = bt.instances[0], bt.instances[-1]
+        mult = 1 if bt.scanned else bt.count   # scanned bodies already repeat via op.repeat
+        for i in first.ops:
+            weights[i] = float(mult * graph.ops[i].repeat)
+        ops.extend(first.ops)
+        if last.ops != first.ops:
+            ops.extend(last.ops)
+            for i in last.ops:
+                weights.setdefault(i, 0.0)
+            pairs.extend(corresponding_ops(graph, first.ops, last.ops))
+    fg = analyze(graph, ops, pairs)
+    grad_ops = _grad_ops(graph, [i for i, w in weights.items() if w > 0])
+
+    # factors worth splitting: those of parameters and data inputs, largest first
+    weight_of: dict[int, float] = defaultdict(float)
+    for v in graph.inputs:
+        val = graph.values[v]
+        if val.role in ("parameter", "data"):
+            for f in fg.value_factors(v):
+                if f is not None and f not in fg.repeated:
+                    weight_of[f] += val.nbytes
+    cands = sorted(weight_of, key=lambda f: (-weight_of[f], f))
+    masks_of = {f: [m for m in _axis_masks(mesh) if fg.divides(f, _mask_size(mesh, m))]
+                for f in cands}
+    kept: list[int] = []
+    total = 1
+    for f in cands:
+        if total * len(masks_of[f]) > options.max_plans:
+            notes.append(f"factor {f} (size {fg.factor_size(f)}) left unsplit: plan space cap")
+            continue
+        kept.append(f)
+        total *= len(masks_of[f])
+    cands_t = tuple(sorted(kept))
+
+    plans = np.array(list(itertools.product(*(masks_of[f] for f in cands_t))) or [()],
+                     dtype=np.int64).reshape(-1, len(cands_t))
+    # factors that share a tensor cannot share an axis
+    ok = np.ones(plans.shape[0], dtype=bool)
+    for a, b in itertools.combinations(range(len(cands_t)), 2):
+        if cands_t[b] in fg.cooccur.get(cands_t[a], ()):
+            ok &= (plans[:, a] & plans[:, b]) == 0
+    plans = plans[ok]
+
+    budget = options.memory_budget if options.memory_budget is not None else 0.9 * hw.memory_bytes
+    ev = _Evaluator(graph, fg, weights, grad_ops, cands_t, mesh, hw, cost, options)
+    ev.budget = budget
+    bwd = sum(w for (_, _, kind), w, _ in ev.groups if kind in ("backward", "grad"))
+    allw = sum(w for _, w, _ in ev.groups) or 1.0
+    ev.bwd_share = bwd / allw
+
+    best = None
+    for storage in options.storage_modes:
+        res = ev.evaluate(plans, storage)
+        feasible = res["memory"] <= budget
+        # lexicographic: feasible first, then time (rounded so float noise cannot break ties), then
+        # fewer sharded factors, then enumeration order
+        t = np.round(res["step_time"], 12)
+        score = np.where(feasible, t, np.inf)
+        i = int(np.argmin(score)) if feasible.any() else int(np.argmin(res["memory"]))
+        choice = ev._choice(plans[i], res, i, storage, plans.shape[0])
+        if best is None or _better(choice, best):
+            best = choice
+    result = SearchResult(best, fg, cands_t, weights, grad_ops, budget, notes)
+    result._evaluator = ev
+    return result
+
+
+def _better(a: PlanChoice, b: PlanChoice) -> bool:
+    if a.feasible != b.feasible:
+        return a.feasible
+    if not a.feasible:
+        return a.memory["total"] < b.memory["total"]
+    return round(a.step_time, 12) < round(b.step_time, 12)
