@@ -18,6 +18,7 @@ gradient all-reduce (the weight-gradient matmul contracts over the batch).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Iterable, Sequence
 
 import numpy as np
@@ -119,9 +120,13 @@ def analyze(graph: OpGraph, ops: Iterable[int], same_ops: Sequence[tuple[int, in
     for i in ops:
         _link_op(uf, graph.ops[i], values)
     for a, b in same_ops:
+        # corresponding ops play the same role: so do their results, their weights and the
+        # activations they take from outside the block
         oa, ob = graph.ops[a], graph.ops[b]
-        for va, vb, sa, sb in zip(oa.outputs, ob.outputs, oa.out_shapes, ob.out_shapes, strict=False):
-            if sa == sb:
+        for va, vb, sa, sb in itertools.chain(
+                zip(oa.outputs, ob.outputs, oa.out_shapes, ob.out_shapes, strict=False),
+                zip(oa.inputs, ob.inputs, oa.in_shapes, ob.in_shapes, strict=False)):
+            if sa == sb and values[va].kind != "literal":
                 for d in range(len(sa)):
                     if sa[d] != 1:
                         uf.union(_key(va, d, len(sa)), _key(vb, d, len(sb)))
@@ -248,14 +253,14 @@ def _link_op(uf: _UnionFind, op: Op, values) -> None:
         _link_same(uf, ins[0], ish[0], o, so, range(len(ish[0])), kept)
     elif p == "dot_general" and "contracting" in params:
         (lc, rc), (lb, rb) = params["contracting"], params["batch"]
-        (l, sl), (r, sr) = (ins[0], ish[0]), (ins[1], ish[1])
-        _link_same(uf, l, sl, r, sr, lc, rc)
-        _link_same(uf, l, sl, r, sr, lb, rb)
+        (lv, sl), (r, sr) = (ins[0], ish[0]), (ins[1], ish[1])
+        _link_same(uf, lv, sl, r, sr, lc, rc)
+        _link_same(uf, lv, sl, r, sr, lb, rb)
         lfree = [d for d in range(len(sl)) if d not in lc and d not in lb]
         rfree = [d for d in range(len(sr)) if d not in rc and d not in rb]
         nb = len(lb)
-        _link_same(uf, l, sl, o, so, lb, range(nb))
-        _link_same(uf, l, sl, o, so, lfree, range(nb, nb + len(lfree)))
+        _link_same(uf, lv, sl, o, so, lb, range(nb))
+        _link_same(uf, lv, sl, o, so, lfree, range(nb, nb + len(lfree)))
         _link_same(uf, r, sr, o, so, rfree, range(nb + len(lfree), len(so)))
     elif p in REDUCTIONS:
         axes = set(params.get("axes", ()))

@@ -92,7 +92,10 @@ def eval_jaxpr_with(closed: Any, args: list, after_eqn: Any) -> list:
     for var, val in zip(jaxpr.invars, args, strict=True):
         env[var] = val
     for k, eqn in enumerate(jaxpr.eqns):
-        subfuns, bind_params = eqn.primitive.get_bind_params(eqn.params)
+        bind_params = eqn.primitive.get_bind_params(eqn.params)
+        subfuns: list = []
+        if isinstance(bind_params, tuple):  # older jax returned (subfuns, params)
+            subfuns, bind_params = bind_params
         name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
         with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack), \
                 eqn.ctx.manager:

@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from ._errors import InfeasiblePlanError
 from ._factors import corresponding_ops
 from ._graph import OpGraph
 from ._group import Grouping, group
@@ -49,10 +50,17 @@ def plan(step: Callable, *args: Any, mesh: Any, hardware: str | HardwareSpec | d
         if best is None or _prefer(res, best[1]):
             best = (m, res)
     seconds = time.perf_counter() - t0
+    if not best[1].best.feasible:
+        b = best[1]
+        raise InfeasiblePlanError(
+            f"autoshard.plan: no plan fits the memory budget of {b.budget / 2**30:.2f} GiB per "
+            f"device on mesh {best[0]} ({hw.name}); the plan needing least memory takes "
+            f"{b.best.memory['total'] / 2**30:.2f} GiB per device (parameters "
+            f"{b.best.memory['params'] / 2**30:.2f}, optimizer state {b.best.memory['optimizer'] / 2**30:.2f}, "
+            f"activations {b.best.memory['activations'] / 2**30:.2f} GiB). Fix: raise memory_budget, "
+            "use more devices, a smaller batch, or rematerialisation (nn.remat).")
     out = build_plan(graph, grouping, best[0], hw, best[1], opts, seconds)
-    import jax
-
-    return out.bind(*args) if jax is not None else out
+    return out.bind(*args)
 
 
 def _prefer(a: SearchResult, b: SearchResult) -> bool:
@@ -87,53 +95,58 @@ def _add_storage_axes(spec: list[tuple[str, ...]], shape: tuple[int, ...], mesh:
     return spec
 
 
-def _instance_maps(graph: OpGraph, grouping: Grouping) -> dict[int, int]:
-    """Op index → the corresponding op of its block type's first instance (ops of other
-    instances take the first instance's factors)."""
+def _instance_maps(graph: OpGraph, grouping: Grouping, periods: tuple[int, ...]) -> dict[int, int]:
+    """Op index → the corresponding op of its representative instance (instance k of a type
+    with period p takes the factors of instance k mod p)."""
     out: dict[int, int] = {}
-    for bt in grouping.block_types:
-        first = bt.instances[0]
-        for inst in bt.instances[1:]:
-            if inst.ops is first.ops or inst.ops == first.ops:
+    for bt, period in zip(grouping.block_types, periods, strict=True):
+        for k, inst in enumerate(bt.instances):
+            rep = bt.instances[k % period]
+            if k < period or inst.ops == rep.ops:
                 continue
-            for a, b in corresponding_ops(graph, first.ops, inst.ops):
+            for a, b in corresponding_ops(graph, rep.ops, inst.ops):
                 out[b] = a
     return out
 
 
-def _input_maps(graph: OpGraph, grouping: Grouping) -> dict[int, int]:
+def _input_maps(graph: OpGraph, grouping: Grouping, periods: tuple[int, ...]) -> dict[int, int]:
     """Input value → the corresponding input of its block type's first instance, matched by role,
     shape, dtype and keypath with the instance's own path components removed."""
     def strip(parts: tuple, path: str) -> tuple:
+        # remove the instance's own path components ("block_3", or "blocks", "3" in nnx); the
+        # keypath may lack leading scope names (linen's "GPT"), so try the path's suffixes
         comps = path.split("/")
         out = [str(p).lstrip(".") for p in parts[1:]]
-        for k in range(len(out) - len(comps) + 1):
-            if out[k:k + len(comps)] == comps:
-                return (parts[0], *out[:k], *out[k + len(comps):])
+        for start in range(len(comps)):
+            tail = comps[start:]
+            for k in range(len(out) - len(tail) + 1):
+                if out[k:k + len(tail)] == tail:
+                    return (parts[0], *out[:k], *out[k + len(tail):])
         return (parts[0], *out)
 
     by_module: dict[str, list[int]] = {}
     for v in graph.inputs:
         by_module.setdefault(graph.values[v].module, []).append(v)
+    def inputs_under(path: str) -> list[int]:
+        return [v for mod, vids in by_module.items() if mod == path or mod.startswith(path + "/")
+                for v in vids]
+
+    def key(v: int, path: str) -> tuple:
+        val = graph.values[v]
+        return (val.role, val.shape, val.dtype, strip(val.keypath_parts, path))
+
     out: dict[int, int] = {}
-    for bt in grouping.block_types:
-        first = bt.instances[0]
-        rep: dict[tuple, int] = {}
-        for mod, vids in by_module.items():
-            if mod == first.path or mod.startswith(first.path + "/"):
-                for v in vids:
-                    val = graph.values[v]
-                    rep[(val.role, val.shape, val.dtype, strip(val.keypath_parts, first.path))] = v
-        for inst in bt.instances[1:]:
-            if inst.path == first.path:
+    for bt, period in zip(grouping.block_types, periods, strict=True):
+        reps = [{key(v, inst.path): v for v in inputs_under(inst.path)}
+                for inst in bt.instances[:period]]
+        for k, inst in enumerate(bt.instances):
+            if k < period:
                 continue
-            for mod, vids in by_module.items():
-                if mod == inst.path or mod.startswith(inst.path + "/"):
-                    for v in vids:
-                        val = graph.values[v]
-                        hit = rep.get((val.role, val.shape, val.dtype, strip(val.keypath_parts, inst.path)))
-                        if hit is not None:
-                            out[v] = hit
+            rep = reps[k % period]
+            for v in inputs_under(inst.path):
+                hit = rep.get(key(v, inst.path))
+                if hit is not None:
+                    out[v] = hit
     return out
 
 
@@ -158,7 +171,7 @@ def build_plan(graph: OpGraph, grouping: Grouping, mesh: MeshSpec, hw: HardwareS
     fg = res.factors
     axes_of = res.best.factor_axes
     storage = res.best.storage
-    in_map = _input_maps(graph, grouping)
+    in_map = _input_maps(graph, grouping, res.periods)
     specs: list[Spec] = []
     reports: list[ParamReport] = []
     grad_axes = [a for f, axes in axes_of.items() for a in axes]  # for the report only
@@ -191,7 +204,7 @@ def build_plan(graph: OpGraph, grouping: Grouping, mesh: MeshSpec, hw: HardwareS
         else:
             out_specs.append(tuple(() for _ in graph.values[vid].shape))
 
-    op_map = _instance_maps(graph, grouping)
+    op_map = _instance_maps(graph, grouping, res.periods)
     constraints = []
     for op in graph.ops:
         if op.phase != "forward" or op.nested or op.primitive not in _CONSTRAINED:

@@ -67,6 +67,7 @@ class SearchResult:
     grad_ops: frozenset[int]
     budget: float
     notes: list[str]
+    periods: tuple[int, ...]              # per block type: instances repeat with this period
 
     def evaluate(self, factor_axes: dict[int, tuple[str, ...]], storage: str) -> PlanChoice:
         """Cost of any assignment (used to compare with expert plans)."""
@@ -260,6 +261,23 @@ class _Evaluator:
                           bool(res["memory"][i] <= self.budget))
 
 
+def _period(graph: OpGraph, bt, remainder: Sequence[int]) -> int:
+    """1 when consecutive instances can share every factor (a residual stream: the block's input
+    and output are the same logical dims); 2 when sharing would put one factor on two dims of a
+    weight (a chain of square layers, whose Megatron plan alternates column and row splits)."""
+    if bt.count < 2:
+        return 1
+    a, b = bt.instances[0].ops, bt.instances[1].ops
+    fg = analyze(graph, [*remainder, *a, *b], corresponding_ops(graph, a, b))
+    for i in a:
+        for v in graph.ops[i].inputs:
+            if graph.values[v].role == "parameter":
+                fs = [f for f in fg.value_factors(v) if f is not None]
+                if len(set(fs)) < len(fs):
+                    return 2
+    return 1
+
+
 def _grad_ops(graph: OpGraph, ops: Sequence[int]) -> frozenset[int]:
     """Backward ops that only feed parameter updates (weight-gradient matmuls, bias reductions,
     embedding scatters and what follows them): their all-reduce is the overlappable gradient
@@ -285,17 +303,30 @@ def search(graph: OpGraph, grouping: Grouping, mesh: MeshSpec, hw: HardwareSpec,
     for i in grouping.remainder:
         weights[i] = float(graph.ops[i].repeat)
         ops.append(i)
+    periods: list[int] = []
     for bt in grouping.block_types:
-        first, last = bt.instances[0], bt.instances[-1]
-        mult = 1 if bt.scanned else bt.count   # scanned bodies already repeat via op.repeat
-        for i in first.ops:
-            weights[i] = float(mult * graph.ops[i].repeat)
-        ops.extend(first.ops)
-        if last.ops != first.ops:
-            ops.extend(last.ops)
-            for i in last.ops:
-                weights.setdefault(i, 0.0)
-            pairs.extend(corresponding_ops(graph, first.ops, last.ops))
+        insts = bt.instances
+        if bt.scanned:  # one body; its ops repeat via op.repeat
+            for i in insts[0].ops:
+                weights[i] = float(graph.ops[i].repeat)
+            ops.extend(insts[0].ops)
+            periods.append(1)
+            continue
+        period = _period(graph, bt, grouping.remainder)
+        periods.append(period)
+        n = bt.count
+        for r in range(min(period, n)):
+            for i in insts[r].ops:
+                weights[i] = float(len(range(r, n, period)) * graph.ops[i].repeat)
+            ops.extend(insts[r].ops)
+        # link the next instance (closure of the repeating unit) and the last one (which feeds
+        # the remainder) to the representatives, so factors run through the whole model
+        for k in sorted({period, n - 1}):
+            if period <= k < n:
+                for i in insts[k].ops:
+                    weights.setdefault(i, 0.0)
+                ops.extend(insts[k].ops)
+                pairs.extend(corresponding_ops(graph, insts[k % period].ops, insts[k].ops))
     fg = analyze(graph, ops, pairs)
     grad_ops = _grad_ops(graph, [i for i, w in weights.items() if w > 0])
 
@@ -348,7 +379,7 @@ def search(graph: OpGraph, grouping: Grouping, mesh: MeshSpec, hw: HardwareSpec,
         choice = ev._choice(plans[i], res, i, storage, plans.shape[0])
         if best is None or _better(choice, best):
             best = choice
-    result = SearchResult(best, fg, cands_t, weights, grad_ops, budget, notes)
+    result = SearchResult(best, fg, cands_t, weights, grad_ops, budget, notes, tuple(periods))
     result._evaluator = ev
     return result
 
