@@ -1,0 +1,150 @@
+"""Planning on abstract inputs: plans behave as the physics says; Plan contract; errors."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import pytest
+
+import autoshard
+import models
+
+
+def _plan(name, mesh, hardware="h100-sxm", memory_budget=None, **overrides):
+    m = models.get(name, "debug", **overrides)
+    return autoshard.plan(m.train_step, *m.abstract_state(), mesh=mesh, hardware=hardware,
+                          memory_budget=memory_budget)
+
+
+def _specs(plan, contains=""):
+    return {k: s for k, s in plan.specs_by_keypath().items() if contains in k}
+
+
+def test_narrow_mlp_large_batch_is_data_parallel():
+    p = _plan("mlp", {"x": 8}, batch_size=16384, hidden_dim=256, in_dim=256, out_dim=256)
+    kernels = _specs(p, "[0]")
+    assert all(not any(s) for s in kernels.values()), p.explain()
+    assert p.specs_by_keypath()["[2]['x']"][0] == ("x",)
+
+
+def test_wide_mlp_small_batch_alternates_column_and_row():
+    p = _plan("mlp", {"x": 8}, batch_size=8, hidden_dim=8192, in_dim=8192, out_dim=8192, num_layers=4)
+    ks = [p.specs_by_keypath()[f"[0]['dense_{i}']['kernel']"] for i in range(4)]
+    assert all(any(s) for s in ks), p.explain()
+    for a, b in zip(ks, ks[1:], strict=False):
+        assert a == b[::-1], f"consecutive kernels should be transposed splits: {a} then {b}"
+    assert ks[0] in ((((), ("x",))), ((("x",), ())))
+
+
+def test_tight_memory_budget_forces_parameter_or_optimizer_sharding():
+    kw = dict(vocab_size=4096, d_model=1024, num_heads=8, num_layers=4, seq_len=32, batch_size=8)
+    roomy = _plan("gpt", {"data": 8}, **kw)
+    need = roomy.predicted["memory"]["total"]
+    tight = _plan("gpt", {"data": 8}, memory_budget=0.5 * need, **kw)
+    assert tight.predicted["memory"]["total"] <= 0.5 * need
+
+    def state_bytes(p):
+        return p.predicted["memory"]["params"] + p.predicted["memory"]["optimizer"]
+
+    assert state_bytes(tight) < 0.5 * state_bytes(roomy), tight.explain()
+    assert tight.predicted["step_time"] >= roomy.predicted["step_time"]  # memory is paid in time
+
+
+def test_vocabulary_heavy_head_gets_its_weight_sharded():
+    p = _plan("gpt", {"data": 2, "model": 4}, vocab_size=2**18, d_model=256, num_heads=4, seq_len=128,
+              batch_size=16)
+    assert any(p.specs_by_keypath()["[0]['wte']['embedding']"]), p.explain()
+
+
+@pytest.mark.parametrize("mesh", [{"x": 3}, {"a": 3, "b": 2}, {"p": 5, "q": 7}])
+@pytest.mark.parametrize("name", ["mlp", "gpt", "bert"])
+def test_indivisible_dims_never_sharded(name, mesh):
+    m = models.get(name, "debug")
+    hw = {"base": "h100-sxm", "intra_node_latency": 1e-12, "inter_node_latency": 1e-12}
+    p = autoshard.plan(m.train_step, *m.abstract_state(), mesh=mesh, hardware=hw)
+    shapes = [leaf.shape for leaf in jax.tree.leaves(m.abstract_state())]
+    for shape, spec in zip(shapes, p.input_specs_flat, strict=True):
+        for size, axes in zip(shape, spec, strict=True):
+            n = 1
+            for a in axes:
+                n *= mesh[a]
+            assert size % n == 0, (shape, spec)
+
+
+def test_axis_names_carry_no_meaning():
+    kw = dict(batch_size=64, d_model=256, num_heads=4, seq_len=64)
+    a = _plan("gpt", {"data": 2, "model": 4}, **kw)
+    b = _plan("gpt", {"u": 2, "v": 4}, **kw)
+    rename = {"data": "u", "model": "v"}
+    assert [tuple(tuple(rename[x] for x in axes) for axes in s) for s in a.input_specs_flat] == \
+        list(b.input_specs_flat)
+
+
+def test_plan_is_deterministic_and_round_trips_json():
+    a = _plan("gpt", {"data": 2, "model": 4})
+    b = _plan("gpt", {"data": 2, "model": 4})
+    ja, jb = json.loads(a.to_json()), json.loads(b.to_json())
+    for d in (ja, jb):
+        d["predicted"].pop("search_seconds")
+    assert ja == jb
+    back = autoshard.Plan.from_json(a.to_json())
+    assert back == a
+    with pytest.raises(autoshard.PlanError, match="bind"):
+        back.input_specs  # noqa: B018
+    m = models.get("gpt", "debug")
+    bound = back.bind(*m.abstract_state())
+    specs = bound.input_specs
+    assert jax.tree.structure(specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec)) \
+        == jax.tree.structure(m.abstract_state())
+    text = a.explain()
+    assert "[0]['block_0']['fc1']['kernel']" in text and "predicted step" in text
+
+
+def test_unknown_hardware_preset():
+    with pytest.raises(autoshard.UnknownHardwareError, match="h100-sxm"):
+        _plan("mlp", {"x": 8}, hardware="tpu-v9")
+
+
+def test_memory_budget_no_plan_fits():
+    with pytest.raises(autoshard.InfeasiblePlanError, match=r"GiB per device") as info:
+        _plan("gpt", {"data": 2, "model": 4}, memory_budget=1000)
+    assert "0.00 GiB per device" in str(info.value) and "memory_budget" in str(info.value)
+
+
+def test_running_on_a_mesh_that_does_not_match_the_devices():
+    m = models.get("mlp", "debug")
+    step = autoshard.autoshard(m.train_step, mesh={"data": 2, "model": 2}, hardware="cpu-sim")
+    params = m.init(jax.random.key(0))
+    with pytest.raises(autoshard.MeshError, match="needs 4 devices, but 8"):
+        step(params, m.init_opt_state(params), m.batch())
+
+
+def test_plan_for_another_model_is_rejected(tmp_path):
+    gpt = models.get("gpt", "debug")
+    p = autoshard.plan(gpt.train_step, *gpt.abstract_state(), mesh={"data": 8}, hardware="cpu-sim")
+    path = tmp_path / "plan.json"
+    path.write_text(p.to_json())
+    mlp = models.get("mlp", "debug")
+    step = autoshard.autoshard(mlp.train_step, mesh={"data": 8}, plan=path)
+    params = mlp.init(jax.random.key(0))
+    with pytest.raises(autoshard.PlanError, match="another model"):
+        step(params, mlp.init_opt_state(params), mlp.batch())
+
+
+def test_decorator_caches_the_plan_and_does_not_replan(tmp_path):
+    m = models.get("mlp", "debug")
+    step = autoshard.autoshard(m.train_step, mesh={"data": 8}, hardware="cpu-sim", cache_dir=tmp_path)
+    params = m.init(jax.random.key(0))
+    opt = m.init_opt_state(params)
+    params, opt, _ = step(params, opt, m.batch())
+    first = step.plan
+    jitted = step._jitted
+    params, opt, _ = step(params, opt, m.batch())
+    assert step._jitted is jitted and step.plan is first
+    assert len(list(tmp_path.glob("*.json"))) == 1
+    again = autoshard.autoshard(m.train_step, mesh={"data": 8}, hardware="cpu-sim", cache_dir=tmp_path)
+    again.lower(*m.abstract_state())
+    assert again.plan == first
+    text = again.lower(*m.abstract_state()).as_text()
+    assert "sharding" in text  # the lowered program carries the planned shardings
