@@ -76,17 +76,125 @@ def _cmd_group(args: argparse.Namespace) -> int:
     return 0
 
 
+def _parse_mesh(text: str) -> dict[str, int]:
+    """"data=2,model=4" → {"data": 2, "model": 4}."""
+    out = {}
+    for part in text.split(","):
+        name, sep, size = part.partition("=")
+        if not sep or not size.strip().isdigit():
+            raise SystemExit(f"autoshard: --mesh expects name=size[,name=size...], got {text!r}")
+        out[name.strip()] = int(size)
+    return out
+
+
+def _model_from_args(args: argparse.Namespace):
+    import models
+
+    overrides = {}
+    for item in args.set or []:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"autoshard: --set expects key=value, got {item!r}")
+        overrides[key] = _parse_value(value)
+    if args.layers is not None:
+        overrides["num_layers"] = args.layers
+    try:
+        return models.get(args.model, args.config, **overrides), overrides
+    except ValueError as err:
+        raise SystemExit(f"autoshard: {err}") from err
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    import autoshard
+
+    model, _ = _model_from_args(args)
+    mesh = _parse_mesh(args.mesh)
+    t0 = time.perf_counter()
+    plan = autoshard.plan(model.train_step, *model.abstract_state(), mesh=mesh, hardware=args.hardware,
+                          memory_budget=args.memory_budget)
+    print(f"model: {args.model} ({args.config}), {model.num_params() / 1e6:.1f}M parameters, planned "
+          f"abstractly in {time.perf_counter() - t0:.2f} s (search {plan.predicted['search_seconds']:.3f} s)")
+    print(plan.explain())
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(plan.to_json())
+        print(f"\nwrote {args.out}")
+    return 0
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    """The main job: plan, compile and train a few steps on the simulated mesh; compare losses
+    with single-device training."""
+    mesh = _parse_mesh(args.mesh)
+    n = 1
+    for s in mesh.values():
+        n *= s
+    _setup_devices(n)
+    import jax
+    import numpy as np
+
+    import autoshard
+
+    model, _ = _model_from_args(args)
+    step = autoshard.autoshard(model.train_step, mesh=mesh, hardware=args.hardware,
+                               memory_budget=args.memory_budget)
+    params = model.init(jax.random.key(0))
+    opt = model.init_opt_state(params)
+    batch = model.batch()
+    t0 = time.perf_counter()
+    params_s, opt_s, loss = step(params, opt, batch)
+    first = time.perf_counter() - t0
+    print(f"model: {args.model} ({args.config}), {model.num_params() / 1e6:.2f}M parameters; "
+          f"mesh {mesh} on {jax.device_count()} simulated CPU devices")
+    print(f"first call (trace, plan, compile, place): {first:.2f} s\n")
+    print(step.explain())
+    print("\nstep  loss (autoshard)  loss (1 device)")
+    ref_step = jax.jit(model.train_step)
+    params_r, opt_r = model.init(jax.random.key(0)), None
+    opt_r = model.init_opt_state(params_r)
+    params_r, opt_r, loss_r = ref_step(params_r, opt_r, batch)
+    losses = [(float(loss), float(loss_r))]
+    for _ in range(args.steps - 1):
+        params_s, opt_s, loss = step(params_s, opt_s, batch)
+        params_r, opt_r, loss_r = ref_step(params_r, opt_r, batch)
+        losses.append((float(loss), float(loss_r)))
+    for i, (a, b) in enumerate(losses):
+        print(f"{i:>4}  {a:>16.6f}  {b:>15.6f}")
+    diff = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+               for a, b in zip(jax.tree.leaves(params_s), jax.tree.leaves(params_r), strict=True))
+    print(f"\nmax |parameter difference| after {args.steps} steps: {diff:.2e}")
+    return 0 if diff < 1e-4 else 1
+
+
+def _add_model_args(p: argparse.ArgumentParser, config: str) -> None:
+    p.add_argument("model", nargs="?", default="gpt", help="model name (see models.names())")
+    p.add_argument("--config", default=config, help=f"config name (default {config})")
+    p.add_argument("--layers", type=int, default=None, help="override num_layers")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config field")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="autoshard",
-        description="Automatic parallelism for JAX train steps. With no command: trace and group "
-                    "GPT-2 small on a simulated 8-device CPU mesh and print the block table.")
+        description="Automatic parallelism for JAX train steps. With no command: plan the debug GPT "
+                    "on a simulated 8-device CPU mesh, train 3 steps and compare with one device.")
     sub = p.add_subparsers(dest="command")
+    r = sub.add_parser("run", help="plan, compile and train a few steps on simulated devices (default)")
+    _add_model_args(r, "debug")
+    r.add_argument("--mesh", default="data=2,model=4", help="name=size,... (default data=2,model=4)")
+    r.add_argument("--hardware", default="cpu-sim", help="hardware preset for the cost model")
+    r.add_argument("--memory-budget", type=float, default=None, help="bytes per device")
+    r.add_argument("--steps", type=int, default=3)
+    r.set_defaults(func=_cmd_run)
+    pl = sub.add_parser("plan", help="plan a zoo model abstractly (any mesh size) and explain it")
+    _add_model_args(pl, "gpt2-small")
+    pl.add_argument("--mesh", default="data=2,model=4", help="name=size,... (default data=2,model=4)")
+    pl.add_argument("--hardware", default="h100-sxm")
+    pl.add_argument("--memory-budget", type=float, default=None, help="bytes per device")
+    pl.add_argument("--out", default=None, help="write the plan as JSON")
+    pl.set_defaults(func=_cmd_plan)
     g = sub.add_parser("group", help="trace a zoo model's train step and print its unique blocks")
-    g.add_argument("model", nargs="?", default="gpt", help="model name (see models.names())")
-    g.add_argument("--config", default="gpt2-small", help="config name (default gpt2-small)")
-    g.add_argument("--layers", type=int, default=None, help="override num_layers")
-    g.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config field")
+    _add_model_args(g, "gpt2-small")
     g.add_argument("--devices", type=int, default=8, help="simulated CPU devices (default 8)")
     g.add_argument("--min-duplicate", type=int, default=2, help="TAP's minDuplicate")
     g.add_argument("--json", action="store_true", help="print JSON instead of the table")
@@ -97,9 +205,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
-    # no command (or only options): the default job, `group`
+    # no command (or only options): the main job, `run`
     if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):
-        argv = ["group", *argv]
+        argv = ["run", *argv]
     args = parser.parse_args(argv)
     return args.func(args)
 

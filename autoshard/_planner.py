@@ -174,7 +174,9 @@ def build_plan(graph: OpGraph, grouping: Grouping, mesh: MeshSpec, hw: HardwareS
     in_map = _input_maps(graph, grouping, res.periods)
     specs: list[Spec] = []
     reports: list[ParamReport] = []
-    grad_axes = [a for f, axes in axes_of.items() for a in axes]  # for the report only
+    # gradients are summed over the axes that split the batch (the data inputs' factors)
+    batch_axes = {a for v in graph.inputs if graph.values[v].role == "data"
+                  for f in fg.value_factors(v) if f is not None for a in axes_of.get(f, ())}
     for v in graph.inputs:
         val = graph.values[v]
         src = in_map.get(v, v)
@@ -190,7 +192,7 @@ def build_plan(graph: OpGraph, grouping: Grouping, mesh: MeshSpec, hw: HardwareS
                 for a in axes:
                     shards *= mesh.axis_size(a)
             own = {a for axes in spec_t for a in axes}
-            sync = [a for a in mesh.names if a not in own and a in grad_axes]
+            sync = [a for a in mesh.names if a not in own and a in batch_axes]
             kind = "reduce-scatter" if storage != "replicated" else "all-reduce"
             reports.append(ParamReport(val.keypath or "", val.shape, val.dtype, spec_t,
                                        val.nbytes // shards, f"{kind} over {','.join(sync)}" if sync else "none"))

@@ -15,12 +15,29 @@ def _run(*args: str) -> subprocess.CompletedProcess:
                           text=True, cwd=ROOT, timeout=300)
 
 
-def test_default_job_prints_block_table():
-    out = _run("--config", "debug", "--layers", "3")
+def test_group_prints_block_table():
+    out = _run("group", "--config", "debug", "--layers", "3")
     assert out.returncode == 0, out.stderr
     assert "mesh: {'data': 8} on 8 simulated CPU devices" in out.stdout
     row = next(line for line in out.stdout.splitlines() if line.startswith("GPT/block_*"))
     assert row.split()[2] == "3"
+
+
+def test_default_job_plans_trains_and_matches_one_device():
+    out = _run()
+    assert out.returncode == 0, out.stderr
+    assert "on 8 simulated CPU devices" in out.stdout and "predicted step" in out.stdout
+    rows = [line.split() for line in out.stdout.splitlines() if line.strip()[:1].isdigit()
+            and len(line.split()) == 3]
+    assert len(rows) == 3
+    for _, a, b in rows:
+        assert abs(float(a) - float(b)) < 1e-5
+
+
+def test_plan_command_on_a_large_abstract_mesh():
+    out = _run("plan", "gpt", "--config", "gpt2-small", "--mesh", "data=8,model=8")
+    assert out.returncode == 0, out.stderr
+    assert "mesh data=8 x model=8" in out.stdout
 
 
 def test_group_json_for_nnx():

@@ -1,0 +1,173 @@
+"""Planner search time at scale (issue 3). All inputs abstract: no parameter memory.
+
+For GPT-3-shaped steps (d 12288, 96 heads, seq 2048, batch 16) at 12/24/48/96 layers, planned for
+h100-sxm on 8 devices (mesh data=2 x model=4) and 64 devices (data=8 x model=8): the search seconds
+(`plan.predicted["search_seconds"]`: the search proper, after trace and grouping), and around the
+same `autoshard.plan` call the trace, group and total seconds (trace and group timed by wrapping
+the planner's own calls, so nothing is traced twice). Each cell is planned 3 times; medians are
+reported. Targets: search <= 1 s per cell and t(96)/t(12) <= 1.5 per mesh.
+
+When no plan fits the default memory budget (90 % of an H100's HBM: GPT-3 at batch 16 without
+rematerialisation needs far more), `autoshard.plan` raises `InfeasiblePlanError` and returns no
+search seconds. Such a cell is recorded as infeasible (with the memory the leanest plan needs) and
+then timed with an unbounded budget (`memory_budget=inf`): the search enumerates and costs the same
+plans whatever the budget, only the final choice differs.
+
+    python bench/search_time.py [--quick] [--out bench/results/search_time.json]
+"""
+
+from __future__ import annotations
+
+import jax
+
+jax.config.update("jax_num_cpu_devices", 8)  # before any backend use (the 64-device mesh is abstract)
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import platform  # noqa: E402
+import re  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+import autoshard  # noqa: E402
+import autoshard._planner as _planner  # noqa: E402  (timing wrappers only; nothing is changed)
+import models  # noqa: E402
+
+MESHES = {"8 (2x4)": {"data": 2, "model": 4}, "64 (8x8)": {"data": 8, "model": 8}}
+HARDWARE = "h100-sxm"
+REPS = 3
+TARGET_SEARCH_S = 1.0
+TARGET_RATIO = 1.5
+
+_timings: dict[str, float] = {}
+
+
+def _timed(name, fn):
+    def wrapper(*a, **k):
+        t0 = time.perf_counter()
+        try:
+            return fn(*a, **k)
+        finally:
+            _timings[name] = time.perf_counter() - t0
+    return wrapper
+
+
+# autoshard.plan calls these module-level names; wrap them to split the call's wall time.
+_planner.trace = _timed("trace", _planner.trace)
+_planner.group = _timed("group", _planner.group)
+
+
+def plan_once(m, args, mesh: dict, budget: float | None) -> tuple[dict, autoshard.Plan | None, str | None]:
+    _timings.clear()
+    t0 = time.perf_counter()
+    try:
+        p = autoshard.plan(m.train_step, *args, mesh=mesh, hardware=HARDWARE, memory_budget=budget)
+        err = None
+    except autoshard.InfeasiblePlanError as e:
+        p, err = None, str(e)
+    total = time.perf_counter() - t0
+    t = {"total_s": total, "trace_s": _timings.get("trace", float("nan")),
+         "group_s": _timings.get("group", float("nan")),
+         "search_s": p.predicted["search_seconds"] if p is not None else None}
+    if p is not None:
+        t["rest_s"] = total - t["trace_s"] - t["group_s"] - t["search_s"]   # plan building + bind
+    return t, p, err
+
+
+def measure(layers: int, mesh_name: str, mesh: dict, m, args) -> dict:
+    runs, p, err = [], None, None
+    t, p, err = plan_once(m, args, mesh, None)
+    cell = {"layers": layers, "mesh": mesh_name, "mesh_axes": mesh, "devices": int(np.prod(list(mesh.values()))),
+            "feasible_default_budget": err is None, "timed_budget": "default (90% HBM)"}
+    if err is None:
+        runs.append(t)
+    else:
+        need = re.search(r"takes ([0-9.]+) GiB per device", err)
+        cell["infeasible"] = {"message": err, "least_memory_gib": float(need.group(1)) if need else None,
+                              "total_s": t["total_s"]}
+        cell["timed_budget"] = "unbounded (inf)"
+    budget = None if err is None else float("inf")
+    while len(runs) < REPS:
+        t, p, err2 = plan_once(m, args, mesh, budget)
+        assert err2 is None, err2
+        runs.append(t)
+    med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+    cell.update({"runs": runs, "median": med, "search_s_max": max(r["search_s"] for r in runs),
+                 "plans_evaluated": p.predicted["plans_evaluated"], "storage": p.storage,
+                 "predicted_step_s": p.predicted["step_time"],
+                 "predicted_memory_gib": p.predicted["memory"]["total"] / 2**30,
+                 "factors": [[desc, size, list(axes)] for _, desc, size, axes in p.factors],
+                 "explain_head": p.explain().splitlines()[:8], "warnings": list(p.warnings)})
+    return cell
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="12 and 24 layers only")
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "search_time.json"))
+    opts = ap.parse_args()
+    layer_counts = [12, 24] if opts.quick else [12, 24, 48, 96]
+    t_start = time.perf_counter()
+    cells = []
+    for n in layer_counts:
+        m = models.get("gpt", "gpt3-175b", num_layers=n, batch_size=16)
+        args = m.abstract_state()
+        params = sum(x.size for x in jax.tree.leaves(args[0]))
+        for mesh_name, mesh in MESHES.items():
+            c = measure(n, mesh_name, mesh, m, args)
+            c["params"] = params
+            cells.append(c)
+            md = c["median"]
+            print(f"done {n} layers on {mesh_name}: search {md['search_s']:.3f} s (median of {REPS}), "
+                  f"trace {md['trace_s']:.2f} s, total {md['total_s']:.2f} s"
+                  f"{'' if c['feasible_default_budget'] else ', infeasible at default budget'}", flush=True)
+
+    first, last = layer_counts[0], layer_counts[-1]
+    ratios = {}
+    for mesh_name in MESHES:
+        by = {c["layers"]: c for c in cells if c["mesh"] == mesh_name}
+        ratios[mesh_name] = by[last]["median"]["search_s"] / by[first]["median"]["search_s"]
+
+    print(f"\nGPT-3 shape (d 12288, seq 2048, batch 16), hardware {HARDWARE}; median of {REPS} plans per cell.")
+    print(f"Targets: search <= {TARGET_SEARCH_S:g} s per cell; t({last})/t({first}) <= {TARGET_RATIO:g} per mesh"
+          + ("" if last == 96 else " (target is stated for 96/12; --quick shows 24/12)") + ".\n")
+    print("| devices (mesh) | layers | params | search s (median) | search s (max) | <= 1 s | trace s | group s "
+          "| total s | plans evaluated | fits 90% HBM | chosen storage | predicted step |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for c in cells:
+        md = c["median"]
+        fits = "yes" if c["feasible_default_budget"] else \
+            f"no (needs {c['infeasible']['least_memory_gib']:.0f} GiB; timed unbounded)"
+        print(f"| {c['mesh']} | {c['layers']} | {c['params'] / 1e9:.1f}B | {md['search_s']:.3f} | "
+              f"{c['search_s_max']:.3f} | {'yes' if c['search_s_max'] <= TARGET_SEARCH_S else 'NO'} | "
+              f"{md['trace_s']:.2f} | {md['group_s']:.3f} | {md['total_s']:.2f} | {c['plans_evaluated']} | "
+              f"{fits} | {c['storage']} | {c['predicted_step_s'] * 1e3:.0f} ms |")
+    print(f"\n| devices (mesh) | t({last})/t({first}) search | target <= {TARGET_RATIO:g} |")
+    print("|---|---|---|")
+    for mesh_name, r in ratios.items():
+        print(f"| {mesh_name} | {r:.2f} | {'met' if r <= TARGET_RATIO else 'NOT met'} |")
+    print("\nChosen plans (first 8 lines of plan.explain()):")
+    for c in cells:
+        print(f"\n{c['layers']} layers on {c['mesh']}, budget {c['timed_budget']}:\n```")
+        print("\n".join(c["explain_head"]))
+        print("```")
+    wall = time.perf_counter() - t_start
+    report = {"bench": "search_time", "date": time.strftime("%Y-%m-%d"),
+              "machine": {"python": platform.python_version(), "jax": jax.__version__,
+                          "numpy": np.__version__, "autoshard": autoshard.__version__,
+                          "cpus": os.cpu_count(), "platform": platform.platform()},
+              "model": {"name": "gpt", "config": "gpt3-175b", "batch_size": 16}, "hardware": HARDWARE,
+              "reps": REPS, "targets": {"search_s": TARGET_SEARCH_S, "ratio": TARGET_RATIO},
+              "ratios": {k: {"layers": [last, first], "search_ratio": v} for k, v in ratios.items()},
+              "wall_s": wall, "cells": cells}
+    Path(opts.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(opts.out).write_text(json.dumps(report, indent=2))
+    print(f"\nwall {wall:.0f} s; wrote {opts.out}")
+
+
+if __name__ == "__main__":
+    main()
