@@ -9,10 +9,10 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from ._errors import InfeasiblePlanError
-from ._factors import corresponding_ops
 from ._graph import OpGraph
 from ._group import Grouping, group
 from ._hardware import HardwareSpec, get_hardware
+from ._instances import input_maps, instance_maps
 from ._mesh import MeshSpec, candidate_meshes, mesh_spec
 from ._plan import ParamReport, Plan, Spec
 from ._search import SearchOptions, SearchResult, search
@@ -95,61 +95,6 @@ def _add_storage_axes(spec: list[tuple[str, ...]], shape: tuple[int, ...], mesh:
     return spec
 
 
-def _instance_maps(graph: OpGraph, grouping: Grouping, periods: tuple[int, ...]) -> dict[int, int]:
-    """Op index → the corresponding op of its representative instance (instance k of a type
-    with period p takes the factors of instance k mod p)."""
-    out: dict[int, int] = {}
-    for bt, period in zip(grouping.block_types, periods, strict=True):
-        for k, inst in enumerate(bt.instances):
-            rep = bt.instances[k % period]
-            if k < period or inst.ops == rep.ops:
-                continue
-            for a, b in corresponding_ops(graph, rep.ops, inst.ops):
-                out[b] = a
-    return out
-
-
-def _input_maps(graph: OpGraph, grouping: Grouping, periods: tuple[int, ...]) -> dict[int, int]:
-    """Input value → the corresponding input of its block type's first instance, matched by role,
-    shape, dtype and keypath with the instance's own path components removed."""
-    def strip(parts: tuple, path: str) -> tuple:
-        # remove the instance's own path components ("block_3", or "blocks", "3" in nnx); the
-        # keypath may lack leading scope names (linen's "GPT"), so try the path's suffixes
-        comps = path.split("/")
-        out = [str(p).lstrip(".") for p in parts[1:]]
-        for start in range(len(comps)):
-            tail = comps[start:]
-            for k in range(len(out) - len(tail) + 1):
-                if out[k:k + len(tail)] == tail:
-                    return (parts[0], *out[:k], *out[k + len(tail):])
-        return (parts[0], *out)
-
-    by_module: dict[str, list[int]] = {}
-    for v in graph.inputs:
-        by_module.setdefault(graph.values[v].module, []).append(v)
-    def inputs_under(path: str) -> list[int]:
-        return [v for mod, vids in by_module.items() if mod == path or mod.startswith(path + "/")
-                for v in vids]
-
-    def key(v: int, path: str) -> tuple:
-        val = graph.values[v]
-        return (val.role, val.shape, val.dtype, strip(val.keypath_parts, path))
-
-    out: dict[int, int] = {}
-    for bt, period in zip(grouping.block_types, periods, strict=True):
-        reps = [{key(v, inst.path): v for v in inputs_under(inst.path)}
-                for inst in bt.instances[:period]]
-        for k, inst in enumerate(bt.instances):
-            if k < period:
-                continue
-            rep = reps[k % period]
-            for v in inputs_under(inst.path):
-                hit = rep.get(key(v, inst.path))
-                if hit is not None:
-                    out[v] = hit
-    return out
-
-
 def _describe_factors(graph: OpGraph, res: SearchResult) -> list[tuple[int, str, int, tuple[str, ...]]]:
     fg = res.factors
     desc: dict[int, str] = {}
@@ -171,7 +116,7 @@ def build_plan(graph: OpGraph, grouping: Grouping, mesh: MeshSpec, hw: HardwareS
     fg = res.factors
     axes_of = res.best.factor_axes
     storage = res.best.storage
-    in_map = _input_maps(graph, grouping, res.periods)
+    in_map = input_maps(graph, grouping, res.periods)
     specs: list[Spec] = []
     reports: list[ParamReport] = []
     # gradients are summed over the axes that split the batch (the data inputs' factors)
@@ -206,7 +151,7 @@ def build_plan(graph: OpGraph, grouping: Grouping, mesh: MeshSpec, hw: HardwareS
         else:
             out_specs.append(tuple(() for _ in graph.values[vid].shape))
 
-    op_map = _instance_maps(graph, grouping, res.periods)
+    op_map = instance_maps(graph, grouping, res.periods)
     constraints = []
     for op in graph.ops:
         if op.phase != "forward" or op.nested or op.primitive not in _CONSTRAINED:

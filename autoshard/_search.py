@@ -30,6 +30,7 @@ from ._factors import FactorGraph, analyze, corresponding_ops
 from ._graph import OpGraph, nbytes
 from ._group import Grouping
 from ._hardware import HardwareSpec
+from ._instances import input_maps
 from ._mesh import MeshSpec
 
 STORAGE_MODES = ("replicated", "zero1", "zero3")
@@ -91,8 +92,10 @@ class _Evaluator:
 
     def __init__(self, graph: OpGraph, fg: FactorGraph, weights: dict[int, float],
                  grad_ops: frozenset[int], cands: tuple[int, ...], mesh: MeshSpec,
-                 hw: HardwareSpec, cost: CostModel, options: SearchOptions) -> None:
+                 hw: HardwareSpec, cost: CostModel, options: SearchOptions,
+                 in_map: dict[int, int]) -> None:
         self.graph, self.fg, self.mesh, self.hw, self.cost = graph, fg, mesh, hw, cost
+        self.in_map = in_map
         self.options = options
         self.cands = cands
         self.cidx = {f: i for i, f in enumerate(cands)}
@@ -141,7 +144,8 @@ class _Evaluator:
         self.data: list[tuple[tuple[int, ...], float]] = []
         for v in g.inputs:
             val = g.values[v]
-            fs = fg.value_factors(v)
+            src = self.in_map.get(v, v)
+            fs = fg.value_factors(src) if g.values[src].shape == val.shape else (None,) * len(val.shape)
             if val.role == "parameter":
                 self.params.append((self._cmask(fs), val.nbytes, val.shape, v))
             elif val.role == "state":
@@ -361,7 +365,8 @@ def search(graph: OpGraph, grouping: Grouping, mesh: MeshSpec, hw: HardwareSpec,
     plans = plans[ok]
 
     budget = options.memory_budget if options.memory_budget is not None else 0.9 * hw.memory_bytes
-    ev = _Evaluator(graph, fg, weights, grad_ops, cands_t, mesh, hw, cost, options)
+    in_map = input_maps(graph, grouping, tuple(periods))
+    ev = _Evaluator(graph, fg, weights, grad_ops, cands_t, mesh, hw, cost, options, in_map)
     ev.budget = budget
     bwd = sum(w for (_, _, kind), w, _ in ev.groups if kind in ("backward", "grad"))
     allw = sum(w for _, w, _ in ev.groups) or 1.0

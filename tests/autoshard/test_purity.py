@@ -8,7 +8,7 @@ import textwrap
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PURE_MODULES = ["autoshard._graph", "autoshard._graph_attribution", "autoshard._flops",
+PURE_MODULES = ["autoshard._instances", "autoshard._factors", "autoshard._search", "autoshard._graph", "autoshard._graph_attribution", "autoshard._flops",
                 "autoshard._group", "autoshard._errors", "autoshard._hardware", "autoshard._mesh",
                 "autoshard._cost"]
 
