@@ -8,9 +8,19 @@ import textwrap
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PURE_MODULES = ["autoshard._instances", "autoshard._factors", "autoshard._search", "autoshard._graph", "autoshard._graph_attribution", "autoshard._flops",
-                "autoshard._group", "autoshard._errors", "autoshard._hardware", "autoshard._mesh",
-                "autoshard._cost"]
+PURE_MODULES = [
+    "autoshard._cost",
+    "autoshard._errors",
+    "autoshard._factors",
+    "autoshard._flops",
+    "autoshard._graph",
+    "autoshard._graph_attribution",
+    "autoshard._group",
+    "autoshard._hardware",
+    "autoshard._instances",
+    "autoshard._mesh",
+    "autoshard._search",
+]
 
 
 def test_pure_modules_import_without_jax():
