@@ -66,3 +66,27 @@ def test_auto_plan_matches_single_device(name, mesh):
         got = leaf.sharding.spec
         assert tuple(tuple(a) if isinstance(a, tuple) else ((a,) if a else ()) for a in got) + \
             ((),) * (len(want) - len(got)) == want
+
+
+@pytest.mark.parametrize("storage", ["zero1", "zero3"])
+def test_zero_storage_matches_single_device(storage):
+    """Parameters / optimizer state split over the data axis (ZeRO) train the same."""
+    m = models.get("gpt", "debug", num_layers=2)
+    if "gpt" not in _REF:
+        _REF["gpt"] = _reference(m, 3)
+    ref_losses, ref_params = _REF["gpt"]
+    opts = autoshard.SearchOptions(storage_modes=(storage,))
+    step = autoshard.autoshard(m.train_step, mesh={"data": 4, "model": 2}, hardware=FAST_LINKS,
+                               options=opts)
+    params = m.init(jax.random.key(0))
+    opt = m.init_opt_state(params)
+    losses = []
+    for _ in range(3):
+        params, opt, loss = step(params, opt, m.batch())
+        losses.append(float(loss))
+    assert step.plan.storage == storage
+    state_specs = [s for k, s in step.plan.specs_by_keypath().items() if k.startswith("[1]") and any(s)]
+    assert state_specs, step.explain()
+    np.testing.assert_allclose(losses, ref_losses, rtol=0, atol=1e-5)
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ref_params), strict=True):
+        assert float(jnp.max(jnp.abs(a - b))) < 1e-5

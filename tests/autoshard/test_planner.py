@@ -153,3 +153,54 @@ def test_decorator_caches_the_plan_and_does_not_replan(tmp_path):
     assert again.plan == first
     text = again.lower(*m.abstract_state()).as_text()
     assert "sharding" in text  # the lowered program carries the planned shardings
+
+
+def test_auto_mesh_chooses_a_factorisation():
+    m = models.get("gpt", "debug", batch_size=64, d_model=256, num_heads=4, seq_len=64)
+    p = autoshard.plan(m.train_step, *m.abstract_state(), mesh="auto", devices=8, hardware="h100-sxm")
+    sizes = [s for _, s in p.mesh]
+    n = 1
+    for s in sizes:
+        n *= s
+    assert n == 8
+    # it is the best of the candidate meshes
+    for axes in ({"a0": 8}, {"a0": 2, "a1": 4}, {"a0": 4, "a1": 2}):
+        other = autoshard.plan(m.train_step, *m.abstract_state(), mesh=axes, hardware="h100-sxm")
+        assert p.predicted["step_time"] <= other.predicted["step_time"] + 1e-12
+
+
+def test_config_file(tmp_path):
+    cfg = tmp_path / "autoshard.toml"
+    cfg.write_text('hardware = "cpu-sim"\nmemory_budget = 2e9\n[mesh]\ndata = 4\nmodel = 2\n'
+                   '[options]\nstorage_modes = ["replicated"]\n')
+    m = models.get("mlp", "debug")
+    step = autoshard.autoshard(m.train_step, config=cfg)
+    step.lower(*m.abstract_state())
+    assert step.plan.mesh == (("data", 4), ("model", 2))
+    assert step.plan.storage == "replicated" and step.plan.hardware == "cpu-sim"
+    bad = tmp_path / "bad.toml"
+    bad.write_text('mesh = {data = 8}\nhardwre = "h100-sxm"\n')
+    with pytest.raises(autoshard.ConfigError, match="hardwre"):
+        autoshard.autoshard(m.train_step, config=bad)
+
+
+def test_unknown_primitive_is_replicated_with_a_warning():
+    import jax.numpy as jnp
+    from jax.extend.core import Primitive
+
+    my_op = Primitive("my_opaque_op")
+    my_op.def_impl(lambda x: x * 2)
+    my_op.def_abstract_eval(lambda x: x)
+    jax.interpreters.ad.deflinear(my_op, lambda t: [my_op.bind(t)])
+
+    def loss(w, x):
+        return jnp.sum(my_op.bind(x @ w) ** 2)
+
+    def step(w, x):
+        g = jax.grad(loss)(w, x)
+        return w - 0.1 * g
+
+    w = jax.ShapeDtypeStruct((64, 64), jnp.float32)
+    x = jax.ShapeDtypeStruct((256, 64), jnp.float32)
+    p = autoshard.plan(step, w, x, mesh={"x": 8}, hardware="h100-sxm")
+    assert any("my_opaque_op" in warning for warning in p.warnings), p.warnings
