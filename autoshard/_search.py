@@ -334,13 +334,24 @@ def search(graph: OpGraph, grouping: Grouping, mesh: MeshSpec, hw: HardwareSpec,
     fg = analyze(graph, ops, pairs)
     grad_ops = _grad_ops(graph, [i for i, w in weights.items() if w > 0])
 
-    # factors worth splitting: those of parameters and data inputs, largest first
+    # factors worth splitting: those of parameters and data inputs, largest first, that some op
+    # iterates over, except a stacked scan's layer axis: the loop slices it, and splitting it
+    # would cost a gather per iteration that the op model does not see
+    sliced: set[int] = set()
+    for i in weights:
+        op = graph.ops[i]
+        if op.loops:
+            for v, shape in zip(op.inputs, op.in_shapes, strict=True):
+                full = graph.values[v].shape
+                if len(shape) < len(full):  # a scan slices this value along its leading dims
+                    sliced.update(f for f in fg.value_factors(v)[:len(full) - len(shape)] if f is not None)
+    in_loops = {f for i, w in weights.items() if w > 0 for f in fg.op_factors[i].loop} - sliced
     weight_of: dict[int, float] = defaultdict(float)
     for v in graph.inputs:
         val = graph.values[v]
         if val.role in ("parameter", "data"):
             for f in fg.value_factors(v):
-                if f is not None and f not in fg.repeated:
+                if f is not None and f not in fg.repeated and f in in_loops:
                     weight_of[f] += val.nbytes
     cands = sorted(weight_of, key=lambda f: (-weight_of[f], f))
     masks_of = {f: [m for m in _axis_masks(mesh) if fg.divides(f, _mask_size(mesh, m))]

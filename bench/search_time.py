@@ -61,6 +61,21 @@ _planner.trace = _timed("trace", _planner.trace)
 _planner.group = _timed("group", _planner.group)
 
 
+def git_state() -> dict:
+    """Commit of the checkout and whether the library or model zoo differ from it."""
+    import subprocess
+
+    root = Path(__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
+                              text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "autoshard", "models"], cwd=root,
+                               capture_output=True, text=True, check=True).stdout.split("\n")
+    except (OSError, subprocess.CalledProcessError):
+        return {"commit": None}
+    return {"commit": head, "modified_at_start": [line[3:] for line in dirty if line.strip()]}
+
+
 def plan_once(m, args, mesh: dict, budget: float | None) -> tuple[dict, autoshard.Plan | None, str | None]:
     _timings.clear()
     t0 = time.perf_counter()
@@ -110,6 +125,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="12 and 24 layers only")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "search_time.json"))
     opts = ap.parse_args()
+    git = git_state()  # before running: the checkout may change while a long run goes on
     layer_counts = [12, 24] if opts.quick else [12, 24, 48, 96]
     t_start = time.perf_counter()
     cells = []
@@ -159,7 +175,7 @@ def main() -> None:
     report = {"bench": "search_time", "date": time.strftime("%Y-%m-%d"),
               "machine": {"python": platform.python_version(), "jax": jax.__version__,
                           "numpy": np.__version__, "autoshard": autoshard.__version__,
-                          "cpus": os.cpu_count(), "platform": platform.platform()},
+                          "cpus": os.cpu_count(), "git": git, "platform": platform.platform()},
               "model": {"name": "gpt", "config": "gpt3-175b", "batch_size": 16}, "hardware": HARDWARE,
               "reps": REPS, "targets": {"search_s": TARGET_SEARCH_S, "ratio": TARGET_RATIO},
               "ratios": {k: {"layers": [last, first], "search_ratio": v} for k, v in ratios.items()},

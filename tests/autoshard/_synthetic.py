@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from autoshard._flops import estimate_flops
 from autoshard._graph import Loop, Op, OpGraph, Value, nbytes
 from autoshard._graph_attribution import parse_scope
+from autoshard._group import Grouping
 
 B, D, F, V = 8, 16, 64, 32          # tokens, model dim, mlp hidden, vocab
 MATMUL = {"contracting": ((1,), (0,)), "batch": ((), ())}
@@ -41,6 +42,10 @@ class GraphBuilder:
                           keypath_parts=tuple(parts), role=role, module=module)
         self.inputs.append(vid)
         return vid
+
+    def literal(self, shape=(), dtype="float32") -> int:
+        """A literal constant (kind "literal"), e.g. the scalar of `x * 2.0`."""
+        return self._value(shape, dtype, kind="literal")
 
     def param(self, module: str, shape, leaf="kernel", arg=0) -> int:
         """A parameter input already attributed (role/module set) for grouping tests."""
@@ -74,6 +79,16 @@ class GraphBuilder:
             params=params, module=module, phase=phase))
         return outs[0] if len(outs) == 1 else outs
 
+    def dot(self, a: int, b: int, contracting=((1,), (0,)), batch=((), ()), **kw) -> int:
+        """dot_general with params as the tracer records them; output shape = batch, lhs free,
+        rhs free dims."""
+        sa, sb = self.values[a].shape, self.values[b].shape
+        (lc, rc), (lb, rb) = contracting, batch
+        out = ([sa[d] for d in lb] + [n for d, n in enumerate(sa) if d not in lc and d not in lb]
+               + [n for d, n in enumerate(sb) if d not in rc and d not in rb])
+        params = {"contracting": (tuple(lc), tuple(rc)), "batch": (tuple(lb), tuple(rb))}
+        return self.op("dot_general", [a, b], [tuple(out)], params=params, **kw)
+
     def output(self, vid: int, parts: Sequence = ()) -> None:
         self.outputs.append(vid)
         self.out_parts.append(tuple(parts))
@@ -81,6 +96,52 @@ class GraphBuilder:
     def build(self, name="synthetic") -> OpGraph:
         return OpGraph(self.ops, self.values, list(self.inputs), list(self.outputs),
                        [keystr(p) for p in self.out_parts], list(self.out_parts), name)
+
+
+def remainder_grouping(graph: OpGraph) -> Grouping:
+    """A Grouping with no block types: every op is in the remainder (search analyses them all)."""
+    return Grouping(graph, (), tuple(range(len(graph.ops))), (), 2)
+
+
+def mlp_step(batch: int, dims: Sequence[int], *, adam: bool = True, stem: str = "M/dense_",
+             act: str | None = "tanh") -> OpGraph:
+    """A training step of an MLP without biases, as plain data: data input x[batch, dims[0]]
+    (role "data"), kernels W_i[dims[i], dims[i+1]] (role "parameter", module f"{stem}{i}"),
+    forward x @ W_0 → act → ... → loss = sum(h*h); backward: the output gradient, per layer
+    the weight gradient dW_i = h_iᵀ g (contracting over the batch) and, except for the first
+    layer, the input gradient g W_iᵀ; optimizer: with `adam`, a moment m_i (role "state")
+    updated as m_i + dW_i and W_i - m_i, else plain SGD W_i - dW_i."""
+    g = GraphBuilder()
+    h = g.input((batch, dims[0]), (2, "x"), role="data")
+    ws, saved = [], []
+    for i, (n_in, n_out) in enumerate(zip(dims, dims[1:], strict=False)):
+        mod = f"{stem}{i}"
+        w = g.param(mod, (n_in, n_out))
+        ws.append(w)
+        saved.append(h)
+        h = g.dot(h, w, module=mod)
+        if act:
+            h = g.op(act, [h], module=mod)
+    loss = g.op("reduce_sum", [g.op("mul", [h, h])], [()], params={"axes": (0, 1)})
+    g.output(loss, (2,))
+    grad = g.op("mul", [h], phase="backward")
+    grads = {}
+    for i in reversed(range(len(ws))):
+        mod = g.values[ws[i]].module
+        if act:
+            grad = g.op("mul", [grad], module=mod, phase="backward")
+        grads[i] = g.dot(saved[i], grad, ((0,), (0,)), module=mod, phase="backward")
+        if i:
+            grad = g.dot(grad, ws[i], ((1,), (1,)), module=mod, phase="backward")
+    for i, w in enumerate(ws):
+        val = g.values[w]
+        upd = grads[i]
+        if adam:
+            m = g.input(val.shape, (1, "mu", *val.keypath_parts[1:]), role="state", module=val.module)
+            upd = g.op("add", [m, grads[i]], module=val.module, phase="optimizer")
+            g.output(upd, g.values[m].keypath_parts)
+        g.output(g.op("sub", [w, upd], module=val.module, phase="optimizer"), val.keypath_parts)
+    return g.build()
 
 
 def block(g: GraphBuilder, prefix: str, x: int, *, loops=(), extra_add=False, repeat=1,

@@ -90,3 +90,22 @@ def test_zero_storage_matches_single_device(storage):
     np.testing.assert_allclose(losses, ref_losses, rtol=0, atol=1e-5)
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ref_params), strict=True):
         assert float(jnp.max(jnp.abs(a - b))) < 1e-5
+
+
+@pytest.mark.parametrize("overrides", [{"scan_layers": True, "num_layers": 3}, {"remat": True, "num_layers": 2}])
+def test_scan_and_remat_variants_match_single_device(overrides):
+    m = models.get("gpt", "debug", **overrides)
+    losses, ref_params = _reference(m, 3)
+    step = autoshard.autoshard(m.train_step, mesh={"data": 2, "model": 4}, hardware=FAST_LINKS)
+    params = m.init(jax.random.key(0))
+    opt = m.init_opt_state(params)
+    for want in losses:
+        params, opt, loss = step(params, opt, m.batch())
+        assert abs(float(loss) - want) < 1e-5
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ref_params), strict=True):
+        assert float(jnp.max(jnp.abs(a - b))) < 1e-5
+    if overrides.get("scan_layers"):
+        # the stacked layer axis is sliced by the scan, never split across devices
+        for k, spec in step.plan.specs_by_keypath().items():
+            if "['blocks']" in k:
+                assert spec[0] == (), (k, spec)
