@@ -311,10 +311,10 @@ def test_gather_then_scatter_share_the_embedding_factors():
 # convolution ----------------------------------------------------------------------------------
 
 def test_conv_links_batch_features_and_same_size_spatial_dims():
-    N, C, H, W, O = 2, 3, 16, 12, 8
+    N, C, H, W, Co = 2, 3, 16, 12, 8
     g = GraphBuilder()
-    x, w = g.input((N, C, H, W)), g.input((O, C, 3, 3))
-    y = g.op("conv_general_dilated", [x, w], [(N, O, H, W)], params={**CONV_NCHW, "padding": ((1, 1), (1, 1))})
+    x, w = g.input((N, C, H, W)), g.input((Co, C, 3, 3))
+    y = g.op("conv_general_dilated", [x, w], [(N, Co, H, W)], params={**CONV_NCHW, "padding": ((1, 1), (1, 1))})
     _, fg = analyze_all(g)
     fx, fw, fy = fg.value_factors(x), fg.value_factors(w), fg.value_factors(y)
     assert fy[0] == fx[0]                          # batch
@@ -327,10 +327,10 @@ def test_conv_links_batch_features_and_same_size_spatial_dims():
 
 
 def test_conv_valid_padding_does_not_link_resized_spatial_dims():
-    N, C, H, W, O = 2, 3, 16, 12, 8
+    N, C, H, W, Co = 2, 3, 16, 12, 8
     g = GraphBuilder()
-    x, w = g.input((N, C, H, W)), g.input((O, C, 3, 3))
-    y = g.op("conv_general_dilated", [x, w], [(N, O, H - 2, W - 2)],
+    x, w = g.input((N, C, H, W)), g.input((Co, C, 3, 3))
+    y = g.op("conv_general_dilated", [x, w], [(N, Co, H - 2, W - 2)],
              params={**CONV_NCHW, "padding": ((0, 0), (0, 0))})
     _, fg = analyze_all(g)
     fx, fy = fg.value_factors(x), fg.value_factors(y)
@@ -339,10 +339,10 @@ def test_conv_valid_padding_does_not_link_resized_spatial_dims():
 
 
 def test_conv_nhwc_specs():
-    N, H, W, C, O = 2, 16, 12, 3, 8
+    N, H, W, C, Co = 2, 16, 12, 3, 8
     g = GraphBuilder()
-    x, w = g.input((N, H, W, C)), g.input((3, 3, C, O))        # NHWC, HWIO
-    y = g.op("conv_general_dilated", [x, w], [(N, H, W, O)], params={
+    x, w = g.input((N, H, W, C)), g.input((3, 3, C, Co))        # NHWC, HWIO
+    y = g.op("conv_general_dilated", [x, w], [(N, H, W, Co)], params={
         "lhs_spec": (0, 3, 1, 2), "rhs_spec": (3, 2, 0, 1), "out_spec": (0, 3, 1, 2),
         "rhs_in_feature_dim": 2, "rhs_spatial_dims": (0, 1), "feature_group_count": 1})
     _, fg = analyze_all(g)
