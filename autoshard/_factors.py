@@ -203,6 +203,8 @@ def _reduced_factors(op: Op, ins: list[tuple]) -> set[int]:
         scatter = [d for d in range(len(upd)) if d not in window]
         return {upd[d] for k, d in enumerate(scatter) if k not in ibatch and upd[d] is not None}
     if p == "conv_general_dilated" and "lhs_spec" in params:
+        if params.get("feature_group_count", 1) > 1:
+            return set()
         return {ins[0][params["lhs_spec"][1]]} - {None}
     return set()
 
@@ -270,6 +272,19 @@ def _link_op(uf: _UnionFind, op: Op, values) -> None:
         for v, s in zip(ins, ish, strict=True):
             if s == so:
                 _link_same(uf, v, s, o, so, range(len(s)), range(len(so)))
+        for v2, s2 in zip(outs[1:], osh[1:], strict=False):  # sort's extra outputs (argsort)
+            if s2 == so:
+                _link_same(uf, v2, s2, o, so, range(len(s2)), range(len(so)))
+    elif p == "split":
+        axis = params.get("axis", 0)
+        for v2, s2 in zip(outs, osh, strict=True):
+            keep = [d for d in range(len(s2)) if d != axis]
+            _link_same(uf, ins[0], ish[0], v2, s2, keep, keep)
+    elif p in _WINDOWED:
+        # pooling: dims the window leaves whole (batch, channels) keep their factor
+        for v, s in zip(ins, ish, strict=True):
+            if len(s) == len(so):
+                _link_same(uf, v, s, o, so, range(len(s)), range(len(so)))
     elif p in ("slice", "dynamic_slice", "dynamic_update_slice", "pad", "concatenate"):
         # dims that keep their size keep their factor; resized dims start new ones
         for v, s in zip(ins, ish, strict=True):
@@ -299,12 +314,18 @@ def _link_op(uf: _UnionFind, op: Op, values) -> None:
         ls, rs, os_ = params["lhs_spec"], params["rhs_spec"], params["out_spec"]
         (x, sx), (w, sw) = (ins[0], ish[0]), (ins[1], ish[1])
         _link_same(uf, x, sx, o, so, [ls[0]], [os_[0]])          # batch
-        _link_same(uf, x, sx, w, sw, [ls[1]], [rs[1]])           # input features (contracted)
         _link_same(uf, w, sw, o, so, [rs[0]], [os_[1]])          # output features
         _link_same(uf, x, sx, o, so, ls[2:], os_[2:])            # spatial (same size only)
+        if params.get("feature_group_count", 1) > 1:
+            # grouped/depthwise: each output channel reads its own group's input channels
+            _link_same(uf, x, sx, o, so, [ls[1]], [os_[1]])
+        else:
+            _link_same(uf, x, sx, w, sw, [ls[1]], [rs[1]])       # input features (contracted)
 
 
-_KNOWN = (ELEMENTWISE | REDUCTIONS | CUMULATIVE | SOURCES | {
+_WINDOWED = frozenset({"reduce_window_sum", "reduce_window_max", "reduce_window_min", "reduce_window",
+                       "select_and_scatter_add", "select_and_gather_add"})
+_KNOWN = (ELEMENTWISE | REDUCTIONS | CUMULATIVE | SOURCES | _WINDOWED | {"split",
     "broadcast_in_dim", "transpose", "reshape", "squeeze", "expand_dims", "dot_general", "sort",
     "rev", "slice", "dynamic_slice", "dynamic_update_slice", "pad", "concatenate", "gather",
     "scatter-add", "scatter_add", "scatter", "conv_general_dilated", "select_and_scatter_add",

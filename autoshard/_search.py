@@ -117,7 +117,7 @@ class _Evaluator:
 
     def _build_groups(self, weights: dict[int, float], grad_ops: frozenset[int]) -> None:
         hw = self.hw
-        groups: dict[tuple, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0])
+        groups: dict[tuple, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0, 0.0])
         unknown_gather: dict[tuple, float] = defaultdict(float)
         for i, w in weights.items():
             if w <= 0:
@@ -131,27 +131,35 @@ class _Evaluator:
             key = (self._cmask(of.loop), self._cmask(of.reduced), kind)
             g = groups[key]
             g[0] += w * max(t_flops, t_bytes)
-            g[1] += w * of.out_bytes if of.reduced else 0.0
+            if of.reduced:
+                g[1] += w * of.out_bytes
+                g[2] += w          # collectives issued (each op, each instance, each iteration)
             for b, fs in of.gathered:
                 unknown_gather[(self._cmask([f for f in fs if f is not None]), op.phase)] += w * b
-        self.groups = [(k, v[0], v[1]) for k, v in sorted(groups.items())]
+        # gradient sync is packed into buckets (TAP §4.7.1): a few large messages, not one per op
+        for key, v in groups.items():
+            if key[2] == "grad" and v[2]:
+                v[2] = float(max(1, math.ceil(v[1] / self.options.bucket_bytes)))
+        self.groups = [(k, v[0], v[1], v[2]) for k, v in sorted(groups.items())]
         self.gathers = sorted(unknown_gather.items())
 
     def _build_tensors(self, weights: dict[int, float]) -> None:
         g, fg = self.graph, self.fg
-        self.params: list[tuple[tuple[int, ...], float, tuple[int, ...], int]] = []
-        self.state: list[tuple[tuple[int, ...], float, tuple[int, ...]]] = []
+        # parameters and optimizer state, aggregated by (per-dim candidate factor, shape): every
+        # layer of a 96-layer model adds bytes to the same few entries
+        tensors: dict[tuple, float] = defaultdict(float)
         self.data: list[tuple[tuple[int, ...], float]] = []
         for v in g.inputs:
             val = g.values[v]
             src = self.in_map.get(v, v)
             fs = fg.value_factors(src) if g.values[src].shape == val.shape else (None,) * len(val.shape)
-            if val.role == "parameter":
-                self.params.append((self._cmask(fs), val.nbytes, val.shape, v))
-            elif val.role == "state":
-                self.state.append((self._cmask(fs), val.nbytes, val.shape))
+            if val.role in ("parameter", "state"):
+                dims = tuple(self.cidx.get(f, -1) if f is not None else -1 for f in fs)
+                tensors[(val.role, dims, val.shape)] += val.nbytes
             else:
                 self.data.append((self._cmask(fs), val.nbytes))
+        self.params = [(dims, shape, b) for (role, dims, shape), b in sorted(tensors.items()) if role == "parameter"]
+        self.state = [(dims, shape, b) for (role, dims, shape), b in sorted(tensors.items()) if role == "state"]
         # activations kept for the backward pass (residuals), per instance weight
         acts: dict[tuple[int, ...], float] = defaultdict(float)
         for i, w in weights.items():
@@ -170,9 +178,10 @@ class _Evaluator:
             out |= plans[:, i]
         return out
 
-    def _coll(self, kind: str, nbytes_: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    def _coll(self, kind: str, nbytes_: np.ndarray, mask: np.ndarray, count: float = 1.0) -> np.ndarray:
+        """Time of `count` collectives moving `nbytes_` in total over the axes in `mask`."""
         alpha, beta = self.coll[kind]
-        t = alpha[mask] + nbytes_ * beta[mask]
+        t = count * alpha[mask] + nbytes_ * beta[mask]
         return np.where(mask == 0, 0.0, t)
 
     def evaluate(self, plans: np.ndarray, storage: str) -> dict[str, np.ndarray]:
@@ -182,13 +191,13 @@ class _Evaluator:
         out = {k: np.zeros(C) for k in ("compute", "fwd_comm", "bwd_comm", "opt_comm", "grad_sync",
                                          "storage_comm", "params", "grads", "optimizer",
                                          "activations", "data")}
-        for (loop, red, kind), work, ar_bytes in self.groups:
+        for (loop, red, kind), work, ar_bytes, count in self.groups:
             s_mask = self._or(plans, loop)
             n = self.msize[s_mask]
             out["compute"] += work / n
             if red and ar_bytes:
                 r_mask = self._or(plans, red)
-                t = self._coll("all-reduce", ar_bytes * self.msize[r_mask] / n, r_mask)
+                t = self._coll("all-reduce", ar_bytes * self.msize[r_mask] / n, r_mask, count)
                 bucket = {"forward": "fwd_comm", "backward": "bwd_comm", "grad": "grad_sync",
                           "optimizer": "opt_comm", "other": "fwd_comm"}[kind]
                 out[bucket] += t
@@ -198,11 +207,9 @@ class _Evaluator:
                 "all-gather", b * np.ones(C), m)
 
         # parameters, gradients, optimizer state under the storage mode
-        for fs, b, shape, _ in self.params:
-            m = self._or(plans, fs)
-            n = self.msize[m]
-            free = np.where(self._divisible_free(shape, m, full), full & ~m, 0)
-            nt = self.msize[free]
+        for dims, shape, b in self.params:
+            m, free = self._storage_masks(plans, dims, shape, full)
+            n, nt = self.msize[m], self.msize[free]
             if storage == "replicated":
                 out["params"] += b / n
                 out["grads"] += b / n
@@ -212,19 +219,14 @@ class _Evaluator:
                 # grads reduce-scatter (instead of all-reduce) + params all-gather after the update:
                 # the same bytes as the all-reduce already counted; one extra collective's latency
                 out["storage_comm"] += self._coll("all-gather", np.zeros(C), free)
-            else:  # zero3 / FSDP
+            else:  # zero3 / FSDP: gather before the forward and again before the backward
                 out["params"] += b / (n * nt)
                 out["grads"] += b / (n * nt)
-                # gather before the forward and again before the backward (ZeRO-3)
                 out["storage_comm"] += 2 * self._coll("all-gather", b / n, free)
-        for fs, b, shape in self.state:
-            m = self._or(plans, fs)
+        for dims, shape, b in self.state:
+            m, free = self._storage_masks(plans, dims, shape, full)
             n = self.msize[m]
-            if storage == "replicated":
-                out["optimizer"] += b / n
-            else:
-                free = np.where(self._divisible_free(shape, m, full), full & ~m, 0)
-                out["optimizer"] += b / (n * self.msize[free])
+            out["optimizer"] += b / n if storage == "replicated" else b / (n * self.msize[free])
         for fs, b in self.acts:
             out["activations"] += b / self.msize[self._or(plans, fs)]
         for fs, b in self.data:
@@ -237,15 +239,21 @@ class _Evaluator:
                          + out["data"])
         return out
 
-    def _divisible_free(self, shape: tuple[int, ...], used: np.ndarray, full: int) -> np.ndarray:
-        """Whether the axes not used by a tensor's factors can split one of its dims."""
-        ok = np.zeros(self.nm, dtype=bool)
-        for m in range(self.nm):
-            free = full & ~m
-            n = _mask_size(self.mesh, free)
-            ok[m] = any(d % (n * _mask_size(self.mesh, m)) == 0 or d % n == 0 for d in shape) \
-                if shape else False
-        return ok[used]
+    def _storage_masks(self, plans: np.ndarray, dims: tuple[int, ...], shape: tuple[int, ...],
+                       full: int) -> tuple[np.ndarray, np.ndarray]:
+        """(axes splitting the tensor, axes ZeRO can add): the unused axes, if one dim still
+        divides by them on top of its own split (the rule emission follows)."""
+        C = plans.shape[0]
+        per_dim = [plans[:, k] if k >= 0 else np.zeros(C, dtype=np.int64) for k in dims]
+        m = np.zeros(C, dtype=np.int64)
+        for md in per_dim:
+            m |= md
+        free = full & ~m
+        nf = self.msize[free].astype(np.int64)
+        ok = np.zeros(C, dtype=bool)
+        for d, md in enumerate(per_dim):
+            ok |= shape[d] % (self.msize[md].astype(np.int64) * nf) == 0
+        return m, np.where(ok & (nf > 1), free, 0)
 
     def evaluate_one(self, factor_axes: dict[int, tuple[str, ...]], storage: str) -> PlanChoice:
         row = np.zeros((1, len(self.cands)), dtype=np.int64)
@@ -282,18 +290,25 @@ def _period(graph: OpGraph, bt, remainder: Sequence[int]) -> int:
     return 1
 
 
+_TO_UPDATE = frozenset({"add_any", "transpose", "reshape", "convert_element_type", "copy", "squeeze",
+                        "expand_dims", "scatter-add", "scatter_add"})
+
+
 def _grad_ops(graph: OpGraph, ops: Sequence[int]) -> frozenset[int]:
-    """Backward ops that only feed parameter updates (weight-gradient matmuls, bias reductions,
-    embedding scatters and what follows them): their all-reduce is the overlappable gradient
-    sync, not a stall on the critical path."""
-    only_grads = [False] * len(graph.ops)
+    """Backward ops whose result is a parameter gradient: it reaches an optimizer op directly or
+    through accumulation/layout ops only (add_any of tied weights, transposes, reshapes, the
+    embedding scatter). Their all-reduce is the overlappable gradient sync; every other backward
+    all-reduce (Megatron's activation gradients) stalls the backward pass."""
+    feeds_update = [False] * len(graph.ops)
     for op in reversed(graph.ops):
         if op.phase != "backward":
             continue
-        consumers = [c for v in op.outputs for c in graph.values[v].consumers]
-        only_grads[op.index] = bool(consumers) and all(
-            graph.ops[c].phase == "optimizer" or only_grads[c] for c in consumers)
-    return frozenset(i for i in ops if only_grads[i])
+        for v in op.outputs:
+            for c in graph.values[v].consumers:
+                cop = graph.ops[c]
+                if cop.phase == "optimizer" or (cop.primitive in _TO_UPDATE and feeds_update[c]):
+                    feeds_update[op.index] = True
+    return frozenset(i for i in ops if feeds_update[i])
 
 
 def search(graph: OpGraph, grouping: Grouping, mesh: MeshSpec, hw: HardwareSpec,
@@ -379,8 +394,8 @@ def search(graph: OpGraph, grouping: Grouping, mesh: MeshSpec, hw: HardwareSpec,
     in_map = input_maps(graph, grouping, tuple(periods))
     ev = _Evaluator(graph, fg, weights, grad_ops, cands_t, mesh, hw, cost, options, in_map)
     ev.budget = budget
-    bwd = sum(w for (_, _, kind), w, _ in ev.groups if kind in ("backward", "grad"))
-    allw = sum(w for _, w, _ in ev.groups) or 1.0
+    bwd = sum(w for (_, _, kind), w, _, _ in ev.groups if kind in ("backward", "grad"))
+    allw = sum(w for _, w, _, _ in ev.groups) or 1.0
     ev.bwd_share = bwd / allw
 
     best = None

@@ -5,7 +5,9 @@ h100-sxm on 8 devices (mesh data=2 x model=4) and 64 devices (data=8 x model=8):
 (`plan.predicted["search_seconds"]`: the search proper, after trace and grouping), and around the
 same `autoshard.plan` call the trace, group and total seconds (trace and group timed by wrapping
 the planner's own calls, so nothing is traced twice). Each cell is planned 3 times; medians are
-reported. Targets: search <= 1 s per cell and t(96)/t(12) <= 1.5 per mesh.
+reported (the repetition loop is outermost, so a burst of load from other processes hits every
+cell alike; the load average is recorded). Targets: search <= 1 s per cell and t(96)/t(12) <= 1.5
+per mesh.
 
 When no plan fits the default memory budget (90 % of an H100's HBM: GPT-3 at batch 16 without
 rematerialisation needs far more), `autoshard.plan` raises `InfeasiblePlanError` and returns no
@@ -93,25 +95,33 @@ def plan_once(m, args, mesh: dict, budget: float | None) -> tuple[dict, autoshar
     return t, p, err
 
 
-def measure(layers: int, mesh_name: str, mesh: dict, m, args) -> dict:
-    runs, p, err = [], None, None
+def new_cell(layers: int, mesh_name: str, mesh: dict, m, args) -> dict:
+    """Pass 0: plan with the default budget; an infeasible cell is timed unbounded from then on."""
     t, p, err = plan_once(m, args, mesh, None)
     cell = {"layers": layers, "mesh": mesh_name, "mesh_axes": mesh, "devices": int(np.prod(list(mesh.values()))),
-            "feasible_default_budget": err is None, "timed_budget": "default (90% HBM)"}
-    if err is None:
-        runs.append(t)
-    else:
+            "feasible_default_budget": err is None, "timed_budget": "default (90% HBM)", "budget": None,
+            "runs": [t] if err is None else [], "plan": p}
+    if err is not None:
         need = re.search(r"takes ([0-9.]+) GiB per device", err)
         cell["infeasible"] = {"message": err, "least_memory_gib": float(need.group(1)) if need else None,
                               "total_s": t["total_s"]}
-        cell["timed_budget"] = "unbounded (inf)"
-    budget = None if err is None else float("inf")
-    while len(runs) < REPS:
-        t, p, err2 = plan_once(m, args, mesh, budget)
-        assert err2 is None, err2
-        runs.append(t)
+        cell["timed_budget"], cell["budget"] = "unbounded (inf)", float("inf")
+    return cell
+
+
+def add_run(cell: dict, m, args) -> None:
+    t, p, err = plan_once(m, args, cell["mesh_axes"], cell["budget"])
+    assert err is None, err
+    cell["runs"].append(t)
+    cell["plan"] = p
+
+
+def finish(cell: dict) -> dict:
+    runs, p = cell["runs"], cell.pop("plan")
+    cell.pop("budget")
     med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
-    cell.update({"runs": runs, "median": med, "search_s_max": max(r["search_s"] for r in runs),
+    cell.update({"median": med, "search_s_min": min(r["search_s"] for r in runs),
+                 "search_s_max": max(r["search_s"] for r in runs),
                  "plans_evaluated": p.predicted["plans_evaluated"], "storage": p.storage,
                  "predicted_step_s": p.predicted["step_time"],
                  "predicted_memory_gib": p.predicted["memory"]["total"] / 2**30,
@@ -126,21 +136,31 @@ def main() -> None:
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "search_time.json"))
     opts = ap.parse_args()
     git = git_state()  # before running: the checkout may change while a long run goes on
+    load_start = os.getloadavg()
     layer_counts = [12, 24] if opts.quick else [12, 24, 48, 96]
     t_start = time.perf_counter()
-    cells = []
+    cases = {}
     for n in layer_counts:
         m = models.get("gpt", "gpt3-175b", num_layers=n, batch_size=16)
-        args = m.abstract_state()
-        params = sum(x.size for x in jax.tree.leaves(args[0]))
-        for mesh_name, mesh in MESHES.items():
-            c = measure(n, mesh_name, mesh, m, args)
-            c["params"] = params
-            cells.append(c)
-            md = c["median"]
-            print(f"done {n} layers on {mesh_name}: search {md['search_s']:.3f} s (median of {REPS}), "
-                  f"trace {md['trace_s']:.2f} s, total {md['total_s']:.2f} s"
-                  f"{'' if c['feasible_default_budget'] else ', infeasible at default budget'}", flush=True)
+        cases[n] = (m, m.abstract_state())
+    # repetitions are the outer loop, so a burst of load from elsewhere hits every cell alike
+    cells: dict[tuple, dict] = {}
+    for rep in range(REPS + 1):
+        for n, (m, args) in cases.items():
+            for mesh_name, mesh in MESHES.items():
+                c = cells.get((n, mesh_name))
+                if c is None:
+                    cells[(n, mesh_name)] = c = new_cell(n, mesh_name, mesh, m, args)
+                elif len(c["runs"]) < REPS:
+                    add_run(c, m, args)
+        print(f"pass {rep + 1}/{REPS + 1} done ({time.perf_counter() - t_start:.0f} s, load "
+              f"{os.getloadavg()[0]:.1f})", flush=True)
+    cells_l = []
+    for (n, _), c in cells.items():
+        c = finish(c)
+        c["params"] = sum(x.size for x in jax.tree.leaves(cases[n][1][0]))
+        cells_l.append(c)
+    cells = cells_l
 
     first, last = layer_counts[0], layer_counts[-1]
     ratios = {}
@@ -179,10 +199,12 @@ def main() -> None:
               "model": {"name": "gpt", "config": "gpt3-175b", "batch_size": 16}, "hardware": HARDWARE,
               "reps": REPS, "targets": {"search_s": TARGET_SEARCH_S, "ratio": TARGET_RATIO},
               "ratios": {k: {"layers": [last, first], "search_ratio": v} for k, v in ratios.items()},
-              "wall_s": wall, "cells": cells}
+              "wall_s": wall, "loadavg_1_5_15": {"start": load_start, "end": os.getloadavg()},
+              "cells": cells}
     Path(opts.out).parent.mkdir(parents=True, exist_ok=True)
     Path(opts.out).write_text(json.dumps(report, indent=2))
-    print(f"\nwall {wall:.0f} s; wrote {opts.out}")
+    print(f"\nwall {wall:.0f} s; load average (1 min) {load_start[0]:.1f} at start, {os.getloadavg()[0]:.1f} at end; "
+          f"wrote {opts.out}")
 
 
 if __name__ == "__main__":

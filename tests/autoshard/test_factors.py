@@ -352,11 +352,6 @@ def test_conv_nhwc_specs():
     assert fg.op_factors[0].reduced == {fx[3]}
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "grouped/depthwise conv: _link_op and _reduced_factors ignore feature_group_count, so with "
-    "feature_group_count=C the rhs in-feature dim has size 1 and nothing links the input channels "
-    "to the output channels, yet the input channel factor is still reported as reduced (no channel "
-    "sum happens across groups)"))
 def test_depthwise_conv_channels_are_carried_not_reduced():
     N, C, H, W = 2, 8, 16, 12
     g = GraphBuilder()
@@ -492,10 +487,6 @@ def test_analyze_is_deterministic():
 
 # gaps found while writing these tests ---------------------------------------------------------
 
-@pytest.mark.xfail(strict=True, reason=(
-    "lax.split (jnp.split in jax >= 0.4.36, e.g. splitting a fused qkv projection) is not in "
-    "_factors._KNOWN: it becomes an unknown op whose operand is costed as all-gathered and whose "
-    "outputs start fresh factors, so the batch factor is cut at every split"))
 def test_split_links_the_unsplit_dims():
     B, D = 8, 16
     g = GraphBuilder()
@@ -507,10 +498,6 @@ def test_split_links_the_unsplit_dims():
     assert fg.value_factors(a)[0] == fg.value_factors(b)[0] == fx[0]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "reduce_window_max / reduce_window_sum / select_and_scatter_add (pooling and its gradient) are "
-    "in _factors._KNOWN but _link_op has no rule for them: the pooled output's batch and channel "
-    "dims get fresh factors, so a CNN's batch factor is cut at every pooling layer"))
 def test_max_pool_keeps_batch_and_channel_factors():
     N, H, W, C = 2, 16, 12, 3
     g = GraphBuilder()
@@ -523,10 +510,6 @@ def test_max_pool_keeps_batch_and_channel_factors():
     assert fy[0] == fx[0] and fy[3] == fx[3]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "multi-operand sort (jnp.argsort = sort(x, iota, num_keys=1), the permutation is the 2nd "
-    "output): _link_op links every operand to the first output only, so outputs[1:] of sort start "
-    "fresh factors and an argsort result is cut from the batch factor"))
 def test_argsort_second_output_keeps_the_batch_factor():
     B, N = 4, 32
     g = GraphBuilder()

@@ -226,13 +226,6 @@ def test_indivisible_factor_never_gets_the_axis(hw):
 
 # gaps found while writing these tests -----------------------------------------------------------
 
-@pytest.mark.xfail(strict=True, reason=(
-    "_search._grad_ops is transitive upstream: an op counts as 'only feeding gradients' when all its "
-    "consumers do, and since every backward chain ends in weight gradients consumed by the optimizer, "
-    "EVERY backward op is classified as a grad op (a traced gpt/mlp debug model: 325/325 and 32/32). "
-    "Megatron's activation-gradient all-reduce (input gradient of a column-parallel layer) therefore "
-    "lands in breakdown['grad_sync'] and is hidden behind backward compute, instead of bwd_comm; "
-    "bwd_comm is always 0"))
 def test_column_parallel_input_gradient_all_reduce_is_backward_comm():
     B, D = 8, 64
     graph = mlp_step(B, [D] * 4)                 # three layers
@@ -248,12 +241,6 @@ def test_column_parallel_input_gradient_all_reduce_is_backward_comm():
     assert megatron.breakdown["grad_sync"] == 0.0   # no weight gradient is reduced
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "_Evaluator._build_groups sums ops with the same (loop, reduced, phase) summary into one group "
-    "and weights them by repeat count, then charges ONE collective of the summed bytes per group: "
-    "the latency term (2(n-1) steps x link latency) is paid once for all of them. An op run 4 times "
-    "in a loop (or one op per instance of an L-instance block type, weight L) does 4 sequential "
-    "all-reduces but is charged ~1 latency"))
 def test_each_repetition_of_a_reducing_op_pays_collective_latency():
     B, K, N = 8, 1024, 512
     g = GraphBuilder()
@@ -267,12 +254,6 @@ def test_each_repetition_of_a_reducing_op_pays_collective_latency():
     assert row.breakdown["fwd_comm"] == pytest.approx(4 * one, rel=1e-9)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "_Evaluator._divisible_free (ZeRO memory model) accepts a tensor when ANY dim is divisible by the "
-    "free axes' size (`d % (n*used) == 0 or d % n == 0`), ignoring that the dim may already be split "
-    "by the tensor's own axes; _planner._add_storage_axes ('the same rule the search's memory model "
-    "used') requires (shape[d] // cur) % n == 0. W[12, 5] with dim 0 on y=4 leaves 3 rows, which x=2 "
-    "cannot split: the plan keeps W at 1/4 per device but the search predicts 1/8 under zero3"))
 def test_zero3_memory_matches_what_the_planner_can_shard():
     g = GraphBuilder()
     x = g.input((16, 12), (2, "x"), role="data")
