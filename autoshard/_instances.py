@@ -40,12 +40,19 @@ def input_maps(graph: OpGraph, grouping: Grouping, periods: tuple[int, ...]) -> 
                     return (parts[0], *out[:k], *out[k + len(tail):])
         return (parts[0], *out)
 
-    by_module: dict[str, list[int]] = {}
+    # inputs by the instance whose subtree holds their module (one pass: O(inputs × depth))
+    paths = {inst.path for bt in grouping.block_types for inst in bt.instances}
+    under: dict[str, list[int]] = {}
     for v in graph.inputs:
-        by_module.setdefault(graph.values[v].module, []).append(v)
+        comps = graph.values[v].module.split("/")
+        for d in range(len(comps), 0, -1):
+            prefix = "/".join(comps[:d])
+            if prefix in paths:
+                under.setdefault(prefix, []).append(v)
+                break
+
     def inputs_under(path: str) -> list[int]:
-        return [v for mod, vids in by_module.items() if mod == path or mod.startswith(path + "/")
-                for v in vids]
+        return under.get(path, [])
 
     def key(v: int, path: str) -> tuple:
         val = graph.values[v]
