@@ -299,16 +299,18 @@ def _grad_ops(graph: OpGraph, ops: Sequence[int]) -> frozenset[int]:
     through accumulation/layout ops only (add_any of tied weights, transposes, reshapes, the
     embedding scatter). Their all-reduce is the overlappable gradient sync; every other backward
     all-reduce (Megatron's activation gradients) stalls the backward pass."""
-    feeds_update = [False] * len(graph.ops)
-    for op in reversed(graph.ops):
+    # only the analysed ops (the remainder and representative instances: independent of depth);
+    # a gradient's path to its update stays within its own instance or the remainder
+    feeds_update: dict[int, bool] = {}
+    for i in sorted(ops, reverse=True):
+        op = graph.ops[i]
         if op.phase != "backward":
             continue
-        for v in op.outputs:
-            for c in graph.values[v].consumers:
-                cop = graph.ops[c]
-                if cop.phase == "optimizer" or (cop.primitive in _TO_UPDATE and feeds_update[c]):
-                    feeds_update[op.index] = True
-    return frozenset(i for i in ops if feeds_update[i])
+        feeds_update[i] = any(
+            graph.ops[c].phase == "optimizer"
+            or (graph.ops[c].primitive in _TO_UPDATE and feeds_update.get(c, False))
+            for v in op.outputs for c in graph.values[v].consumers)
+    return frozenset(i for i, f in feeds_update.items() if f)
 
 
 def search(graph: OpGraph, grouping: Grouping, mesh: MeshSpec, hw: HardwareSpec,

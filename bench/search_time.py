@@ -163,10 +163,11 @@ def main() -> None:
     cells = cells_l
 
     first, last = layer_counts[0], layer_counts[-1]
-    ratios = {}
+    ratios, ratios_min = {}, {}
     for mesh_name in MESHES:
         by = {c["layers"]: c for c in cells if c["mesh"] == mesh_name}
         ratios[mesh_name] = by[last]["median"]["search_s"] / by[first]["median"]["search_s"]
+        ratios_min[mesh_name] = by[last]["search_s_min"] / by[first]["search_s_min"]
 
     print(f"\nGPT-3 shape (d 12288, seq 2048, batch 16), hardware {HARDWARE}; median of {REPS} plans per cell.")
     print(f"Targets: search <= {TARGET_SEARCH_S:g} s per cell; t({last})/t({first}) <= {TARGET_RATIO:g} per mesh"
@@ -182,10 +183,11 @@ def main() -> None:
               f"{c['search_s_max']:.3f} | {'yes' if c['search_s_max'] <= TARGET_SEARCH_S else 'NO'} | "
               f"{md['trace_s']:.2f} | {md['group_s']:.3f} | {md['total_s']:.2f} | {c['plans_evaluated']} | "
               f"{fits} | {c['storage']} | {c['predicted_step_s'] * 1e3:.0f} ms |")
-    print(f"\n| devices (mesh) | t({last})/t({first}) search | target <= {TARGET_RATIO:g} |")
-    print("|---|---|---|")
+    print(f"\n| devices (mesh) | t({last})/t({first}) search (medians) | target <= {TARGET_RATIO:g} | "
+          "same with the fastest of 3 (diagnostic) |")
+    print("|---|---|---|---|")
     for mesh_name, r in ratios.items():
-        print(f"| {mesh_name} | {r:.2f} | {'met' if r <= TARGET_RATIO else 'NOT met'} |")
+        print(f"| {mesh_name} | {r:.3f} | {'met' if r <= TARGET_RATIO else 'NOT met'} | {ratios_min[mesh_name]:.3f} |")
     print("\nChosen plans (first 8 lines of plan.explain()):")
     for c in cells:
         print(f"\n{c['layers']} layers on {c['mesh']}, budget {c['timed_budget']}:\n```")
@@ -198,7 +200,8 @@ def main() -> None:
                           "cpus": os.cpu_count(), "git": git, "platform": platform.platform()},
               "model": {"name": "gpt", "config": "gpt3-175b", "batch_size": 16}, "hardware": HARDWARE,
               "reps": REPS, "targets": {"search_s": TARGET_SEARCH_S, "ratio": TARGET_RATIO},
-              "ratios": {k: {"layers": [last, first], "search_ratio": v} for k, v in ratios.items()},
+              "ratios": {k: {"layers": [last, first], "search_ratio": v, "search_ratio_of_minima": ratios_min[k]}
+                         for k, v in ratios.items()},
               "wall_s": wall, "loadavg_1_5_15": {"start": load_start, "end": os.getloadavg()},
               "cells": cells}
     Path(opts.out).parent.mkdir(parents=True, exist_ok=True)
