@@ -9,10 +9,9 @@ topological order. Loop bodies (scan/while) appear once, annotated with their tr
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Iterator, Sequence
 from typing import Literal
-
-import numpy as np
 
 Phase = Literal["forward", "backward", "optimizer", "other"]
 PHASES: tuple[Phase, ...] = ("forward", "backward", "optimizer", "other")
@@ -33,7 +32,7 @@ def itemsize(dtype: str) -> int:
 
 
 def nbytes(shape: Sequence[int], dtype: str) -> int:
-    return int(np.prod(shape, dtype=np.int64)) * itemsize(dtype) if shape else itemsize(dtype)
+    return math.prod(shape) * itemsize(dtype)  # math.prod: exact ints, and ~20x faster than np.prod
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

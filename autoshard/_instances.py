@@ -33,8 +33,11 @@ def input_maps(graph: OpGraph, grouping: Grouping, periods: tuple[int, ...]) -> 
         # keypath may lack leading scope names (linen's "GPT"), so try the path's suffixes
         comps = path.split("/")
         out = [str(p).lstrip(".") for p in parts[1:]]
+        present = set(out)
         for start in range(len(comps)):
             tail = comps[start:]
+            if tail[0] not in present:
+                continue
             for k in range(len(out) - len(tail) + 1):
                 if out[k:k + len(tail)] == tail:
                     return (parts[0], *out[:k], *out[k + len(tail):])

@@ -152,6 +152,12 @@ class Plan:
         for _, desc, size, axes in self.factors:
             lines.append(f"  {desc:<40} size {size:<8} -> {', '.join(axes) if axes else 'replicated'}")
         lines.append("")
+        if p.get("collectives"):
+            lines.append("predicted collectives per step (per-device buffer bytes):")
+            for c in p["collectives"]:
+                lines.append(f"  {c['kind']:<15} over {','.join(c['axes']):<12} {c['phase']:<9} "
+                             f"x{c['count']:<6g} {c['bytes']:>16,.0f} B")
+            lines.append("")
         rows = [("parameter", "shape", "spec", "bytes/device", "gradient sync")]
         for r in self.params:
             rows.append((r.keypath, "x".join(map(str, r.shape)) or "scalar", spec_str(r.spec),

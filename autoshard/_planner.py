@@ -8,6 +8,8 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import numpy as np
+
 from ._errors import InfeasiblePlanError
 from ._graph import OpGraph
 from ._group import Grouping, group
@@ -167,7 +169,13 @@ def build_plan(graph: OpGraph, grouping: Grouping, mesh: MeshSpec, hw: HardwareS
                      f"'{graph.ops[i].module or '(root)'}': its operands are replicated"
                      for i in fg.unknown_ops) + tuple(res.notes)
     b = res.best
+    ev = res._evaluator
+    row = np.array([sum(1 << mesh.names.index(a) for a in b.factor_axes.get(f, ())) for f in res.candidates],
+                   dtype=np.int64)
+    collectives = tuple({"kind": k, "axes": tuple(axes), "phase": ph, "bytes": v[0], "count": v[1]}
+                        for (k, axes, ph), v in sorted(ev.comm_records(row, b.storage).items()))
     predicted = {"step_time": b.step_time, "breakdown": dict(b.breakdown), "memory": dict(b.memory),
+                 "comm_bytes": dict(b.comm_bytes), "collectives": collectives,
                  "memory_budget": res.budget, "feasible": b.feasible,
                  "plans_evaluated": b.plans_evaluated, "search_seconds": seconds}
     provenance = {"autoshard": __version__, "fingerprint": fingerprint(graph),

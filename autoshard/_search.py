@@ -54,7 +54,7 @@ class PlanChoice:
     step_time: float
     breakdown: dict[str, float]           # compute / forward comm / backward comm / grad sync ...
     memory: dict[str, float]              # per device bytes: params, grads, optimizer, activations
-    comm_bytes: dict[str, float]          # per device bytes on the wire by "kind@axes"
+    comm_bytes: dict[str, float]          # per device collective buffer bytes by "kind@axes"
     plans_evaluated: int
     feasible: bool
 
@@ -269,8 +269,43 @@ class _Evaluator:
                                              "grad_sync", "storage_comm")}
         mem = {k: float(res[k][i]) for k in ("params", "grads", "optimizer", "activations", "data")}
         mem["total"] = float(res["memory"][i])
-        return PlanChoice(fa, storage, float(res["step_time"][i]), bd, mem, {}, n_plans,
+        comm: dict[str, float] = defaultdict(float)
+        for (k, axes, _), (b, _) in sorted(self.comm_records(row, storage).items()):
+            comm[f"{k}@{','.join(axes)}"] += b
+        return PlanChoice(fa, storage, float(res["step_time"][i]), bd, mem, dict(comm), n_plans,
                           bool(res["memory"][i] <= self.budget))
+
+    def comm_records(self, row: np.ndarray, storage: str) -> dict[tuple[str, tuple[str, ...], str], list[float]]:
+        """The collectives one plan issues: (kind, axes, phase) -> [per-device buffer bytes, count].
+        Buffer bytes are what a compiled program's collective operates on per device (an
+        all-reduce's operand, an all-gather's result): the quantity an audit reads from the HLO."""
+        plans = row.reshape(1, -1)
+        out: dict[tuple[str, tuple[str, ...], str], list[float]] = defaultdict(lambda: [0.0, 0.0])
+
+        def add(kind: str, mask: int, phase: str, b: float, count: float) -> None:
+            if mask and b > 0:
+                rec = out[(kind, _mask_axes(self.mesh, mask), phase)]
+                rec[0] += float(b)
+                rec[1] += float(count)
+
+        for (loop, red, kind), _, ar_bytes, count in self.groups:
+            if red and ar_bytes:
+                r_mask = int(self._or(plans, red)[0])
+                n = self.msize[int(self._or(plans, loop)[0])]
+                add("all-reduce", r_mask, kind, ar_bytes * self.msize[r_mask] / n, count)
+        for (fs, phase), b in self.gathers:
+            add("all-gather", int(self._or(plans, fs)[0]), phase, b, 1.0)
+        if storage != "replicated":
+            full = self.nm - 1
+            for dims, shape, b in self.params:
+                m, free = self._storage_masks(plans, dims, shape, full)
+                n = self.msize[int(m[0])]
+                if storage == "zero1":
+                    add("all-gather", int(free[0]), "optimizer", b / n, 1.0)
+                else:
+                    add("all-gather", int(free[0]), "forward", b / n, 1.0)
+                    add("all-gather", int(free[0]), "backward", b / n, 1.0)
+        return dict(out)
 
 
 def _period(graph: OpGraph, bt, remainder: Sequence[int]) -> int:

@@ -37,6 +37,23 @@ def test_wide_mlp_small_batch_alternates_column_and_row():
     assert ks[0] in ((((), ("x",))), ((("x",), ())))
 
 
+def test_predicted_collectives_follow_the_plan():
+    # Megatron on a 4-layer wide MLP: one activation all-reduce per row-parallel layer (2 of 4)
+    # forward, the same backward for the column-parallel layers' input gradients; each moves the
+    # [batch, hidden] fp32 activation. Data parallel instead: only gradient all-reduces of all params.
+    b, h = 8, 8192
+    p = _plan("mlp", {"x": 8}, batch_size=b, hidden_dim=h, in_dim=h, out_dim=h, num_layers=4)
+    colls = {(c["kind"], c["axes"], c["phase"]): c for c in p.predicted["collectives"]}
+    fwd = colls[("all-reduce", ("x",), "forward")]
+    assert fwd["count"] == 2 and fwd["bytes"] == 2 * b * h * 4, p.predicted["collectives"]
+    assert p.predicted["comm_bytes"]["all-reduce@x"] == sum(
+        c["bytes"] for c in p.predicted["collectives"] if c["kind"] == "all-reduce")
+    dp = _plan("mlp", {"x": 8}, batch_size=16384, hidden_dim=256, in_dim=256, out_dim=256)
+    grad = [c for c in dp.predicted["collectives"] if c["phase"] == "grad"]
+    n_params = models.get("mlp", "debug", hidden_dim=256, in_dim=256, out_dim=256).num_params()
+    assert len(grad) == 1 and grad[0]["bytes"] == 4 * n_params, dp.predicted["collectives"]
+
+
 def test_tight_memory_budget_forces_parameter_or_optimizer_sharding():
     kw = dict(vocab_size=4096, d_model=1024, num_heads=8, num_layers=4, seq_len=128, batch_size=64)
     roomy = _plan("gpt", {"data": 8}, **kw)
