@@ -1,5 +1,7 @@
 """autoshard: automatic tensor and pipeline parallelism for JAX train steps."""
 
+from ._audit import Audit as Audit
+from ._audit import audit as audit
 from ._decorator import Autosharded as Autosharded
 from ._decorator import ConfigError as ConfigError
 from ._decorator import autoshard as autoshard
@@ -12,6 +14,7 @@ from ._errors import PlanError as PlanError
 from ._errors import TraceFailedError as TraceFailedError
 from ._errors import UnknownHardwareError as UnknownHardwareError
 from ._errors import UntraceableArgumentError as UntraceableArgumentError
+from ._experts import EXPERTS as EXPERTS
 from ._graph import Op as Op
 from ._graph import OpGraph as OpGraph
 from ._graph import Value as Value
@@ -23,6 +26,7 @@ from ._hardware import HardwareSpec as HardwareSpec
 from ._hardware import get_hardware as get_hardware
 from ._mesh import MeshSpec as MeshSpec
 from ._plan import Plan as Plan
+from ._planner import expert_plan as expert_plan
 from ._planner import plan as plan
 from ._search import SearchOptions as SearchOptions
 from ._trace import trace as trace

@@ -169,12 +169,38 @@ class Plan:
                 lines.append("  ".join("-" * w for w in widths))
         if "experts" in p:
             lines.append("")
-            lines.append("vs expert plans (predicted step time):")
-            for name, t in p["experts"].items():
-                lines.append(f"  {name:<24} {t * 1e3:.3f} ms" if t is not None else f"  {name:<24} infeasible")
+            lines.append("vs expert plans (same cost model):")
+            lines.extend(_expert_lines(p))
         for w in self.warnings:
             lines.append(f"warning: {w}")
         return "\n".join(lines)
+
+
+_PARTS = {"compute": "compute", "fwd_comm": "forward communication", "bwd_comm": "backward communication",
+          "opt_comm": "optimizer communication", "grad_sync": "gradient sync", "storage_comm": "ZeRO gathers"}
+
+
+def _expert_lines(p: Mapping[str, Any]) -> list[str]:
+    """One line per expert: its step time and memory, and why the chosen plan differs."""
+    lines = []
+    t, bd = p["step_time"], p["breakdown"]
+    for name, e in p["experts"].items():
+        if "reason" in e:
+            lines.append(f"  {name:<15} not applicable: {e['reason']}")
+            continue
+        head = (f"  {name:<15} {e['step_time'] * 1e3:10.3f} ms  {e['memory'] / 2**30:8.3f} GiB"
+                + ("" if e["feasible"] else "  (exceeds the memory budget)"))
+        if not e["feasible"]:
+            lines.append(head + "; the chosen plan fits")
+        elif e["step_time"] > t * (1 + 1e-9):
+            # the component where the chosen plan saves most
+            diffs = {k: e["breakdown"][k] - bd[k] for k in _PARTS}
+            k = max(diffs, key=diffs.get)
+            lines.append(head + f"; chosen plan is {e['step_time'] / t:.2f}x faster: {_PARTS[k]} "
+                                f"{bd[k] * 1e3:.3f} ms instead of {e['breakdown'][k] * 1e3:.3f} ms")
+        else:
+            lines.append(head + "; ties with the chosen plan")
+    return lines
 
 
 def _freeze(x):

@@ -10,7 +10,8 @@ from typing import Any
 
 import numpy as np
 
-from ._errors import InfeasiblePlanError
+from ._errors import InfeasiblePlanError, PlanError
+from ._experts import EXPERTS, expert_assignments
 from ._graph import OpGraph
 from ._group import Grouping, group
 from ._hardware import HardwareSpec, get_hardware
@@ -61,7 +62,56 @@ def plan(step: Callable, *args: Any, mesh: Any, hardware: str | HardwareSpec | d
             f"{b.best.memory['params'] / 2**30:.2f}, optimizer state {b.best.memory['optimizer'] / 2**30:.2f}, "
             f"activations {b.best.memory['activations'] / 2**30:.2f} GiB). Fix: raise memory_budget, "
             "use more devices, a smaller batch, or rematerialisation (nn.remat).")
-    out = build_plan(graph, grouping, best[0], hw, best[1], opts, seconds)
+    experts = compare_experts(graph, grouping, best[0], best[1])
+    out = build_plan(graph, grouping, best[0], hw, best[1], opts, seconds, experts=experts)
+    return out.bind(*args)
+
+
+def compare_experts(graph: OpGraph, grouping: Grouping, mesh: MeshSpec, res: SearchResult) -> dict[str, Any]:
+    """Each expert plan priced by the same model: {name: {step_time, memory, feasible,
+    breakdown} or {reason}}."""
+    in_map = input_maps(graph, grouping, res.periods)
+    out: dict[str, Any] = {}
+    for name, a in expert_assignments(graph, res.factors, in_map, mesh).items():
+        if isinstance(a, str):
+            out[name] = {"reason": a}
+            continue
+        fa, storage = a
+        outside = [f for f in fa if f not in res.candidates]
+        if outside:
+            out[name] = {"reason": f"splits dims the search does not consider ({len(outside)} factors)"}
+            continue
+        c = res.evaluate(fa, storage)
+        out[name] = {"step_time": c.step_time, "memory": c.memory["total"], "feasible": c.feasible,
+                     "breakdown": dict(c.breakdown)}
+    return out
+
+
+def expert_plan(name: str, step: Callable, *args: Any, mesh: Any, hardware: str | HardwareSpec | dict = "cpu-sim",
+                memory_budget: float | None = None, options: SearchOptions | None = None) -> Plan:
+    """The hand-written reference plan `name` (one of EXPERTS) for `step` on `mesh`, as a Plan
+    with the planner's predicted costs, so it can be compared, audited and run like an auto plan."""
+    if name not in EXPERTS:
+        raise PlanError(f"autoshard.expert_plan: name={name!r} is unknown; valid: {list(EXPERTS)}.")
+    hw = get_hardware(hardware)
+    graph = trace(step, *args)
+    grouping = group(graph)
+    opts = options or SearchOptions()
+    if memory_budget is not None:
+        opts = dataclasses.replace(opts, memory_budget=float(memory_budget))
+    m = mesh_spec(mesh)
+    t0 = time.perf_counter()
+    res = search(graph, grouping, m, hw, opts)
+    a = expert_assignments(graph, res.factors, input_maps(graph, grouping, res.periods), m)[name]
+    if isinstance(a, str):
+        raise PlanError(f"autoshard.expert_plan: the {name} plan does not apply on mesh {m}: {a}. "
+                        "Fix: choose a mesh whose axis sizes divide the split dimensions.")
+    fa, storage = a
+    choice = res.evaluate(fa, storage)
+    expert_res = dataclasses.replace(res, best=choice)
+    expert_res._evaluator = res._evaluator
+    out = build_plan(graph, grouping, m, hw, expert_res, opts, time.perf_counter() - t0, expert=name,
+                     extra_factor_axes={f: ax for f, ax in fa.items() if f not in res.candidates})
     return out.bind(*args)
 
 
@@ -112,11 +162,12 @@ def _describe_factors(graph: OpGraph, res: SearchResult) -> list[tuple[int, str,
 
 
 def build_plan(graph: OpGraph, grouping: Grouping, mesh: MeshSpec, hw: HardwareSpec,
-               res: SearchResult, options: SearchOptions, seconds: float) -> Plan:
+               res: SearchResult, options: SearchOptions, seconds: float, experts: dict | None = None,
+               expert: str | None = None, extra_factor_axes: dict | None = None) -> Plan:
     from . import __version__
 
     fg = res.factors
-    axes_of = res.best.factor_axes
+    axes_of = {**(extra_factor_axes or {}), **res.best.factor_axes}
     storage = res.best.storage
     in_map = input_maps(graph, grouping, res.periods)
     specs: list[Spec] = []
@@ -178,6 +229,10 @@ def build_plan(graph: OpGraph, grouping: Grouping, mesh: MeshSpec, hw: HardwareS
                  "comm_bytes": dict(b.comm_bytes), "collectives": collectives,
                  "memory_budget": res.budget, "feasible": b.feasible,
                  "plans_evaluated": b.plans_evaluated, "search_seconds": seconds}
+    if experts is not None:
+        predicted["experts"] = experts
+    if expert is not None:
+        predicted["expert"] = expert
     provenance = {"autoshard": __version__, "fingerprint": fingerprint(graph),
                   "step": graph.name, "options": dataclasses.asdict(options),
                   "hardware": {f.name: (dict(getattr(hw, f.name)) if isinstance(getattr(hw, f.name), Mapping)

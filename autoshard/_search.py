@@ -6,9 +6,9 @@ state split over the remaining axes, ZeRO-3/FSDP: parameters too). Data parallel
 axis), FSDP, Megatron column/row (heads+ffn+vocab on a model axis), 2-D data×model and TAP's partial
 plans (heads only, ffn only) are all points of this space.
 
-Following TAP, only the unique blocks are analysed: the remainder plus the first and last instance
-of each block type (two instances so that the residual stream links through the whole model);
-the first instance's costs count once per instance. The space is small (a few factors, a few axes),
+Following TAP, only the unique blocks are analysed: the remainder plus, per block type, its first
+and last instances (which differ from the others: no input gradient into the first layer) and one
+middle instance per period that stands for all the others. The space is small (a few factors, a few axes),
 so it is enumerated exactly, vectorised with numpy: every op is summarised by the factors that
 split it and those it reduces over, ops with the same summary are summed into groups, and a plan's
 cost is a table lookup per group. Same inputs, same plan: enumeration order is canonical and ties
@@ -371,17 +371,19 @@ def search(graph: OpGraph, grouping: Grouping, mesh: MeshSpec, hw: HardwareSpec,
         period = _period(graph, bt, grouping.remainder)
         periods.append(period)
         n = bt.count
-        for r in range(min(period, n)):
-            for i in insts[r].ops:
-                weights[i] = float(len(range(r, n, period)) * graph.ops[i].repeat)
-            ops.extend(insts[r].ops)
-        # link the next instance (closure of the repeating unit) and the last one (which feeds
-        # the remainder) to the representatives, so factors run through the whole model
-        for k in sorted({period, n - 1}):
-            if period <= k < n:
-                for i in insts[k].ops:
-                    weights.setdefault(i, 0.0)
-                ops.extend(insts[k].ops)
+        # the first `period` instances and the last count for themselves: they differ from the
+        # middle ones (the first layer computes no input gradient when its input is the data; the
+        # last feeds the remainder); one middle instance per residue class stands for the rest.
+        # Linking the analysed instances to the first ones makes factors run through the model.
+        exact = set(range(min(period, n))) | {n - 1}
+        middle = {k: sum(1 for j in range(k % period, n, period) if j not in exact)
+                  for k in range(period, 2 * period) if k < n and k not in exact}
+        for k in sorted(exact | set(middle)):
+            w = 1 if k in exact else middle[k]
+            for i in insts[k].ops:
+                weights[i] = float(w * graph.ops[i].repeat)
+            ops.extend(insts[k].ops)
+            if k >= period:
                 pairs.extend(corresponding_ops(graph, insts[k % period].ops, insts[k].ops))
     fg = analyze(graph, ops, pairs)
     grad_ops = _grad_ops(graph, [i for i, w in weights.items() if w > 0])

@@ -11,11 +11,13 @@ ROOT = Path(__file__).resolve().parents[2]
 PURE_MODULES = [
     "autoshard._cost",
     "autoshard._errors",
+    "autoshard._experts",
     "autoshard._factors",
     "autoshard._flops",
     "autoshard._graph",
     "autoshard._graph_attribution",
     "autoshard._group",
+    "autoshard._hlo",
     "autoshard._hardware",
     "autoshard._instances",
     "autoshard._mesh",
