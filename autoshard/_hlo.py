@@ -127,10 +127,13 @@ def group_axes(groups: Sequence[Sequence[int]], mesh_names: Sequence[str],
 def source_of(op_name: str, optimizer_scopes: Sequence[str] = ("optimizer",)) -> tuple[str, str]:
     """(module path, phase) of an op_name like "jit(step)/transpose(jvp(GPT))/block_0/fc1/dot_general"."""
     comps = op_name.split("/")
+    fn = ""
     if comps and comps[0].startswith(("jit(", "pjit(")):
+        fn = comps[0][comps[0].index("(") + 1:-1]
         comps = comps[1:]
     comps = comps[:-1]  # the primitive
     module, transforms = parse_scope("/".join(comps))
+    module = module or fn  # outside every module: the step function itself (e.g. the loss mean)
     if any(s in module.split("/") for s in optimizer_scopes):
         phase = "optimizer"
     elif "transpose" in transforms:

@@ -159,6 +159,20 @@ class _Evaluator:
             else:
                 self.data.append((self._cmask(fs), val.nbytes))
         self.params = [(dims, shape, b) for (role, dims, shape), b in sorted(tensors.items()) if role == "parameter"]
+        # ZeRO-3 gathers a parameter once per forward use (XLA keeps the gathered copy for the
+        # backward pass instead of gathering again; a tied embedding read by two modules is
+        # gathered twice): bytes of parameters times their number of using modules
+        gathered: dict[tuple, float] = defaultdict(float)
+        for v in g.inputs:
+            val = g.values[v]
+            if val.role != "parameter":
+                continue
+            src = self.in_map.get(v, v)
+            fs = fg.value_factors(src) if g.values[src].shape == val.shape else (None,) * len(val.shape)
+            dims = tuple(self.cidx.get(f, -1) if f is not None else -1 for f in fs)
+            uses = {g.ops[c].module for c in val.consumers if g.ops[c].phase == "forward"}
+            gathered[(dims, val.shape)] += val.nbytes * max(1, len(uses))
+        self.gathered = [(dims, shape, b) for (dims, shape), b in sorted(gathered.items())]
         self.state = [(dims, shape, b) for (role, dims, shape), b in sorted(tensors.items()) if role == "state"]
         # activations kept for the backward pass (residuals), per instance weight
         acts: dict[tuple[int, ...], float] = defaultdict(float)
@@ -219,10 +233,14 @@ class _Evaluator:
                 # grads reduce-scatter (instead of all-reduce) + params all-gather after the update:
                 # the same bytes as the all-reduce already counted; one extra collective's latency
                 out["storage_comm"] += self._coll("all-gather", np.zeros(C), free)
-            else:  # zero3 / FSDP: gather before the forward and again before the backward
+            else:  # zero3 / FSDP: the gathered copies live from their forward use to the backward
                 out["params"] += b / (n * nt)
                 out["grads"] += b / (n * nt)
-                out["storage_comm"] += 2 * self._coll("all-gather", b / n, free)
+                out["activations"] += np.where(free > 0, b / n, 0.0)
+        if storage == "zero3":
+            for dims, shape, b in self.gathered:
+                m, free = self._storage_masks(plans, dims, shape, full)
+                out["storage_comm"] += self._coll("all-gather", b / self.msize[m], free)
         for dims, shape, b in self.state:
             m, free = self._storage_masks(plans, dims, shape, full)
             n = self.msize[m]
@@ -302,9 +320,10 @@ class _Evaluator:
                 n = self.msize[int(m[0])]
                 if storage == "zero1":
                     add("all-gather", int(free[0]), "optimizer", b / n, 1.0)
-                else:
-                    add("all-gather", int(free[0]), "forward", b / n, 1.0)
-                    add("all-gather", int(free[0]), "backward", b / n, 1.0)
+            if storage == "zero3":
+                for dims, shape, b in self.gathered:
+                    m, free = self._storage_masks(plans, dims, shape, full)
+                    add("all-gather", int(free[0]), "forward", b / self.msize[int(m[0])], 1.0)
         return dict(out)
 
 

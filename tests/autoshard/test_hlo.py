@@ -1,4 +1,5 @@
 """HLO collective parsing on hand-written HLO text (pure: no compilation)."""
+# ruff: noqa: E501  (HLO lines are long by nature)
 
 from __future__ import annotations
 
@@ -97,3 +98,7 @@ def test_collectives_of_a_module():
     s = summarize(recs)
     assert s["all-reduce@model"] == {"bytes": 6 * 256, "count": 6}
     assert s["all-reduce@data,model"] == {"bytes": 1024 + 64, "count": 1}  # one launch, two elements
+
+
+def test_ops_outside_modules_belong_to_the_step_function():
+    assert source_of("jit(train_step)/jvp()/reduce_sum") == ("train_step", "forward")
