@@ -1,0 +1,233 @@
+"""Schedule validator: counts, per-stage order and deadlock freedom, reported on a tick x rank grid.
+
+Ticks come from running the schedule with unit-time tasks: at each tick every rank runs its next
+task if all of that task's dependencies finished at an earlier tick. That is the table a static
+SPMD runtime executes, and a stall in it is exactly a deadlock (a cycle between rank orders and
+data dependencies), so cross-stage ordering errors show up as the tasks stuck waiting.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import networkx as nx
+
+from ._schedule import Schedule, ScheduleError, Task, dependency_table
+
+_MAX_COLUMNS = 64  # wider grids are cut to a window around the first marked cell
+_MAX_LISTED = 6  # problems listed in one message; the grid marks all of them
+
+Cell = tuple[int, int]  # (rank, position in that rank's task list)
+
+
+@dataclass(frozen=True)
+class _Problem:
+    text: str
+    cells: tuple[Cell, ...] = ()
+
+
+def validate(sched: Schedule) -> None:
+    """Raise `ScheduleError` (message with the tick x rank grid, offending tasks in brackets) unless
+    every stage runs each of its micro-batches exactly once forward and once backward, forward
+    before backward, and the rank orders can run to completion under the stage DAG's dependencies."""
+    _check_dag(sched)
+    deps = dependency_table(sched)
+    problems = _check_tasks(sched, deps)
+    ticks, stalled = run_ticks(sched, deps)
+    if not problems and stalled:
+        problems = [_deadlock_problem(sched, deps, stalled, ticks)]
+    if problems:
+        stall_tick = ticks[stalled[0]] if stalled else None
+        raise ScheduleError(_message(sched, problems, ticks, stall_tick))
+
+
+def tick_table(sched: Schedule) -> tuple[tuple[Task | None, ...], ...]:
+    """Rows = ranks, columns = ticks, `None` = idle: the static table a lock-step runtime executes."""
+    validate(sched)
+    ticks, _ = run_ticks(sched, dependency_table(sched))
+    width = max(ticks.values(), default=-1) + 1
+    rows = [[None] * width for _ in sched.ranks]
+    for (r, i), t in ticks.items():
+        rows[r][t] = sched.ranks[r][i]
+    return tuple(tuple(row) for row in rows)
+
+
+def _check_dag(sched: Schedule) -> None:
+    """Errors in the stage DAG itself; no grid, since tasks cannot be placed without it."""
+    p = sched.num_stages
+    if isinstance(p, bool) or not isinstance(p, int) or p < 1:
+        raise ScheduleError(f"schedule {sched.name!r}: num_stages must be a positive int, got {p!r}.")
+    counts = sched.num_microbatches
+    if len(counts) != p or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in counts):
+        raise ScheduleError(
+            f"schedule {sched.name!r}: num_microbatches must hold one positive int per stage ({p}), got {list(counts)}."
+        )
+    bad = [e for e in sched.edges if len(e) != 2 or not all(0 <= s < p for s in e) or e[0] == e[1]]
+    if bad:
+        raise ScheduleError(f"schedule {sched.name!r}: edges {bad} are not between two distinct stages 0..{p - 1}.")
+    graph = nx.DiGraph(list(sched.edges))
+    if not nx.is_directed_acyclic_graph(graph):
+        cycle = nx.find_cycle(graph)
+        raise ScheduleError(f"schedule {sched.name!r}: the stage graph has a cycle {cycle}; stages must form a DAG.")
+    if len(set(sched.edges)) != len(sched.edges):
+        raise ScheduleError(f"schedule {sched.name!r}: duplicate stage edges in {list(sched.edges)}.")
+    if len(sched.ranks) != p:
+        raise ScheduleError(
+            f"schedule {sched.name!r}: {len(sched.ranks)} rank task lists for {p} stages; one rank runs one stage."
+        )
+
+
+def _check_tasks(sched: Schedule, deps: dict[Task, tuple[Task, ...]]) -> list[_Problem]:
+    problems: list[_Problem] = []
+    where: dict[Task, list[Cell]] = {}
+    for r, rank in enumerate(sched.ranks):
+        for i, task in enumerate(rank):
+            cell = (r, i)
+            if task.kind not in ("F", "B"):
+                problems.append(_Problem(f"rank {r} step {i}: task kind {task.kind!r} is not 'F' or 'B'.", (cell,)))
+            elif task.stage != r:
+                problems.append(
+                    _Problem(
+                        f"rank {r} step {i}: {task.label} belongs to stage {task.stage}, but rank {r} runs stage {r}. "
+                        f"Fix: move it to rank {task.stage}.",
+                        (cell,),
+                    )
+                )
+            elif not 0 <= task.microbatch < sched.num_microbatches[r]:
+                problems.append(
+                    _Problem(
+                        f"rank {r} step {i}: {task.label} is out of range; stage {r} has "
+                        f"{sched.num_microbatches[r]} micro-batches (0..{sched.num_microbatches[r] - 1}).",
+                        (cell,),
+                    )
+                )
+            else:
+                where.setdefault(task, []).append(cell)
+    for task, cells in where.items():
+        if len(cells) > 1:
+            steps = ", ".join(str(i) for _, i in cells)
+            problems.append(
+                _Problem(
+                    f"stage {task.stage}: {task.label} runs {len(cells)} times (rank {task.stage}, steps {steps}); "
+                    "each micro-batch runs exactly one forward and one backward per stage. Fix: drop the extra.",
+                    tuple(cells[1:]),
+                )
+            )
+    missing = [task for task in deps if task not in where]
+    users: dict[Task, list[Cell]] = {}
+    if missing:
+        for t, ds in deps.items():
+            for d in ds:
+                if t in where:
+                    users.setdefault(d, []).append(where[t][0])
+    for task in missing:
+        have = sum(1 for t in where if t.stage == task.stage)
+        # Mark what depends on the missing task; a missing backward also strands its forward.
+        marked = users.get(task, []) + where.get(Task(task.stage, task.microbatch, "F"), [])[: task.kind == "B"]
+        problems.append(
+            _Problem(
+                f"stage {task.stage}: {task.label} is missing (rank {task.stage} has {have} of "
+                f"{2 * sched.num_microbatches[task.stage]} tasks); the marked tasks need it. Fix: add it.",
+                tuple(marked),
+            )
+        )
+    for task, cells in where.items():
+        forward = where.get(Task(task.stage, task.microbatch, "F"))
+        if task.kind == "B" and forward and cells[0][1] < forward[0][1]:
+            problems.append(
+                _Problem(
+                    f"rank {task.stage}: {task.label} at step {cells[0][1]} comes before its forward "
+                    f"F{task.microbatch} at step {forward[0][1]}; a backward needs its forward's activations. "
+                    f"Fix: put F{task.microbatch} before B{task.microbatch}.",
+                    (cells[0],),
+                )
+            )
+    return problems
+
+
+def run_ticks(sched: Schedule, deps: dict[Task, tuple[Task, ...]]) -> tuple[dict[Cell, int], list[Cell]]:
+    """Unit-time run of the rank orders. Returns the tick of every (rank, step) and the stuck heads.
+    Dependencies on tasks absent from the schedule are ignored so broken schedules still lay out;
+    after a stall the remaining tasks are placed one per tick so the grid shows all of them."""
+    present = {task for rank in sched.ranks for task in rank}
+    done: dict[Task, int] = {}
+    ticks: dict[Cell, int] = {}
+    heads = [0] * len(sched.ranks)
+    tick = 0
+    remaining = sum(len(rank) for rank in sched.ranks)
+    stalled: list[Cell] = []
+    while remaining:
+        ready = []
+        for r, rank in enumerate(sched.ranks):
+            if heads[r] < len(rank):
+                needs = deps.get(rank[heads[r]], ())
+                if all(d not in present or done.get(d, tick) < tick for d in needs):
+                    ready.append(r)
+        if not ready:
+            stalled = [(r, heads[r]) for r, rank in enumerate(sched.ranks) if heads[r] < len(rank)]
+            break
+        for r in ready:
+            ticks[(r, heads[r])] = tick
+            done.setdefault(sched.ranks[r][heads[r]], tick)
+            heads[r] += 1
+            remaining -= 1
+        tick += 1
+    for r, rank in enumerate(sched.ranks):
+        for k, i in enumerate(range(heads[r], len(rank))):
+            ticks[(r, i)] = tick + k
+    return ticks, stalled
+
+
+def _deadlock_problem(
+    sched: Schedule, deps: dict[Task, tuple[Task, ...]], stalled: list[Cell], ticks: dict[Cell, int]
+) -> _Problem:
+    done_before = {sched.ranks[r][i] for (r, i), t in ticks.items() if t < ticks[stalled[0]]}
+    waits = []
+    for r, i in stalled:
+        task = sched.ranks[r][i]
+        missing = [d for d in deps.get(task, ()) if d not in done_before]
+        waits.append(f"rank {r} {task.label} waits for " + ", ".join(f"{d.label} of stage {d.stage}" for d in missing))
+    return _Problem(
+        f"deadlock at tick {ticks[stalled[0]]}: " + "; ".join(waits) + ". Every rank is blocked on a task that "
+        "comes later in another rank's order. Fix: reorder so each task's producers run first, e.g. give the "
+        "blocked stages more warm-up forwards before their first backward.",
+        tuple(stalled),
+    )
+
+
+def _message(sched: Schedule, problems: list[_Problem], ticks: dict[Cell, int], stall_tick: int | None) -> str:
+    counts = sorted(set(sched.num_microbatches))
+    mbs = str(counts[0]) if len(counts) == 1 else f"per-stage {list(sched.num_microbatches)}"
+    head = f"invalid schedule {sched.name!r} ({sched.num_stages} stages, {mbs} micro-batches):"
+    lines = [head] + [f"  - {p.text}" for p in problems[:_MAX_LISTED]]
+    if len(problems) > _MAX_LISTED:
+        lines.append(f"  ... and {len(problems) - _MAX_LISTED} more")
+    marks = {cell for p in problems for cell in p.cells}
+    lines.append("tick x rank grid (rows = ranks, [..] = offending task, . = idle):")
+    lines.append(render_grid(sched, ticks, marks))
+    if stall_tick is not None:
+        lines.append(f"(the run stalls at tick {stall_tick}; from there each rank's remaining tasks follow in order)")
+    return "\n".join(lines)
+
+
+def render_grid(sched: Schedule, ticks: dict[Cell, int], marks: set[Cell] = frozenset()) -> str:
+    """ASCII grid: one row per rank, one column per tick, cells like "F3"/"B0", marked cells in []."""
+    width = max(ticks.values(), default=-1) + 1
+    cells: dict[tuple[int, int], str] = {}
+    for (r, i), t in ticks.items():
+        label = sched.ranks[r][i].label
+        cells[(r, t)] = f"[{label}]" if (r, i) in marks else label
+    lo, hi = 0, width
+    if width > _MAX_COLUMNS:
+        first = min((ticks[c] for c in marks), default=0)
+        lo = max(0, min(first - _MAX_COLUMNS // 3, width - _MAX_COLUMNS))
+        hi = lo + _MAX_COLUMNS
+    cw = max([len(c) for c in cells.values()] + [len(str(hi - 1)), 1]) + 1
+    name_w = len(f"rank {len(sched.ranks) - 1}")
+    out = ["tick".ljust(name_w) + " |" + "".join(str(t).rjust(cw) for t in range(lo, hi))]
+    for r in range(len(sched.ranks)):
+        row = "".join(cells.get((r, t), ".").rjust(cw) for t in range(lo, hi))
+        out.append(f"rank {r}".ljust(name_w) + " |" + row)
+    if (lo, hi) != (0, width):
+        out.append(f"(ticks {lo}..{hi - 1} of 0..{width - 1} shown)")
+    return "\n".join(out)
