@@ -107,17 +107,43 @@ def expert_assignments(graph: OpGraph, fg: FactorGraph, in_map: dict[int, int], 
     if not tp:
         out["megatron"] = out["data-megatron"] = "no parameter matches the tensor-parallel rules"
         return out
-    bad = [f for f in tp if not fg.divides(f, mesh.size)]
-    out["megatron"] = (f"tensor-parallel dims of size {[fg.factor_size(f) for f in bad]} do not divide "
-                       f"{mesh.size}") if bad else ({f: names for f in tp}, "replicated")
+    # a vocabulary that does not divide the tensor-parallel axes stays replicated (Megatron-LM
+    # pads it instead, which changes the model); heads or FFN that do not divide: not applicable
+    vocab = set(vocab_factors(graph, fg, in_map))
+
+    def split(axes: Sequence[str]) -> list[int] | str:
+        bad = [f for f in tp if not _fits(fg, [f], mesh, axes) and f not in vocab]
+        if bad:
+            return f"tensor-parallel dims of size {[fg.factor_size(f) for f in bad]} do not divide axes {tuple(axes)}"
+        return [f for f in tp if _fits(fg, [f], mesh, axes)]
+
+    tp_all = split(names)
+    out["megatron"] = tp_all if isinstance(tp_all, str) else ({f: names for f in tp_all}, "replicated")
     if len(names) < 2:
         out["data-megatron"] = "needs a mesh with at least two axes"
     else:
         data_axes, model_axes = names[:-1], names[-1:]
-        if not _fits(fg, batch, mesh, data_axes) or not _fits(fg, tp, mesh, model_axes):
-            out["data-megatron"] = f"batch or tensor-parallel dims do not divide axes {data_axes} / {model_axes}"
+        tp_model = split(model_axes)
+        if isinstance(tp_model, str):
+            out["data-megatron"] = tp_model
+        elif not _fits(fg, batch, mesh, data_axes):
+            out["data-megatron"] = f"the batch does not divide axes {data_axes}"
         else:
             fa = {f: data_axes for f in batch}
-            fa.update({f: model_axes for f in tp})
+            fa.update({f: model_axes for f in tp_model})
             out["data-megatron"] = (fa, "replicated")
+    return out
+
+
+def vocab_factors(graph: OpGraph, fg: FactorGraph, in_map: dict[int, int]) -> list[int]:
+    out = []
+    for v in graph.inputs:
+        val = graph.values[v]
+        if val.role == "parameter" and len(val.shape) >= 2:
+            path = keypath_path(val.keypath or "")
+            src = in_map.get(v, v)
+            fs = fg.value_factors(src)
+            for pat, d in VOCAB_RULES:
+                if re.search(pat, path) and len(fs) == len(val.shape) and fs[d] is not None:
+                    out.append(fs[d])
     return out

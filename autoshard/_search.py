@@ -174,6 +174,8 @@ class _Evaluator:
             gathered[(dims, val.shape)] += val.nbytes * max(1, len(uses))
         self.gathered = [(dims, shape, b) for (dims, shape), b in sorted(gathered.items())]
         self.state = [(dims, shape, b) for (role, dims, shape), b in sorted(tensors.items()) if role == "state"]
+        self.one_bytes = {val.shape: val.nbytes for v in g.inputs if (val := g.values[v]).role == "parameter"}
+        self.fused_update = any(op.phase == "optimizer" for op in g.ops)
         # activations kept for the backward pass (residuals), per instance weight
         acts: dict[tuple[int, ...], float] = defaultdict(float)
         for i, w in weights.items():
@@ -220,22 +222,26 @@ class _Evaluator:
             out["fwd_comm" if phase == "forward" else "bwd_comm"] += self._coll(
                 "all-gather", b * np.ones(C), m)
 
-        # parameters, gradients, optimizer state under the storage mode
+        # parameters, gradients, optimizer state under the storage mode. When the step applies
+        # the optimizer itself, XLA updates each parameter as soon as its gradient is complete, so
+        # gradients are not all alive at once: the largest one is counted (the audit confirms it)
+        grads_add = np.maximum if self.fused_update else np.add
         for dims, shape, b in self.params:
             m, free = self._storage_masks(plans, dims, shape, full)
             n, nt = self.msize[m], self.msize[free]
+            g = self.one_bytes[shape] if self.fused_update else b
             if storage == "replicated":
                 out["params"] += b / n
-                out["grads"] += b / n
+                out["grads"] = grads_add(out["grads"], g / n)
             elif storage == "zero1":
                 out["params"] += b / n
-                out["grads"] += b / n
+                out["grads"] = grads_add(out["grads"], g / n)
                 # grads reduce-scatter (instead of all-reduce) + params all-gather after the update:
                 # the same bytes as the all-reduce already counted; one extra collective's latency
                 out["storage_comm"] += self._coll("all-gather", np.zeros(C), free)
             else:  # zero3 / FSDP: the gathered copies live from their forward use to the backward
                 out["params"] += b / (n * nt)
-                out["grads"] += b / (n * nt)
+                out["grads"] = grads_add(out["grads"], g / (n * nt))
                 out["activations"] += np.where(free > 0, b / n, 0.0)
         if storage == "zero3":
             for dims, shape, b in self.gathered:

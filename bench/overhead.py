@@ -36,7 +36,6 @@ jax.config.update("jax_num_cpu_devices", 8)  # before any backend use
 import argparse  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
-import platform  # noqa: E402
 import re  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
@@ -44,6 +43,7 @@ import timeit  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
+from _common import git_state, machine  # noqa: E402
 
 import autoshard  # noqa: E402
 import models  # noqa: E402
@@ -56,21 +56,6 @@ WARMUP = 5
 TARGET = 1.03
 BOOTSTRAP = 2000
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
-
-
-def git_state() -> dict:
-    """Commit of the checkout and whether the library or model zoo differ from it."""
-    import subprocess
-
-    root = Path(__file__).resolve().parent.parent
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
-                              text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "autoshard", "models"], cwd=root,
-                               capture_output=True, text=True, check=True).stdout.split("\n")
-    except (OSError, subprocess.CalledProcessError):
-        return {"commit": None}
-    return {"commit": head, "modified_at_start": [line[3:] for line in dirty if line.strip()]}
 
 
 def fresh(m) -> tuple:
@@ -285,11 +270,7 @@ def main() -> None:
 
     wall = time.perf_counter() - t_start
     report = {"bench": "overhead", "date": time.strftime("%Y-%m-%d"),
-              "machine": {"python": platform.python_version(), "jax": jax.__version__,
-                          "jaxlib": getattr(__import__("jaxlib"), "__version__", None),
-                          "numpy": np.__version__, "autoshard": autoshard.__version__,
-                          "cpus": os.cpu_count(), "git": git, "devices": len(jax.devices()),
-                          "platform": platform.platform()},
+              "machine": machine(git),
               "target_ratio": TARGET, "wall_s": wall, "rows": rows}
     Path(opts.out).parent.mkdir(parents=True, exist_ok=True)
     Path(opts.out).write_text(json.dumps(report, indent=2))

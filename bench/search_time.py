@@ -27,13 +27,13 @@ jax.config.update("jax_num_cpu_devices", 8)  # before any backend use (the 64-de
 import argparse  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
-import platform  # noqa: E402
 import re  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
+from _common import git_state, machine  # noqa: E402
 
 import autoshard  # noqa: E402
 import autoshard._planner as _planner  # noqa: E402  (timing wrappers only; nothing is changed)
@@ -61,21 +61,6 @@ def _timed(name, fn):
 # autoshard.plan calls these module-level names; wrap them to split the call's wall time.
 _planner.trace = _timed("trace", _planner.trace)
 _planner.group = _timed("group", _planner.group)
-
-
-def git_state() -> dict:
-    """Commit of the checkout and whether the library or model zoo differ from it."""
-    import subprocess
-
-    root = Path(__file__).resolve().parent.parent
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
-                              text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "autoshard", "models"], cwd=root,
-                               capture_output=True, text=True, check=True).stdout.split("\n")
-    except (OSError, subprocess.CalledProcessError):
-        return {"commit": None}
-    return {"commit": head, "modified_at_start": [line[3:] for line in dirty if line.strip()]}
 
 
 def plan_once(m, args, mesh: dict, budget: float | None) -> tuple[dict, autoshard.Plan | None, str | None]:
@@ -195,9 +180,7 @@ def main() -> None:
         print("```")
     wall = time.perf_counter() - t_start
     report = {"bench": "search_time", "date": time.strftime("%Y-%m-%d"),
-              "machine": {"python": platform.python_version(), "jax": jax.__version__,
-                          "numpy": np.__version__, "autoshard": autoshard.__version__,
-                          "cpus": os.cpu_count(), "git": git, "platform": platform.platform()},
+              "machine": machine(git),
               "model": {"name": "gpt", "config": "gpt3-175b", "batch_size": 16}, "hardware": HARDWARE,
               "reps": REPS, "targets": {"search_s": TARGET_SEARCH_S, "ratio": TARGET_RATIO},
               "ratios": {k: {"layers": [last, first], "search_ratio": v, "search_ratio_of_minima": ratios_min[k]}

@@ -122,8 +122,8 @@ def test_tight_memory_budget_shards_parameters_or_optimizer_state():
     roomy = run(graph).best
     assert roomy.storage == "replicated" and roomy.feasible
     replicated = sum(graph.values[v].nbytes for v in by_role(graph, "parameter") + by_role(graph, "state"))
-    budget = 0.6 * roomy.memory["total"]
-    assert budget < replicated + roomy.memory["grads"]       # replicated params + state cannot fit
+    budget = roomy.memory["total"] - 0.5 * roomy.memory["optimizer"]
+    assert budget < replicated + roomy.memory["grads"] + roomy.memory["activations"]  # replicated state cannot fit
     res = run(graph, memory_budget=budget)
     tight = res.best
     assert res.budget == budget
@@ -146,7 +146,7 @@ def test_without_zero_a_tight_budget_splits_the_weights():
     graph = mlp_step(8192, [2048] * 5)
     roomy = run(graph).best
     assert roomy.factor_axes == {batch_factor(graph, run(graph)): ("x",)}   # data parallel
-    budget = 0.9 * roomy.memory["total"]
+    budget = 0.95 * roomy.memory["total"]
     res = run(graph, memory_budget=budget, storage_modes=("replicated",))
     best = res.best
     assert best.storage == "replicated" and best.feasible and best.memory["total"] <= budget
