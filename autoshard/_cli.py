@@ -166,6 +166,32 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return 0 if diff < 1e-4 else 1
 
 
+def _cmd_audit(args: argparse.Namespace) -> int:
+    """Plan (or take an expert plan), compile on the simulated mesh, compare with the prediction."""
+    mesh = _parse_mesh(args.mesh)
+    n = 1
+    for s in mesh.values():
+        n *= s
+    _setup_devices(n)
+    import autoshard
+
+    model, _ = _model_from_args(args)
+    step_args = model.abstract_state()
+    if args.expert:
+        plan = autoshard.expert_plan(args.expert, model.train_step, *step_args, mesh=mesh, hardware=args.hardware)
+    else:
+        plan = autoshard.plan(model.train_step, *step_args, mesh=mesh, hardware=args.hardware,
+                              memory_budget=args.memory_budget)
+    report = autoshard.audit(plan, model.train_step, *step_args)
+    print(f"model: {args.model} ({args.config}), plan: {args.expert or 'auto'} ({plan.storage})")
+    print(report.report())
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(report.to_json())
+        print(f"\nwrote {args.out}")
+    return 0 if report.fidelity_ok else 1
+
+
 def _add_model_args(p: argparse.ArgumentParser, config: str) -> None:
     p.add_argument("model", nargs="?", default="gpt", help="model name (see models.names())")
     p.add_argument("--config", default=config, help=f"config name (default {config})")
@@ -193,6 +219,22 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--memory-budget", type=float, default=None, help="bytes per device")
     pl.add_argument("--out", default=None, help="write the plan as JSON")
     pl.set_defaults(func=_cmd_plan)
+    ex = sub.add_parser("explain", help="same as plan")
+    _add_model_args(ex, "gpt2-small")
+    ex.add_argument("--mesh", default="data=2,model=4", help="name=size,... (default data=2,model=4)")
+    ex.add_argument("--hardware", default="h100-sxm")
+    ex.add_argument("--memory-budget", type=float, default=None, help="bytes per device")
+    ex.add_argument("--out", default=None, help="write the plan as JSON")
+    ex.set_defaults(func=_cmd_plan)
+    au = sub.add_parser("audit", help="compile a plan on simulated devices; collectives and memory vs prediction")
+    _add_model_args(au, "debug")
+    au.add_argument("--mesh", default="data=2,model=4", help="name=size,... (its product = simulated devices)")
+    au.add_argument("--hardware", default="cpu-sim")
+    au.add_argument("--memory-budget", type=float, default=None, help="bytes per device")
+    au.add_argument("--expert", default=None, help="audit an expert plan instead: data-parallel, fsdp, "
+                                                   "megatron or data-megatron")
+    au.add_argument("--out", default=None, help="write the audit as JSON")
+    au.set_defaults(func=_cmd_audit)
     g = sub.add_parser("group", help="trace a zoo model's train step and print its unique blocks")
     _add_model_args(g, "gpt2-small")
     g.add_argument("--devices", type=int, default=8, help="simulated CPU devices (default 8)")

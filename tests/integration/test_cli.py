@@ -52,3 +52,10 @@ def test_bad_model_name_is_reported():
     out = _run("group", "no-such-model")
     assert out.returncode == 2
     assert "unknown model 'no-such-model'" in out.stderr and "gpt" in out.stderr
+
+
+def test_audit_command_compares_compiled_collectives_with_the_plan():
+    out = _run("audit", "mlp", "--mesh", "model=8", "--expert", "megatron")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "plan: megatron" in out.stdout and "all-reduce@model" in out.stdout
+    assert "MLP/dense_1" in out.stdout  # the row-parallel layer's activation all-reduce, by module
