@@ -67,6 +67,11 @@ def _abstract(args: tuple) -> tuple:
                         args)
 
 
+def _signature(args: tuple) -> tuple:
+    leaves, treedef = jax.tree_util.tree_flatten(args)
+    return treedef, tuple((getattr(x, "shape", None), getattr(x, "dtype", None)) for x in leaves)
+
+
 class Autosharded:
     """A step function parallelised by autoshard. Call it like the original."""
 
@@ -140,11 +145,13 @@ class Autosharded:
         self._mesh = make_mesh(self._plan)
         self._jitted = jit_step(self.fn, self._plan, self._mesh, _abstract(args), donate=self.donate)
         self._in_shardings, _ = shardings(self._plan, self._mesh)
-        self._structure = jax.tree_util.tree_structure(args)
+        self._structure = _signature(args)
 
     # --- public ---------------------------------------------------------------------------
     def __call__(self, *args):
-        if self._jitted is None or jax.tree_util.tree_structure(args) != self._structure:
+        # a new structure, shape or dtype is a new program: plan it (the cache makes a return
+        # to an earlier signature cheap) rather than run shardings planned for other shapes
+        if self._jitted is None or _signature(args) != self._structure:
             self._prepare(args)
             args = jax.device_put(args, self._in_shardings)
         return self._jitted(*args)

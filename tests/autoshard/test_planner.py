@@ -173,6 +173,22 @@ def test_decorator_caches_the_plan_and_does_not_replan(tmp_path):
     assert "sharding" in text  # the lowered program carries the planned shardings
 
 
+def test_decorator_replans_when_shapes_change():
+    m = models.get("mlp", "debug", batch_size=16)
+    # donate=False: the same arguments are used twice (donated state is consumed, as with jax.jit)
+    step = autoshard.autoshard(m.train_step, mesh={"data": 8}, hardware="cpu-sim", donate=False)
+    params = m.init(jax.random.key(0))
+    opt = m.init_opt_state(params)
+    step(params, opt, m.batch())
+    first = step.plan
+    small = models.get("mlp", "debug", batch_size=4).batch()   # 4 rows cannot split 8 ways
+    _, _, loss = step(params, opt, small)
+    assert step.plan is not first
+    assert step.plan.specs_by_keypath()["[2]['x']"][0] == ()
+    ref = jax.jit(m.train_step)(params, opt, small)[2]
+    assert abs(float(loss) - float(ref)) < 1e-5
+
+
 def test_auto_mesh_chooses_a_factorisation():
     m = models.get("gpt", "debug", batch_size=64, d_model=256, num_heads=4, seq_len=64)
     p = autoshard.plan(m.train_step, *m.abstract_state(), mesh="auto", devices=8, hardware="h100-sxm")
