@@ -56,7 +56,8 @@ class Value:
     keypath: str | None = None
     keypath_parts: tuple[str | int, ...] = ()
     consumers: list[int] = dataclasses.field(default_factory=list)
-    # for program inputs: "parameter" (read by the forward pass), "state" (per-parameter state such
+    # for program inputs: "parameter" (read by the forward pass, updated by the optimizer), "buffer"
+    # (model state only the forward reads: BatchNorm statistics), "state" (per-parameter state such
     # as Adam moments, matched to its parameter by keypath) or "data"; module of parameters/state
     role: str = ""
     module: str = ""

@@ -156,12 +156,19 @@ def parameter_modules(graph: OpGraph) -> tuple[dict[int, str], dict[str, str]]:
             keep += 1
         prefix = prefix[:keep]
         for v, mod in zip(vids, mods, strict=True):
-            name = _join(mod[len(prefix):])
+            own = mod[len(prefix):]
+            # {"params": ..., "batch_stats": ...} in one argument: the collection name is no module
+            while own and own[0] in _COLLECTIONS:
+                own = own[1:]
+            name = _join(own)
             if not name:
                 continue
             name = _scope_name_for(graph, v, name)
             module_of[v] = name
-            rel_to_module[_rel_parts(values[v])] = name
+            rel = _rel_parts(values[v])
+            rel_to_module[rel] = name
+            # the optimizer sees only the collection's contents: its state paths lack the name
+            rel_to_module.setdefault(rel[len(mod) - len(own):], name)
 
     def match(parts: tuple) -> str | None:
         for k in range(len(parts)):
@@ -170,10 +177,14 @@ def parameter_modules(graph: OpGraph) -> tuple[dict[int, str], dict[str, str]]:
                 return hit
         return None
 
+    # with the optimizer in the step, a trainable parameter is read by the update; model state read
+    # only by the forward pass (BatchNorm running statistics) is a "buffer": no gradient, no sync
+    has_update = any(op.phase == "optimizer" for op in graph.ops)
     for v in graph.inputs:
         val = values[v]
         if v in module_of:
-            val.role, val.module = "parameter", module_of[v]
+            trained = not has_update or any(graph.ops[c].phase == "optimizer" for c in val.consumers)
+            val.role, val.module = ("parameter" if trained else "buffer"), module_of[v]
         elif (hit := match(_rel_parts(val))) is not None:
             module_of[v] = hit
             val.role, val.module = "state", hit

@@ -195,3 +195,18 @@ def test_jitted_step_is_inlined_and_opaque_containers_report_size():
     g = autoshard.trace(f, jax.ShapeDtypeStruct((16,), jnp.float32))
     (op,) = g.ops
     assert op.primitive == "shard_map" and op.params["nested_eqns"] >= 2
+
+
+def test_batchnorm_statistics_are_buffers_not_parameters():
+    m = models.get("resnet", "debug")
+    g = autoshard.trace(m.train_step, *m.abstract_state())
+    roles = {}
+    for v in g.inputs:
+        val = g.values[v]
+        roles.setdefault(val.role, []).append(val.keypath)
+    assert roles["buffer"] and all("batch_stats" in k for k in roles["buffer"])
+    assert all("batch_stats" not in k for k in roles["parameter"])
+    # Adam moments of the trainable parameters are matched to them although the optimizer sees
+    # only the "params" collection
+    assert len(roles["state"]) == 2 * len(roles["parameter"])
+    assert len(roles["data"]) == len(jax.tree.leaves(m.batch(abstract=True))) + 1  # + Adam's step count
