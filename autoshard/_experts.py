@@ -132,7 +132,22 @@ def expert_assignments(graph: OpGraph, fg: FactorGraph, in_map: dict[int, int], 
             fa = {f: data_axes for f in batch}
             fa.update({f: model_axes for f in tp_model})
             out["data-megatron"] = (fa, "replicated")
+    for name, a in out.items():
+        if not isinstance(a, str):
+            clash = _clash(fg, a[0])
+            if clash:
+                out[name] = clash
     return out
+
+
+def _clash(fg: FactorGraph, fa: dict[int, tuple[str, ...]]) -> str:
+    """Two factors of one tensor on the same axis cannot be expressed as a sharding."""
+    for f, axes in fa.items():
+        for h in fg.cooccur.get(f, ()):
+            if h != f and h in fa and set(axes) & set(fa[h]):
+                return (f"dims of sizes {fg.factor_size(f)} and {fg.factor_size(h)} of one tensor would share "
+                        f"mesh axes {sorted(set(axes) & set(fa[h]))}")
+    return ""
 
 
 def vocab_factors(graph: OpGraph, fg: FactorGraph, in_map: dict[int, int]) -> list[int]:

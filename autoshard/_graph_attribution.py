@@ -162,7 +162,15 @@ def parameter_modules(graph: OpGraph) -> tuple[dict[int, str], dict[str, str]]:
                 own = own[1:]
             name = _join(own)
             if not name:
-                continue
+                # a leaf at the top of a tree of parameters (BERT's output bias) belongs to the
+                # module reading it; top-level leaves of other arguments (the batch) are data
+                if not any(len(m) > len(prefix) for m in mods):
+                    continue
+                readers = [parse_scope(graph.ops[c].scope)[0] for c in values[v].consumers
+                           if graph.ops[c].phase == "forward"]
+                name = next((r for r in readers if r), "")
+                if not name:
+                    continue
             name = _scope_name_for(graph, v, name)
             module_of[v] = name
             rel = _rel_parts(values[v])
