@@ -10,6 +10,13 @@ Schedules are data: a stage DAG, per-stage micro-batch counts and, per rank, an 
     sim.makespan, sim.bubble_fraction, sim.peak_inflight                  # peak_inflight: per stage
 """
 
+from ._atomic import AtomicPartition as AtomicPartition
+from ._atomic import PipelineError as PipelineError
+from ._atomic import PipelineGraphError as PipelineGraphError
+from ._atomic import atomic_partition as atomic_partition
+from ._blocks import BlockPartition as BlockPartition
+from ._blocks import partition_blocks as partition_blocks
+from ._costs import PipelineCosts as PipelineCosts
 from ._graph_schedule import compute_inflight as compute_inflight
 from ._graph_schedule import static_inflight as static_inflight
 from ._schedule import Schedule as Schedule
@@ -21,5 +28,14 @@ from ._schedule import schedule_names as schedule_names
 from ._simulate import SimResult as SimResult
 from ._simulate import TaskTiming as TaskTiming
 from ._simulate import simulate as simulate
+from ._stages import PipelineInfeasibleError as PipelineInfeasibleError
+from ._stages import Stage as Stage
+from ._stages import StagePlan as StagePlan
+from ._stages import StageProblem as StageProblem
+from ._stages import form_stage as form_stage
+from ._stages import form_stage_dp as form_stage_dp
+from ._stages import plan_stages as plan_stages
+from ._uniform import best_uniform as best_uniform
+from ._uniform import uniform_split as uniform_split
 from ._validate import tick_table as tick_table
 from ._validate import validate as validate
