@@ -47,6 +47,8 @@ def keypath_path(keypath: str) -> str:
     """"[0]['block_0']['attn']['q']['kernel']" -> "block_0/attn/q/kernel" (argument index dropped)."""
     parts = re.findall(r"\['([^']*)'\]|\.([A-Za-z_]\w*)|\[(\d+)\]", keypath)
     comps = [a or b or c for a, b, c in parts]
+    while comps and comps[-1] in ("value", "raw_value"):  # nnx Variable wrappers
+        comps = comps[:-1]
     return "/".join(comps[1:]) if comps and keypath.startswith("[") else "/".join(comps)
 
 

@@ -307,6 +307,8 @@ class _Evaluator:
         out: dict[tuple[str, tuple[str, ...], str], list[float]] = defaultdict(lambda: [0.0, 0.0])
 
         def add(kind: str, mask: int, phase: str, b: float, count: float) -> None:
+            # axes of size 1 move nothing and are invisible in a compiled program's replica groups
+            mask = sum(1 << i for i, s in enumerate(self.mesh.sizes) if mask >> i & 1 and s > 1)
             if mask and b > 0:
                 rec = out[(kind, _mask_axes(self.mesh, mask), phase)]
                 rec[0] += float(b)

@@ -216,8 +216,10 @@ def summary_markdown(rows: list[dict], wall: float, quick: bool) -> str:
                      f"{sum(a['collectives_within_10pct'] for a in expert_audits)}/{len(expert_audits)}, memory "
                      f"within 15 % on {sum(a['memory_within_15pct'] for a in expert_audits)}/{len(expert_audits)}.")
     gaps = [(r, g) for r in feas for g in (r.get("audit") or {}).get("gaps", [])]
+    gaps += [(dict(r, mesh=f"{r['mesh']} [{name}]"), g) for r in feas
+             for name, a in r.get("expert_audits", {}).items() for g in a["gaps"]]
     if gaps:
-        lines += ["", "Gaps of the automatic plans, by module:"]
+        lines += ["", "Gaps beyond tolerance (automatic plans, then expert plans in brackets), by module:"]
         for r, g in gaps:
             mods = ", ".join(f"{m} {b:,.0f} B" for m, b in g["modules"]) or "-"
             tag = " [backend-specific]" if g["backend_specific"] else ""
