@@ -12,7 +12,7 @@ from typing import Any
 
 import jax
 
-from ._emit import jit_step, make_mesh, shardings
+from ._emit import ShapesChanged, jit_step, make_mesh, shardings
 from ._errors import AutoshardError, PlanError
 from ._plan import Plan
 from ._planner import fingerprint
@@ -67,11 +67,6 @@ def _abstract(args: tuple) -> tuple:
                         args)
 
 
-def _signature(args: tuple) -> tuple:
-    leaves, treedef = jax.tree_util.tree_flatten(args)
-    return treedef, tuple((getattr(x, "shape", None), getattr(x, "dtype", None)) for x in leaves)
-
-
 class Autosharded:
     """A step function parallelised by autoshard. Call it like the original."""
 
@@ -95,7 +90,6 @@ class Autosharded:
         self._plan: Plan | None = None
         self._jitted = None
         self._mesh = None
-        self._structure = None
         functools.update_wrapper(self, fn)
 
     # --- planning -------------------------------------------------------------------------
@@ -143,18 +137,21 @@ class Autosharded:
     def _prepare(self, args: tuple) -> None:
         self._plan = self._make_plan(args)
         self._mesh = make_mesh(self._plan)
-        self._jitted = jit_step(self.fn, self._plan, self._mesh, _abstract(args), donate=self.donate)
+        self._jitted = jit_step(self.fn, self._plan, self._mesh, _abstract(args), donate=self.donate, guard=True)
         self._in_shardings, _ = shardings(self._plan, self._mesh)
-        self._structure = _signature(args)
 
     # --- public ---------------------------------------------------------------------------
     def __call__(self, *args):
-        # a new structure, shape or dtype is a new program: plan it (the cache makes a return
-        # to an earlier signature cheap) rather than run shardings planned for other shapes
-        if self._jitted is None or _signature(args) != self._structure:
+        if self._jitted is None:
             self._prepare(args)
             args = jax.device_put(args, self._in_shardings)
-        return self._jitted(*args)
+        try:
+            return self._jitted(*args)
+        except ShapesChanged:
+            # a new structure, shape or dtype is a new program: plan it (the plan cache makes a
+            # return to earlier shapes cheap) rather than run shardings planned for other shapes
+            self._prepare(args)
+            return self._jitted(*jax.device_put(args, self._in_shardings))
 
     @property
     def plan(self) -> Plan:
@@ -165,7 +162,11 @@ class Autosharded:
     def lower(self, *args):
         if self._jitted is None:
             self._prepare(args)
-        return self._jitted.lower(*args)
+        try:
+            return self._jitted.lower(*args)
+        except ShapesChanged:
+            self._prepare(args)
+            return self._jitted.lower(*args)
 
     def explain(self) -> str:
         return self.plan.explain()

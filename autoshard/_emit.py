@@ -90,9 +90,31 @@ def donated_argnums(plan: Plan, nargs: int) -> tuple[int, ...]:
     return tuple(i for i in range(nargs) if by_arg.get(i) and all(k in outs for k in by_arg[i]))
 
 
-def jit_step(step: Callable, plan: Plan, mesh: Mesh, args: tuple, donate: bool = True) -> Callable:
+class ShapesChanged(Exception):
+    """Raised while jax traces a planned step for arguments of another structure, shape or dtype
+    than the plan's: jax re-traces only then, so the check costs nothing per call."""
+
+
+def _signature(args: tuple) -> tuple:
+    leaves, treedef = jax.tree_util.tree_flatten(args)
+    return treedef, tuple((tuple(x.shape), jax.numpy.dtype(x.dtype)) for x in leaves)
+
+
+def jit_step(step: Callable, plan: Plan, mesh: Mesh, args: tuple, donate: bool = True,
+             guard: bool = False) -> Callable:
+    """`jax.jit` of the constrained step; with `guard`, tracing it for arguments unlike `args`
+    raises ShapesChanged (before anything runs or is donated)."""
     ins, outs = shardings(plan, mesh)
     fn = constrained(step, plan, mesh, args)
+    if guard:
+        planned, inner = _signature(args), fn
+
+        def fn(*call_args):
+            if _signature(call_args) != planned:
+                raise ShapesChanged()
+            return inner(*call_args)
+
+        fn.__name__ = inner.__name__
     out_tree = jax.tree_util.tree_structure(jax.eval_shape(step, *args))
     outs = jax.tree_util.tree_unflatten(out_tree, outs)
     return jax.jit(fn, in_shardings=ins, out_shardings=outs,
