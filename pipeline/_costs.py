@@ -65,7 +65,8 @@ class PipelineCosts:
     """Item weights per atomic component, aggregated over any grouping of components into units."""
 
     def __init__(self, atomic: AtomicPartition, hardware: Any = "v100-sxm", *,
-                 cost_model: CostModel | None = None, batch: int | None = None) -> None:
+                 cost_model: CostModel | None = None, batch: int | None = None,
+                 op_time: Sequence[float] | None = None) -> None:
         self.atomic = atomic
         graph = atomic.graph
         self.hardware: HardwareSpec = get_hardware(hardware)
@@ -73,9 +74,16 @@ class PipelineCosts:
         self.batch = int(batch or traced_batch(graph))
         ops, values = graph.ops, graph.values
         cm = self.cost_model
-        self.op_time = np.array([
-            cm.compute(op.flops * op.repeat, op.bytes * op.repeat, op.out_dtypes[0] if op.out_dtypes else "float32")
-            for op in ops])
+        if op_time is not None:     # measured seconds per op (each execution), e.g. profile="measured"
+            if len(op_time) != len(ops):
+                raise PipelineError(f"pipeline.PipelineCosts: op_time has {len(op_time)} entries for a graph "
+                                    f"of {len(ops)} ops; give one time per op (seconds per execution).")
+            self.op_time = np.array([float(t) * op.repeat for t, op in zip(op_time, ops, strict=True)])
+        else:
+            self.op_time = np.array([
+                cm.compute(op.flops * op.repeat, op.bytes * op.repeat,
+                           op.out_dtypes[0] if op.out_dtypes else "float32")
+                for op in ops])
         dep = non_constant_ops(graph)
         n = len(atomic)
         # items: category -> {key: (weight, components)}

@@ -286,8 +286,10 @@ def _node_counts(N: int) -> list[int]:
 
 
 def form_stage(problem: StageProblem, nodes: int, devices_per_node: int, *, prune: bool = False,
-               exhaustive: bool = False, method: str = "rannc") -> StagePlan:
-    """Algorithm 2: search node counts, stage counts and micro-batch counts (powers of two)."""
+               exhaustive: bool = False, method: str = "rannc",
+               stage_counts: Sequence[int] | None = None) -> StagePlan:
+    """Algorithm 2: search node counts, stage counts and micro-batch counts (powers of two).
+    `stage_counts` restricts the stage counts tried (e.g. to the size of a mesh's "pipe" axis)."""
     t0 = time.perf_counter()
     found: list[tuple[StagePlan, list[tuple[int, int, int]]]] = []
     tried: dict[int, tuple[int, int]] = {}          # stage count -> (D, R) it was tried with
@@ -298,6 +300,8 @@ def form_stage(problem: StageProblem, nodes: int, devices_per_node: int, *, prun
         for S in range(devices_per_node * prev + 1, D + 1):
             if S > problem.n:
                 break
+            if stage_counts is not None and S not in stage_counts:
+                continue
             tried[S] = (D, R)
             sols = []
             MB = 1
@@ -374,14 +378,17 @@ def plan_stages(graph: OpGraph, devices: int, hardware: Any = "v100-sxm", *, k: 
                 batch_size: int | None = None, schedule: str = "1f1b", recompute: bool = False,
                 memory_budget: float | None = None, use_blocks: bool = True, prune: bool = False,
                 exhaustive: bool = False, cost_model: Any = None, atomic: AtomicPartition | None = None,
-                blocks: BlockPartition | None = None, costs: PipelineCosts | None = None) -> StagePlan:
+                blocks: BlockPartition | None = None, costs: PipelineCosts | None = None,
+                stage_counts: Sequence[int] | None = None, op_time: Sequence[float] | None = None) -> StagePlan:
     """RaNNC end to end: atomic components, k blocks (unless `use_blocks=False`: the §IV-C variant
     over atomic components), then Algorithm 2 over `devices` devices of `hardware`. Precomputed
-    `atomic`, `blocks` or `costs` (which fix the hardware and cost model) are reused."""
+    `atomic`, `blocks` or `costs` (which fix the hardware and cost model) are reused. `op_time`
+    (seconds per op execution, e.g. measured) replaces the cost model's compute estimates;
+    `stage_counts` restricts the stage counts Algorithm 2 tries."""
     t0 = time.perf_counter()
     atomic = atomic or (costs.atomic if costs is not None else blocks.atomic if blocks is not None
                         else atomic_partition(graph))
-    costs = costs or PipelineCosts(atomic, hardware, cost_model=cost_model)
+    costs = costs or PipelineCosts(atomic, hardware, cost_model=cost_model, op_time=op_time)
     dpn = costs.hardware.devices_per_node
     if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
         raise PipelineError(f"pipeline.plan_stages: devices={devices!r} must be an int >= 1.")
@@ -400,5 +407,5 @@ def plan_stages(graph: OpGraph, devices: int, hardware: Any = "v100-sxm", *, k: 
     problem = StageProblem(costs, units, batch_size=batch_size, schedule=schedule, recompute=recompute,
                            memory_budget=memory_budget)
     plan = form_stage(problem, nodes, per_node, prune=prune, exhaustive=exhaustive,
-                      method="rannc" if use_blocks else "rannc-no-blocks")
+                      method="rannc" if use_blocks else "rannc-no-blocks", stage_counts=stage_counts)
     return dataclasses.replace(plan, search_seconds=time.perf_counter() - t0)
