@@ -189,6 +189,11 @@ def audit(plan: Plan, step: Callable, *args: Any, mesh: Mesh | None = None) -> A
     if not isinstance(plan, Plan):
         raise PlanError(f"autoshard.audit: plan={type(plan).__name__} is not an autoshard.Plan. "
                         "Fix: pass the result of autoshard.plan(...) or an expert plan.")
+    if plan.stages:
+        raise PlanError(f"autoshard.audit: this is a pipeline plan ({len(plan.stages)} stages, "
+                        f"{plan.predicted['pipeline']['method']}); compiling pipeline stages needs the pipeline "
+                        "runtime, which autoshard does not have yet. Fix: audit a tensor sharding plan "
+                        "(autoshard.plan without pipeline=...).")
     abstract = _abstract(args)
     if plan._treedef is None:
         plan = plan.bind(*abstract)

@@ -110,8 +110,12 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     model, _ = _model_from_args(args)
     mesh = _parse_mesh(args.mesh)
     t0 = time.perf_counter()
+    extra = {}
+    if args.pipeline:
+        extra = {"pipeline": args.pipeline, "schedule": args.schedule, "profile": args.profile,
+                 "pipeline_options": {"k": args.blocks, "recompute": args.recompute}}
     plan = autoshard.plan(model.train_step, *model.abstract_state(), mesh=mesh, hardware=args.hardware,
-                          memory_budget=args.memory_budget)
+                          memory_budget=args.memory_budget, **extra)
     print(f"model: {args.model} ({args.config}), {model.num_params() / 1e6:.1f}M parameters, planned "
           f"abstractly in {time.perf_counter() - t0:.2f} s (search {plan.predicted['search_seconds']:.3f} s)")
     print(plan.explain())
@@ -218,6 +222,12 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--hardware", default="h100-sxm")
     pl.add_argument("--memory-budget", type=float, default=None, help="bytes per device")
     pl.add_argument("--out", default=None, help="write the plan as JSON")
+    pl.add_argument("--pipeline", default=None, choices=["rannc"], help="pipeline stages instead of tensor sharding")
+    pl.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"], help="pipeline schedule")
+    pl.add_argument("--profile", default="model", choices=["model", "measured"],
+                    help="op costs: hardware roofline, or timed on this machine")
+    pl.add_argument("--blocks", type=int, default=32, help="RaNNC block count k (default 32)")
+    pl.add_argument("--recompute", action="store_true", help="recompute stage forwards in backward")
     pl.set_defaults(func=_cmd_plan)
     ex = sub.add_parser("explain", help="same as plan")
     _add_model_args(ex, "gpt2-small")
@@ -225,6 +235,12 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--hardware", default="h100-sxm")
     ex.add_argument("--memory-budget", type=float, default=None, help="bytes per device")
     ex.add_argument("--out", default=None, help="write the plan as JSON")
+    ex.add_argument("--pipeline", default=None, choices=["rannc"], help="pipeline stages instead of tensor sharding")
+    ex.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"], help="pipeline schedule")
+    ex.add_argument("--profile", default="model", choices=["model", "measured"],
+                    help="op costs: hardware roofline, or timed on this machine")
+    ex.add_argument("--blocks", type=int, default=32, help="RaNNC block count k (default 32)")
+    ex.add_argument("--recompute", action="store_true", help="recompute stage forwards in backward")
     ex.set_defaults(func=_cmd_plan)
     au = sub.add_parser("audit", help="compile a plan on simulated devices; collectives and memory vs prediction")
     _add_model_args(au, "debug")

@@ -10,7 +10,7 @@ import jax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from . import _jax_compat as jc
-from ._errors import MeshError
+from ._errors import MeshError, PlanError
 from ._plan import Plan, Spec
 
 
@@ -104,6 +104,10 @@ def jit_step(step: Callable, plan: Plan, mesh: Mesh, args: tuple, donate: bool =
              guard: bool = False) -> Callable:
     """`jax.jit` of the constrained step; with `guard`, tracing it for arguments unlike `args`
     raises ShapesChanged (before anything runs or is donated)."""
+    if plan.stages:
+        raise PlanError(f"autoshard: a pipeline plan ({len(plan.stages)} stages) cannot be run as one jit "
+                        "program: that would silently drop its stages. The pipeline runtime is not built yet; "
+                        "run a tensor sharding plan (autoshard.plan without pipeline=...).")
     ins, outs = shardings(plan, mesh)
     fn = constrained(step, plan, mesh, args)
     if guard:

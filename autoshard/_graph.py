@@ -118,6 +118,7 @@ class OpGraph:
     output_keypaths: list[str]
     output_keypath_parts: list[tuple[str | int, ...]]
     name: str = ""
+    eqns: dict | None = None             # op index -> jaxpr eqn, with trace(keep_eqns=True) only
 
     def __len__(self) -> int:
         return len(self.ops)

@@ -37,9 +37,29 @@ def fingerprint(graph: OpGraph) -> str:
 
 def plan(step: Callable, *args: Any, mesh: Any, hardware: str | HardwareSpec | dict = "cpu-sim",
          memory_budget: float | None = None, devices: int | None = None,
-         options: SearchOptions | None = None) -> Plan:
-    """Plan `step(*args)` on `mesh` (dict, jax Mesh, or "auto" with `devices`)."""
+         options: SearchOptions | None = None, pipeline: str | None = None, schedule: str = "1f1b",
+         profile: str = "model", pipeline_options: Mapping[str, Any] | None = None) -> Plan:
+    """Plan `step(*args)` on `mesh` (dict, jax Mesh, or "auto" with `devices`).
+
+    `pipeline="rannc"` partitions the step into pipeline stages instead (RaNNC: stages, replicas
+    per stage and micro-batch count over all the mesh's devices; a "pipe" axis fixes the stage
+    count), with `schedule` "1f1b" or "gpipe", `profile` "model" (roofline on the hardware spec) or
+    "measured" (ops timed on the local device), and `pipeline_options` k (blocks, default 32),
+    recompute, use_blocks, exhaustive, prune.
+    """
     hw = get_hardware(hardware)
+    if pipeline is not None:
+        from ._pipeline_plan import pipeline_plan
+
+        if isinstance(mesh, str) and mesh == "auto":
+            if devices is None:
+                raise PlanError("autoshard.plan: mesh='auto' needs devices=<count>.")
+            mesh = {"data": int(devices)}
+        return pipeline_plan(step, *args, mesh=mesh_spec(mesh), hw=hw, memory_budget=memory_budget,
+                             pipeline=pipeline, schedule=schedule, profile=profile, options=pipeline_options)
+    if pipeline_options is not None or profile != "model":
+        raise PlanError("autoshard.plan: pipeline_options and profile apply to pipeline plans only; "
+                        "pass pipeline='rannc' as well, or drop them.")
     graph = trace(step, *args)
     grouping = group(graph)
     opts = options or SearchOptions()

@@ -110,6 +110,7 @@ class _Builder:
         self.ops: list[Op] = []
         self._ids = itertools.count()
         self._loop_ids = itertools.count()
+        self.eqns: dict[int, Any] = {}      # op index -> the jaxpr eqn it stands for (leaf ops)
 
     def new_value(self, atom: Any, kind: str, producer: int | None = None) -> int:
         shape, dtype = jc.aval_shape_dtype(atom)
@@ -172,6 +173,7 @@ class _Builder:
                     params["nested_eqns"] = nested
                 outs = self.add_op(name, in_ids, list(eqn.outvars), full, loops, params,
                                    in_atoms=list(eqn.invars))
+                self.eqns[len(self.ops) - 1] = eqn
             for var, vid in zip(eqn.outvars, outs, strict=True):
                 env[var] = vid
             if top:
@@ -213,12 +215,13 @@ class _Builder:
 
 
 def trace(fn: Callable, *args: Any, name: str | None = None,
-          optimizer_scopes: tuple[str, ...] = ("optimizer",)) -> OpGraph:
+          optimizer_scopes: tuple[str, ...] = ("optimizer",), keep_eqns: bool = False) -> OpGraph:
     """Trace `fn(*args)` into an OpGraph.
 
     Args may be arrays or `jax.ShapeDtypeStruct`s (nothing is materialised, so a 175B-parameter
     step traces in host memory of its graph only). Ops carry primitive, shapes, dtypes, bytes,
-    flops, module path, phase; program inputs carry their pytree keypaths.
+    flops, module path, phase; program inputs carry their pytree keypaths. `keep_eqns=True` also
+    keeps, in `graph.eqns`, the jaxpr equation of every leaf op (for profiling ops on a device).
     """
     if not callable(fn):
         raise NotCallableError(
@@ -258,6 +261,8 @@ def trace(fn: Callable, *args: Any, name: str | None = None,
         output_keypaths=[jc.keystr(p) for p in out_paths],
         output_keypath_parts=[jc.keypath_parts(p) for p in out_paths], name=fn_name,
     )
+    if keep_eqns:
+        graph.eqns = b.eqns
     infer_phases(graph, optimizer_scopes)
     attribute_modules(graph)
     return graph

@@ -1,0 +1,141 @@
+"""autoshard.plan(..., pipeline="rannc"): stages in the Plan, JSON, explain, measured profiles, errors."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+import autoshard
+import models
+import pipeline
+from autoshard._profile import measure_op_times
+
+
+@pytest.fixture(scope="module")
+def bert():
+    m = models.get("bert", "debug")
+    return m, m.abstract_state()
+
+
+@pytest.fixture(scope="module")
+def bert_plan(bert):
+    m, args = bert
+    return autoshard.plan(m.train_step, *args, mesh={"data": 8}, hardware="v100-sxm", pipeline="rannc",
+                          pipeline_options={"k": 8})
+
+
+def test_stages_cover_the_step_and_fit(bert, bert_plan):
+    m, args = bert
+    p = bert_plan
+    graph = autoshard.trace(m.train_step, *args)
+    assert p.stages and p.microbatches >= 1
+    covered = set().union(*(s.ops for s in p.stages))
+    assert covered == set(range(len(graph.ops)))
+    # stage block ranges are contiguous and in order
+    assert p.stages[0].blocks[0] == 0
+    for a, b in zip(p.stages, p.stages[1:], strict=False):
+        assert a.blocks[1] == b.blocks[0]
+    pp = p.predicted["pipeline"]
+    assert sum(s.replicas for s in p.stages) == pp["devices"]
+    for s in p.stages:
+        assert s.memory <= p.predicted["memory_budget"]
+        assert s.microbatch_size * p.microbatches * s.replicas <= pp["batch_size"]
+        assert s.predicted_forward > 0 and s.predicted_backward > 0
+    # every parameter is held by some stage, and the report says which devices sync it
+    held = set().union(*(s.params for s in p.stages))
+    params = {r.keypath for r in p.params}
+    assert held == params
+    assert p.predicted["memory"]["total"] == max(s.memory for s in p.stages)
+
+
+def test_json_round_trip_and_explain(bert, bert_plan):
+    m, args = bert
+    q = autoshard.Plan.from_json(bert_plan.to_json())
+    assert q.stages == bert_plan.stages and q.microbatches == bert_plan.microbatches
+    assert q.predicted["pipeline"] == bert_plan.predicted["pipeline"]
+    assert q.bind(*args).to_json() == bert_plan.to_json()
+    text = bert_plan.explain()
+    assert "pipeline plan (rannc" in text and "uniform layer split" in text
+    for s in bert_plan.stages:
+        assert f"\n{s.index}  " in text
+
+
+def test_pipe_axis_fixes_the_stage_count(bert):
+    m, args = bert
+    for pipe in (2, 4):
+        p = autoshard.plan(m.train_step, *args, mesh={"pipe": pipe, "data": 8 // pipe}, hardware="v100-sxm",
+                           pipeline="rannc", pipeline_options={"k": 8})
+        assert len(p.stages) == pipe
+
+
+def test_memory_limits_force_more_stages(bert):
+    m, args = bert
+    roomy = autoshard.plan(m.train_step, *args, mesh={"data": 8}, hardware="v100-sxm", pipeline="rannc",
+                           pipeline_options={"k": 8})
+    whole = roomy.predicted["memory"]["total"]
+    tight = autoshard.plan(m.train_step, *args, mesh={"data": 8}, hardware="v100-sxm", pipeline="rannc",
+                           pipeline_options={"k": 8}, memory_budget=0.6 * whole)
+    assert len(tight.stages) > len(roomy.stages) or tight.predicted["memory"]["total"] < whole
+    assert tight.predicted["memory"]["total"] <= 0.6 * whole
+    with pytest.raises(autoshard.InfeasiblePlanError, match="memory budget") as err:
+        autoshard.plan(m.train_step, *args, mesh={"data": 8}, hardware="v100-sxm", pipeline="rannc",
+                       pipeline_options={"k": 8}, memory_budget=1e3)
+    assert isinstance(err.value, pipeline.PipelineInfeasibleError) and err.value.min_memory > 1e3
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"pipeline": "alpa"}, "pipeline='alpa' is unknown"),
+    ({"pipeline": "rannc", "schedule": "zb-v"}, "schedule='zb-v'"),
+    ({"pipeline": "rannc", "profile": "guess"}, "profile='guess'"),
+    ({"pipeline": "rannc", "pipeline_options": {"blocks": 4}}, "keys \\['blocks'\\]"),
+    ({"profile": "measured"}, "pipeline plans only"),
+])
+def test_bad_pipeline_arguments_are_typed_errors(bert, kw, match):
+    m, args = bert
+    with pytest.raises(autoshard.PlanError, match=match):
+        autoshard.plan(m.train_step, *args, mesh={"data": 8}, hardware="v100-sxm", **kw)
+
+
+def test_measured_profile_times_ops_on_the_device():
+    m = models.get("mlp", "debug")
+    args = m.abstract_state()
+    graph = autoshard.trace(m.train_step, *args, keep_eqns=True)
+    times, notes = measure_op_times(graph, lambda i: -1.0, min_seconds=1e-4, max_runs=5)
+    assert len(times) == len(graph.ops) and all(t > 0 for t in times), notes
+    # the step's biggest matmul takes longer than its cheapest elementwise op
+    dots = [i for i, op in enumerate(graph.ops) if op.primitive == "dot_general"]
+    big = max(dots, key=lambda i: graph.ops[i].flops)
+    assert times[big] > min(times)
+    p = autoshard.plan(m.train_step, *args, mesh={"pipe": 2, "data": 4}, hardware="cpu-sim", pipeline="rannc",
+                       profile="measured", pipeline_options={"k": 4})
+    model = autoshard.plan(m.train_step, *args, mesh={"pipe": 2, "data": 4}, hardware="cpu-sim",
+                           pipeline="rannc", pipeline_options={"k": 4})
+    assert p.predicted["pipeline"]["profile"] == "measured" and len(p.stages) == 2
+    assert p.predicted["step_time"] != model.predicted["step_time"]
+
+
+def test_untimeable_ops_keep_the_estimate_and_are_named():
+    def step(key, x):
+        return jax.random.normal(key, x.shape) * x
+
+    graph = autoshard.trace(step, jax.random.key(0), np.ones((4, 4), np.float32), keep_eqns=True)
+    times, notes = measure_op_times(graph, lambda i: 123.0, min_seconds=1e-4, max_runs=3)
+    assert 123.0 in times and notes and all("keep the cost model's estimate" in n for n in notes)
+    mul = [t for t, op in zip(times, graph.ops, strict=True) if op.primitive == "mul"]
+    assert mul and all(0 < t < 1 for t in mul)
+
+
+def test_pipeline_plans_are_not_run_or_audited_as_one_program(bert, bert_plan):
+    m, args = bert
+    with pytest.raises(autoshard.PlanError, match="pipeline plan"):
+        autoshard.audit(bert_plan, m.train_step, *args)
+
+
+def test_cli_plans_pipelines(capsys):
+    from autoshard._cli import main
+
+    assert main(["plan", "mlp", "--config", "debug", "--mesh", "pipe=2,data=4", "--hardware", "v100-sxm",
+                 "--pipeline", "rannc", "--blocks", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "pipeline plan (rannc" in out and "stage" in out
