@@ -2,7 +2,8 @@
 
 `form_stage_dp` is Algorithm 1: over topologically sorted units (blocks, or atomic components in
 the no-block variant of §IV-C) it chooses S contiguous stages and the devices of each (its replicas,
-data parallel inside the stage, micro-batch ⌊BS/R/MB/replicas⌋), every stage fitting memory with
+data parallel inside the stage; each replica's share of a micro-batch of ⌊BS/R/MB⌋ samples is at
+most ⌈⌊BS/R/MB⌋/replicas⌉, see `StageProblem.mbs`), every stage fitting memory with
 the micro-batches the schedule keeps in flight (1F1B: stage s of S holds min(S-s+1, MB); GPipe: MB),
 minimising V = max stage forward time + max stage backward time. Departures from the published
 pseudo-code, both in the direction of exactness:
@@ -65,7 +66,7 @@ class Stage:
     components: tuple[int, ...]
     ops: tuple[int, ...]
     replicas: int                    # devices running the stage (data parallel inside it)
-    microbatch_size: int             # samples per replica per micro-batch
+    microbatch_size: int             # samples per replica per micro-batch (the busiest replica)
     predicted_forward: float         # seconds per micro-batch, incl. sending outputs
     predicted_backward: float        # seconds per micro-batch, incl. amortised all-reduce/update
     memory: float                    # bytes per device
@@ -137,7 +138,14 @@ class StageProblem:
         return np.array([a for a, _ in ar]), np.array([b for _, b in ar])
 
     def mbs(self, R: int, MB: int, r: int) -> int:
-        return self.batch_size // R // MB // r
+        """Samples the busiest of r replicas computes per micro-batch (0: some replica gets none).
+
+        The paper profiles at ⌊BS/MB/R/r⌋, but a micro-batch of q = ⌊BS/R/MB⌋ samples over r
+        replicas not dividing q leaves some replicas ⌈q/r⌉ samples, and they bound the stage:
+        with the floor, 5 replicas of an 8-sample micro-batch were costed at 1 sample each
+        (5 of 8 samples), overstating throughput and favouring odd replica counts."""
+        q = self.batch_size // R // MB
+        return -(-q // r) if q >= r else 0
 
     def tables(self, D: int, R: int, MB: int) -> _Tables:
         key = (D, R, MB)

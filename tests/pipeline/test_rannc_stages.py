@@ -241,3 +241,18 @@ def test_bad_arguments_are_typed_errors():
     with pytest.raises(PipelineError, match="multiple of num_stages"):
         uniform_split(costs, 3, 8, 1, grouping=group(graph))
     assert issubclass(PipelineError, AutoshardError)
+
+
+def test_replicas_not_dividing_a_micro_batch_cost_the_busiest_replica():
+    """8 samples per micro-batch on 5 replicas: 3 replicas compute 2 samples and bound the stage
+    (the paper's ⌊8/5⌋ = 1 costed 5 of the 8 samples and overstated throughput)."""
+    problem, _ = problem_for(5, 20, 2, batch_size=64)
+    R, MB = 1, 8                                                   # 8 samples per micro-batch
+    assert [problem.mbs(R, MB, r) for r in (1, 2, 3, 4, 5, 8, 9)] == [8, 4, 3, 2, 2, 1, 0]
+    two = problem.stage(0, problem.n, 4, D=8, R=R, MB=MB, s=1, S=1)
+    five = problem.stage(0, problem.n, 5, D=8, R=R, MB=MB, s=1, S=1)
+    assert five[0] == pytest.approx(two[0])                       # same busiest share: same forward
+    # every plan's replicas cover each micro-batch: replicas x share >= samples per micro-batch
+    plan = form_stage(problem, 1, 8)
+    q = plan.batch_size // plan.pipelines // plan.microbatches
+    assert all(st.replicas // plan.pipelines * st.microbatch_size >= q for st in plan.stages)
