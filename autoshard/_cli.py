@@ -126,6 +126,24 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_schedule(args: argparse.Namespace) -> int:
+    """Pipeline-plan a zoo model and print its schedule as a Gantt chart from the event simulator."""
+    import autoshard
+    import pipeline
+
+    model, _ = _model_from_args(args)
+    plan = autoshard.plan(model.train_step, *model.abstract_state(), mesh=_parse_mesh(args.mesh),
+                          hardware=args.hardware, memory_budget=args.memory_budget, pipeline=args.pipeline,
+                          schedule=args.schedule, pipeline_options={"k": args.blocks, "recompute": args.recompute})
+    print(plan.explain())
+    sched = pipeline.schedule(args.schedule, num_stages=len(plan.stages), num_microbatches=plan.microbatches)
+    sim = pipeline.simulate(sched, forward=[s.predicted_forward for s in plan.stages],
+                            backward=[s.predicted_backward for s in plan.stages])
+    print()
+    print(sim.gantt(max_width=args.width))
+    return 0
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
     """The main job: plan, compile and train a few steps on the simulated mesh; compare losses
     with single-device training."""
@@ -242,6 +260,17 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--blocks", type=int, default=32, help="RaNNC block count k (default 32)")
     ex.add_argument("--recompute", action="store_true", help="recompute stage forwards in backward")
     ex.set_defaults(func=_cmd_plan)
+    sc = sub.add_parser("schedule", help="pipeline-plan a zoo model and print its schedule (Gantt chart)")
+    _add_model_args(sc, "debug")
+    sc.add_argument("--mesh", default="pipe=4,data=2", help="name=size,... (a 'pipe' axis fixes the stage count)")
+    sc.add_argument("--hardware", default="cpu-sim")
+    sc.add_argument("--memory-budget", type=float, default=None, help="bytes per device")
+    sc.add_argument("--pipeline", default="rannc", choices=["rannc"])
+    sc.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"])
+    sc.add_argument("--blocks", type=int, default=32, help="RaNNC block count k (default 32)")
+    sc.add_argument("--recompute", action="store_true")
+    sc.add_argument("--width", type=int, default=120, help="Gantt chart columns")
+    sc.set_defaults(func=_cmd_schedule)
     au = sub.add_parser("audit", help="compile a plan on simulated devices; collectives and memory vs prediction")
     _add_model_args(au, "debug")
     au.add_argument("--mesh", default="data=2,model=4", help="name=size,... (its product = simulated devices)")

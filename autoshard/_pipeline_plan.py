@@ -118,6 +118,12 @@ def pipeline_plan(step: Callable, *args: Any, mesh: MeshSpec, hw: HardwareSpec, 
           "pipelines": sp.pipelines, "batch_size": sp.batch_size, "objective": sp.objective,
           "search_seconds": sp.search_seconds, "dp_calls": sp.dp_calls, "units": int(sp.stages[-1].blocks[1]),
           "max_over_mean": _max_over_mean(sp)}
+    # the same stages through the event simulator: the formula above is what the DP optimises
+    # (max forward + max backward per micro-batch); the simulator runs the schedule's actual order
+    sched = pipe_pkg.schedule(schedule, num_stages=len(sp.stages), num_microbatches=sp.microbatches)
+    sim = pipe_pkg.simulate(sched, forward=list(sp.predicted_forward), backward=list(sp.predicted_backward))
+    pp.update(simulated_step_time=sim.makespan, bubble_fraction=sim.bubble_fraction,
+              peak_inflight=tuple(sim.peak_inflight))
     if uniform is not None:
         pp["uniform"] = {"stages": len(uniform.stages), "replicas": uniform.stages[0].replicas,
                          "microbatches": uniform.microbatches, "step_time": uniform.step_time,

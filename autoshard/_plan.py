@@ -214,7 +214,9 @@ class Plan:
             f"batch {pp['batch_size']}; predicted step {p['step_time'] * 1e3:.3f} ms, throughput "
             f"{pp['batch_size'] / p['step_time']:.4g} samples/s, max/mean stage time {pp['max_over_mean']:.3f}; "
             f"peak memory {p['memory']['total'] / 2**30:.3f} GiB per device of {p['memory_budget'] / 2**30:.2f} GiB",
-            f"search {pp['search_seconds']:.3f} s over {pp['units']} blocks",
+            f"search {pp['search_seconds']:.3f} s over {pp['units']} blocks; event simulator: step "
+            f"{pp['simulated_step_time'] * 1e3:.3f} ms, bubble {pp['bubble_fraction']:.1%}, in flight per stage "
+            f"{pp['peak_inflight']}",
             "",
         ]
         rows = [("stage", "blocks", "ops", "replicas", "micro-batch", "forward ms", "backward ms", "memory GiB",
@@ -239,7 +241,8 @@ class Plan:
                          f"{p['step_time'] / u['step_time']:.2f}x faster (the partitioner searches blocks, "
                          "not layer boundaries; try more blocks, pipeline_options={'k': ...})"))
         else:
-            lines.append("vs uniform layer split: none fits the memory budget (or the model has no repeated layers)")
+            lines.append("vs uniform layer split: none applies (it needs at least as many repeated layers as stages, "
+                         "stage counts dividing the devices, and must fit the memory budget)")
         for w in self.warnings:
             lines.append(f"warning: {w}")
         return "\n".join(lines)

@@ -139,3 +139,23 @@ def test_cli_plans_pipelines(capsys):
                  "--pipeline", "rannc", "--blocks", "4"]) == 0
     out = capsys.readouterr().out
     assert "pipeline plan (rannc" in out and "stage" in out
+
+
+def test_simulated_schedule_matches_the_memory_models_in_flight_counts(bert):
+    m, args = bert
+    p = autoshard.plan(m.train_step, *args, mesh={"pipe": 4, "data": 2}, hardware="cpu-sim", pipeline="rannc")
+    pp = p.predicted["pipeline"]
+    S, MB = len(p.stages), p.microbatches
+    # 1F1B: stage s (0-based) keeps min(S - s, MB) micro-batches, as the DP's memory check assumes
+    assert list(pp["peak_inflight"]) == [min(S - s, MB) for s in range(S)]
+    # the DP's step formula (max forward + max backward per extra micro-batch) bounds the simulation
+    assert pp["simulated_step_time"] <= p.predicted["step_time"] * (1 + 1e-9)
+    assert 0 <= pp["bubble_fraction"] < 1
+
+
+def test_cli_schedule_prints_a_gantt_chart(capsys):
+    from autoshard._cli import main
+
+    assert main(["schedule", "bert", "--config", "debug", "--mesh", "pipe=2,data=4", "--width", "60"]) == 0
+    out = capsys.readouterr().out
+    assert "rank 0 |" in out and "rank 1 |" in out and "F0" in out and "B0" in out
