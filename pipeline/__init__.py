@@ -39,3 +39,4 @@ from ._uniform import best_uniform as best_uniform
 from ._uniform import uniform_split as uniform_split
 from ._validate import tick_table as tick_table
 from ._validate import validate as validate
+from ._layer_graph_build import layer_graph as layer_graph

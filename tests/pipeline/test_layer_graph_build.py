@@ -1,0 +1,153 @@
+"""layer_graph: GraphPipe's coarse DAG from traced debug models (jax only here, for tracing)."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import pytest
+
+import autoshard
+import models
+from autoshard._cost import AnalyticalCostModel
+from pipeline import PipelineError, PipelineGraphError
+from pipeline._layer_graph_build import layer_graph
+
+
+def _trace(name: str, **overrides):
+    m = models.get(name, "debug", **overrides)
+    args = m.abstract_state()      # ShapeDtypeStructs: params via jax.eval_shape(m.init), optax state
+    return m, args, autoshard.trace(m.train_step, *args)
+
+
+@pytest.fixture(scope="module", params=["mmt", "dlrm", "candle_uno"])
+def traced(request):
+    return request.param, *_trace(request.param)
+
+
+def _reach(lg) -> list[set[int]]:
+    """Descendants of each node (the graph is listed topologically)."""
+    out: list[set[int]] = [set() for _ in lg.nodes]
+    for i in reversed(range(len(lg.nodes))):
+        for s in lg.succ[i]:
+            out[i] |= {s} | out[s]
+    return out
+
+
+def _branch_of(name: str) -> str:
+    return name.split("/")[1]
+
+
+def test_structure(traced):
+    name, m, _, graph = traced
+    lg = layer_graph(graph)
+    c = m.config
+    names = [n.name for n in lg.nodes]
+    assert len(set(names)) == len(names)
+    assert lg.batch_size == c.batch_size
+    assert all(u < v for u, v in lg.edges)            # topological order, forward edges only
+    assert len(lg.sinks) == 1                          # everything ends in the loss
+    reach = _reach(lg)
+    if name == "mmt":
+        # per branch one node per layer (in_proj/pos_emb and ln_f/pooling merged into the first and
+        # last), plus the join: concatenation + head + loss in a node of its own
+        assert len(lg) == c.num_branches * c.num_layers + 1
+        assert names[-1] == "MMT/head"
+        assert names[:c.num_layers] == [f"MMT/branch_0/layer_{i}" for i in range(c.num_layers)]
+        assert len(lg.sources) == c.num_branches
+        assert len(lg.pred[lg.sinks[0]]) == c.num_branches
+    elif name == "dlrm":
+        assert len(lg) == c.num_dense * c.dense_layers + c.num_sparse + c.top_layers + 1
+        assert len(lg.sources) == c.num_dense + c.num_sparse
+        top0 = names.index("DLRM/top/fc_0")           # the concatenation is merged into it
+        assert len(lg.pred[top0]) == c.num_dense + c.num_sparse
+        emb = lg.nodes[names.index("DLRM/embedding_0")]
+        assert emb.output_bytes == c.emb_dim * 4      # the bag is summed inside the embedding node
+    else:
+        assert len(lg) == c.num_branches * c.branch_layers + c.top_layers + 1
+        assert len(lg.sources) == c.num_branches
+    # branches are parallel, not a chain: no node of one branch reaches a node of another
+    branch = [_branch_of(n) for n in names]
+    for i in range(len(lg)):
+        for j in reach[i]:
+            if branch[i] != branch[j]:
+                assert branch[j] in ("head", "top"), (names[i], names[j])
+    for n in lg.nodes:
+        assert n.forward > 0 and n.backward > 0 and n.activation_bytes > 0
+        assert n.branch == "/".join(n.name.split("/")[:2])
+
+
+def test_costs_and_bytes_add_up(traced):
+    _, _, args, graph = traced
+    lg = layer_graph(graph, "v100-sxm")
+    cm = AnalyticalCostModel({"stage": 1}, "v100-sxm")
+    total = {ph: sum(cm.compute(op.flops * op.repeat, op.bytes * op.repeat,
+                                op.out_dtypes[0] if op.out_dtypes else "float32")
+                     for op in graph.ops if op.phase == ph) for ph in ("forward", "backward", "optimizer")}
+    nodes_fb = lg.batch_size * sum(n.forward + n.backward for n in lg.nodes)
+    assert nodes_fb == pytest.approx(total["forward"] + total["backward"], rel=0.01)
+    assert sum(n.update for n in lg.nodes) == pytest.approx(total["optimizer"], rel=0.01)
+    param_bytes = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(args[0]))
+    assert sum(n.param_bytes for n in lg.nodes) == param_bytes
+    # adam: two moments per parameter (plus a few saved constants)
+    assert sum(n.state_bytes for n in lg.nodes) == pytest.approx(2 * param_bytes, rel=0.05)
+    # every edge carries something, and a node sends at most what it produces
+    for u, _ in lg.edges:
+        assert lg.nodes[u].output_bytes > 0
+
+
+def test_deterministic_and_hardware(traced):
+    _, _, _, graph = traced
+    a, b = layer_graph(graph), layer_graph(graph)
+    assert a == b
+    fast = layer_graph(graph, "a100-sxm")
+    assert fast.edges == a.edges and [n.name for n in fast.nodes] == [n.name for n in a.nodes]
+    assert sum(n.forward for n in fast.nodes) < sum(n.forward for n in a.nodes)
+
+
+def test_depth_override():
+    m, _, graph = _trace("mmt")
+    auto = layer_graph(graph)
+    # depth=3 cuts every module at 3 components: the layers (the automatic level) and, as nodes
+    # of their own, the branches' in_proj and ln_f (pos_emb is constant: no data flows through it)
+    fine = {n.name for n in layer_graph(graph, depth=3).nodes}
+    assert fine == {n.name for n in auto.nodes} | {f"MMT/branch_{b}/{x}" for b in range(4)
+                                                   for x in ("in_proj", "ln_f")}
+    coarse = layer_graph(graph, depth=2)               # whole branches: 4 parallel nodes and the head
+    assert [n.name for n in coarse.nodes] == [f"MMT/branch_{b}" for b in range(4)] + ["MMT/head"]
+    assert coarse.edges == tuple((b, 4) for b in range(4))
+    assert sum(n.forward for n in coarse.nodes) == pytest.approx(sum(n.forward for n in auto.nodes))
+
+
+def test_branch_count_follows_the_config():
+    m, _, graph = _trace("candle_uno", num_branches=3)
+    lg = layer_graph(graph)
+    assert len(lg.sources) == 3 and len(lg) == 3 * 4 + 5
+
+
+def test_sequential_model_is_a_chain():
+    m, _, graph = _trace("mmt", num_branches=1, num_layers=3)
+    lg = layer_graph(graph)
+    # one branch: the head has one producer, so it is merged into the last layer
+    assert [n.name for n in lg.nodes] == [f"MMT/branch_0/layer_{i}" for i in range(3)]
+    assert lg.edges == ((0, 1), (1, 2))
+    m, _, graph = _trace("gpt")
+    lg = layer_graph(graph)
+    assert lg.edges == tuple((i, i + 1) for i in range(len(lg) - 1))
+    assert [n.name for n in lg.nodes] == [f"GPT/block_{i}" for i in range(m.config.num_layers)]
+
+
+def test_errors_name_the_argument():
+    _, _, graph = _trace("candle_uno")
+    with pytest.raises(PipelineError, match="depth=0"):
+        layer_graph(graph, depth=0)
+    with pytest.raises(PipelineGraphError, match="depth=9 is deeper"):
+        layer_graph(graph, depth=9)
+    with pytest.raises(PipelineError, match="batch_size=0"):
+        layer_graph(graph, batch_size=0)
+    with pytest.raises(PipelineError, match="OpGraph"):
+        layer_graph("not a graph")
+    for op in graph.ops:            # no repeated modules: no layer level to cut at
+        op.module = "CandleUno/x" if op.module else ""
+    with pytest.raises(PipelineGraphError, match="pass depth="):
+        layer_graph(graph)
