@@ -19,6 +19,7 @@ from ._blocks import partition_blocks as partition_blocks
 from ._costs import PipelineCosts as PipelineCosts
 from ._graph_schedule import compute_inflight as compute_inflight
 from ._graph_schedule import static_inflight as static_inflight
+from ._layer_graph_build import layer_graph as layer_graph
 from ._schedule import Schedule as Schedule
 from ._schedule import ScheduleError as ScheduleError
 from ._schedule import Task as Task
@@ -39,4 +40,3 @@ from ._uniform import best_uniform as best_uniform
 from ._uniform import uniform_split as uniform_split
 from ._validate import tick_table as tick_table
 from ._validate import validate as validate
-from ._layer_graph_build import layer_graph as layer_graph
