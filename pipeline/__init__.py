@@ -19,6 +19,9 @@ from ._blocks import partition_blocks as partition_blocks
 from ._costs import PipelineCosts as PipelineCosts
 from ._graph_schedule import compute_inflight as compute_inflight
 from ._graph_schedule import static_inflight as static_inflight
+from ._graphpipe import GraphPipePlan as GraphPipePlan
+from ._graphpipe import GraphStage as GraphStage
+from ._graphpipe import graphpipe_partition as graphpipe_partition
 from ._layer_graph_build import layer_graph as layer_graph
 from ._schedule import Schedule as Schedule
 from ._schedule import ScheduleError as ScheduleError
@@ -29,6 +32,9 @@ from ._schedule import schedule_names as schedule_names
 from ._simulate import SimResult as SimResult
 from ._simulate import TaskTiming as TaskTiming
 from ._simulate import simulate as simulate
+from ._sp import SPTree as SPTree
+from ._sp import sp_decompose as sp_decompose
+from ._spp import spp_partition as spp_partition
 from ._stages import PipelineInfeasibleError as PipelineInfeasibleError
 from ._stages import Stage as Stage
 from ._stages import StagePlan as StagePlan

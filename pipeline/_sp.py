@@ -108,13 +108,8 @@ class _Decomposer:
             return SPTree("parallel", tuple(self.run(p) for p in parts))
         parts = self._components(nodes, mask, lambda v: ~self.comp[v] & ~(1 << v))
         if len(parts) > 1:  # co-components; ordered by smallest node (an earlier one's min is smaller)
-            return SPTree("series", tuple(self.run(p) for p in parts))
-        a, b = self._cut(nodes, mask)
-        children: list[SPTree] = []
-        for half in (a, b):  # flatten, so stages may span the cut like any series boundary
-            t = self.run(half)
-            children.extend(t.children if t.kind == "series" else (t,))
-        return SPTree("series", tuple(children), artificial=True)
+            return _series([self.run(p) for p in parts], artificial=False)
+        return _series([self.run(half) for half in self._cut(nodes, mask)], artificial=True)
 
     @staticmethod
     def _components(nodes: list[int], mask: int, nbrs) -> list[int]:
@@ -150,6 +145,19 @@ class _Decomposer:
                     best = (added, prefix, rest)
         assert best is not None  # a part that is neither series nor parallel has >= 4 nodes
         return best[1], best[2]
+
+
+def _series(parts: list[SPTree], artificial: bool) -> SPTree:
+    """A series node; serialised (artificial) series parts are flattened into it, so stages may
+    span the added boundaries like any other series boundary."""
+    children: list[SPTree] = []
+    for t in parts:
+        if t.kind == "series":
+            children.extend(t.children)
+            artificial = True
+        else:
+            children.append(t)
+    return SPTree("series", tuple(children), artificial=artificial)
 
 
 def _bits(mask: int) -> list[int]:

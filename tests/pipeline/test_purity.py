@@ -10,9 +10,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 PURE_MODULES = [
     "pipeline._graph_schedule",
+    "pipeline._graphpipe",
     "pipeline._layer_graph_build",
     "pipeline._schedule",
     "pipeline._simulate",
+    "pipeline._sp",
+    "pipeline._spp",
     "pipeline._validate",
 ]
 

@@ -1,0 +1,242 @@
+"""GraphPipe partitioner and its SPP baseline on synthetic LayerGraphs (pure: no jax)."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import networkx as nx
+import pytest
+
+import pipeline
+from pipeline import GraphPipePlan, PipelineError, PipelineInfeasibleError, graphpipe_partition, spp_partition
+from pipeline._graphpipe import _Costs, _microbatch_sizes, _Problem, _search_b
+from pipeline._layer_graph import LayerGraph, LayerNode, chain_graph
+from pipeline._sp import sp_decompose
+from pipeline._spp import linear_tree
+
+MS = 1e-3
+
+
+def node(name, f=1 * MS, params=1e6, act=1e6, out=0.0) -> LayerNode:
+    return LayerNode(name, f, 2 * f, params, 2 * params, act, out)
+
+
+def branchy(n_branches: int, length: int, batch: int, join_f: float, out: float = 0.0, name="branchy") -> LayerGraph:
+    """Branches of `length` equal nodes joined by one node of forward time `join_f`."""
+    nodes, edges, lasts = [], [], []
+    for b in range(n_branches):
+        for i in range(length):
+            nodes.append(node(f"b{b}.{i}", out=out))
+            if i:
+                edges.append((len(nodes) - 2, len(nodes) - 1))
+        lasts.append(len(nodes) - 1)
+    nodes.append(node("join", f=join_f, out=out))
+    edges += [(u, len(nodes) - 1) for u in lasts]
+    return LayerGraph(tuple(nodes), tuple(sorted(edges)), batch, name)
+
+
+def check_plan(graph: LayerGraph, plan: GraphPipePlan, budget: float | None = None) -> None:
+    owner = {}
+    for s in plan.stages:
+        for v in s.nodes:
+            assert v not in owner, f"node {v} in two stages"
+            owner[v] = s.index
+    assert sorted(owner) == list(range(len(graph)))                        # stages partition the nodes
+    assert [s.index for s in plan.stages] == list(range(len(plan.stages)))
+    g = nx.DiGraph(list(plan.edges))
+    g.add_nodes_from(range(len(plan.stages)))
+    assert nx.is_directed_acyclic_graph(g)
+    for u, v in graph.edges:                                                 # consistent with node edges
+        if owner[u] != owner[v]:
+            assert nx.has_path(g, owner[u], owner[v])
+    assert sum(s.devices for s in plan.stages) <= plan.devices
+    for s in plan.stages:
+        assert s.num_microbatches * s.microbatch_size == graph.batch_size
+        assert s.microbatch_size >= s.devices
+        if budget is not None:
+            assert s.memory <= budget
+    pipeline.validate(plan.schedule)
+    assert plan.schedule.edges == plan.edges
+    assert plan.depth == (nx.dag_longest_path_length(g) + 1)
+    assert math.isclose(plan.throughput, graph.batch_size / plan.step_time)
+    sim = pipeline.simulate(plan.schedule, [s.forward for s in plan.stages], [s.backward for s in plan.stages])
+    assert math.isclose(sim.makespan, plan.step_time)
+    assert plan.time_per_sample == pytest.approx(max((s.forward + s.backward) / s.microbatch_size
+                                                     for s in plan.stages))
+    d = plan.to_dict()
+    assert d["method"] == plan.method and len(d["stages"]) == len(plan.stages)
+
+
+def test_figure2_depth_two_vs_four():
+    # Fig. 2: three 2-node branches and a join as heavy as a branch, on 4 devices: GraphPipe runs
+    # the branches as concurrent stages (depth 2); SPP linearises them into a chain of 4.
+    g = branchy(3, 2, 64, join_f=2 * MS, name="fig2")
+    gp, spp = graphpipe_partition(g, 4), spp_partition(g, 4)
+    check_plan(g, gp)
+    check_plan(g, spp)
+    assert gp.method == "graphpipe" and spp.method == "spp"
+    assert gp.depth == 2 and len(gp.stages) == 4
+    assert spp.depth == 4 and len(spp.stages) == 4
+    assert gp.time_per_sample == pytest.approx(spp.time_per_sample)
+    assert gp.throughput > spp.throughput                   # shorter warm-up and cool-down
+    assert set(gp.edges) == {(0, 3), (1, 3), (2, 3)}
+
+
+def test_chain_graph_graphpipe_equals_spp():
+    nodes = [node(f"l{i}", f=(1 + (i % 3)) * MS, out=2e5) for i in range(9)]
+    g = chain_graph(nodes, 64, "chain")
+    for devices in (2, 4, 6):
+        gp, spp = graphpipe_partition(g, devices), spp_partition(g, devices)
+        check_plan(g, gp)
+        check_plan(g, spp)
+        assert gp.throughput == spp.throughput
+        assert [(s.nodes, s.devices, s.microbatch_size) for s in gp.stages] == \
+               [(s.nodes, s.devices, s.microbatch_size) for s in spp.stages]
+
+
+@pytest.mark.parametrize("devices", [4, 5, 8])
+def test_equal_branches_graphpipe_at_least_spp(devices):
+    g = branchy(4, 3, 128, join_f=3 * MS, out=1e5)
+    gp, spp = graphpipe_partition(g, devices), spp_partition(g, devices)
+    check_plan(g, gp)
+    check_plan(g, spp)
+    assert gp.throughput >= spp.throughput * (1 - 1e-9)
+    assert gp.depth <= spp.depth
+
+
+def test_memory_budget_respected_and_binding():
+    g = branchy(3, 3, 64, join_f=1 * MS)
+    free = graphpipe_partition(g, 4, memory_budget=1e12)
+    budget = 0.5 * max(s.memory for s in free.stages) + 1e7
+    tight = graphpipe_partition(g, 4, memory_budget=budget)
+    check_plan(g, tight, budget)
+    for fn in (graphpipe_partition, spp_partition):
+        check_plan(g, fn(g, 3, memory_budget=budget), budget)
+
+
+def test_max_microbatch_size():
+    g = branchy(2, 2, 64, join_f=1 * MS)
+    plan = graphpipe_partition(g, 4, max_microbatch_size=2)
+    check_plan(g, plan)
+    assert all(s.microbatch_size <= 2 for s in plan.stages)
+    assert _microbatch_sizes(48, None) == [1, 2, 4, 8, 16]
+
+
+def test_infeasible_names_graph_budget_and_best():
+    g = branchy(2, 2, 16, join_f=1 * MS, name="tiny-mem")
+    with pytest.raises(PipelineInfeasibleError) as err:
+        graphpipe_partition(g, 2, memory_budget=1e6)
+    e = err.value
+    assert e.budget == 1e6 and e.min_memory > 1e6 and math.isfinite(e.min_memory)
+    msg = str(e)
+    assert "tiny-mem" in msg and "2 devices" in msg and "memory_budget" in msg
+    # the reported least memory is achievable: with that budget a plan exists
+    check_plan(g, graphpipe_partition(g, 2, memory_budget=e.min_memory * (1 + 1e-9)), e.min_memory * (1 + 1e-9))
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(devices=0), "devices=0"),
+    (dict(devices=2.5), "devices=2.5"),
+    (dict(devices=True), "devices=True"),
+    (dict(devices=2, memory_budget=-1.0), "memory_budget=-1.0"),
+    (dict(devices=2, memory_budget=math.inf), "memory_budget=inf"),
+    (dict(devices=2, max_microbatch_size=0), "max_microbatch_size=0"),
+])
+def test_bad_arguments(kwargs, match):
+    g = branchy(2, 1, 8, join_f=1 * MS)
+    for fn in (graphpipe_partition, spp_partition):
+        with pytest.raises(PipelineError, match=match):
+            fn(g, **kwargs)
+    with pytest.raises(PipelineError, match="LayerGraph"):
+        graphpipe_partition("not a graph", 2)
+
+
+# --- brute force: the DP is optimal over the space it searches ---------------------------------
+
+def _brute_force(graph: LayerGraph, tree, devices: int, b: int, budget: float) -> float:
+    """Least bottleneck TPS over every split of the nodes into the DP's pieces (unions of
+    consecutive SP children, and leaves), every device count per stage (sum <= devices), with
+    memory at 1 + depth below in the stage DAG of the tree's order (SPP: the chain)."""
+    prob = _Problem(graph, tree)
+    order = _tree_order(tree)
+    costs = _Costs(prob, pipeline._graphpipe.get_hardware("v100-sxm"), devices, b, graph.batch_size, budget)
+    pieces = {prob._collect_nodes(sig): row for sig, row in prob.single_index.items()}
+    n, best = len(graph), math.inf
+    for labels in _set_partitions(list(range(n))):
+        blocks = [tuple(sorted(x)) for x in labels]
+        if any(bl not in pieces for bl in blocks):
+            continue
+        owner = {v: i for i, bl in enumerate(blocks) for v in bl}
+        sg = nx.DiGraph()
+        sg.add_nodes_from(range(len(blocks)))
+        sg.add_edges_from((owner[u], owner[v]) for u, v in order if owner[u] != owner[v])
+        if not nx.is_directed_acyclic_graph(sg):
+            continue
+        below = {}
+        for s in reversed(list(nx.topological_sort(sg))):
+            below[s] = max((1 + below[t] for t in sg.successors(s)), default=0)
+        for devs in itertools.product(range(1, devices + 1), repeat=len(blocks)):
+            if sum(devs) > devices:
+                continue
+            worst = 0.0
+            for i, (bl, d) in enumerate(zip(blocks, devs, strict=True)):
+                row = pieces[bl]
+                r = min(below[i], prob.R)
+                if not (math.isfinite(costs.tps[row, d]) and costs.fits[row, d, r]):
+                    worst = math.inf
+                    break
+                worst = max(worst, costs.tps[row, d])
+            best = min(best, worst)
+    return best
+
+
+def _tree_order(tree) -> list[tuple[int, int]]:
+    """Pairs (u, v) with u before v in the SP tree: a series ancestor puts u's child first."""
+    if tree.kind == "leaf":
+        return []
+    out = [p for c in tree.children for p in _tree_order(c)]
+    if tree.kind == "series":
+        for i, a in enumerate(tree.children):
+            for c in tree.children[i + 1:]:
+                out += [(u, v) for u in a.nodes for v in c.nodes]
+    return out
+
+
+def _set_partitions(items):
+    if not items:
+        yield []
+        return
+    first, rest = items[0], items[1:]
+    for part in _set_partitions(rest):
+        for i in range(len(part)):
+            yield part[:i] + [[first] + part[i]] + part[i + 1:]
+        yield [[first]] + part
+
+
+TINY = {
+    "chain3": (3, [(0, 1), (1, 2)]),
+    "diamond": (4, [(0, 1), (0, 2), (1, 3), (2, 3)]),
+    "fork5": (5, [(0, 1), (0, 2), (0, 3), (1, 4), (2, 4), (3, 4)]),
+    "two-chains": (4, [(0, 1), (2, 3)]),
+    "skip": (4, [(0, 1), (1, 2), (2, 3), (0, 3), (0, 2)]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(TINY))
+@pytest.mark.parametrize("devices", [2, 3, 4])
+def test_dp_matches_brute_force(name, devices):
+    n, edges = TINY[name]
+    fs = [1.0, 2.5, 1.5, 3.0, 0.5]
+    nodes = tuple(LayerNode(f"n{i}", fs[i] * MS, 2 * fs[i] * MS, (1 + i) * 4e6, 8e6, (5 - i) * 2e6, 3e5)
+                  for i in range(n))
+    g = LayerGraph(nodes, tuple(edges), 8, name)
+    for tree in (sp_decompose(g), linear_tree(g)):
+        for budget in (math.inf, 60e6):
+            prob = _Problem(g, tree)
+            for b in _microbatch_sizes(8, None):
+                costs = _Costs(prob, pipeline._graphpipe.get_hardware("v100-sxm"), devices, b, 8, budget)
+                res = _search_b(prob, costs, devices)
+                want = _brute_force(g, tree, devices, b, budget)
+                got = math.inf if res is None else res[0]
+                assert got == pytest.approx(want), (name, devices, budget, b)
