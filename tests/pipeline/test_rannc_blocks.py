@@ -89,3 +89,25 @@ def test_rebalancing_keeps_the_least_communication_among_balanced_cuts():
     tables = costs.range_tables(bp.blocks)
     small = 8 * 16 * 4
     assert all(tables.cut[j] == small for j in range(1, 4)), tables.cut
+
+
+def test_rebalancing_spends_no_block_on_a_cheap_cut():
+    """200 equal ops, then a scalar loss: a cut before the loss crosses 4 bytes, so with only a cap
+    the fewest-bytes cut made the loss a block of its own (0.0x the mean) and the layers 31 blocks;
+    the lower bound of the balance band keeps every block near the mean."""
+    from ..autoshard._synthetic import GraphBuilder
+
+    g = GraphBuilder()
+    h = g.input((8, 64), (2, "x"), role="data")
+    for i in range(200):
+        h = g.op("tanh", [h], [(8, 64)], module=f"M/l{i}")
+    h = g.op("reduce_sum", [h], [()], params={"axes": (0, 1)})
+    for _ in range(3):
+        h = g.op("tanh", [h], [()], module="M/loss")
+    g.output(h, (2,))
+    atomic = atomic_partition(g.build())
+    bp = partition_blocks(atomic, 32, costs=PipelineCosts(atomic, "v100-sxm"))
+    check_blocks(atomic, bp)
+    work = np.array(bp.work)
+    assert bp.stats["rebalanced"] and len(bp) == 32
+    assert work.min() >= 0.9 * work.mean() and work.max() <= 1.15 * work.mean(), work / work.mean()

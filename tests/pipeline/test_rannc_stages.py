@@ -146,8 +146,10 @@ def test_exhaustive_search_is_never_worse_and_more_stages_when_memory_is_tight()
     costs = PipelineCosts(atomic, V100)
     total = costs.totals(range(len(atomic)))
     static = 2 * total["params"] + total["state"]
-    loose = plan_stages(graph, 8, V100, k=12, atomic=atomic)
+    loose = plan_stages(graph, 8, V100, k=12, atomic=atomic, search="stage")
     assert len(loose.stages) == 1 and loose.stages[0].replicas == 8     # fits: pure data parallelism
+    # the default also tries the node's other stage counts, never predicted slower
+    assert plan_stages(graph, 8, V100, k=12, atomic=atomic).step_time <= loose.step_time * (1 + 1e-12)
     tight = plan_stages(graph, 8, V100, k=12, atomic=atomic, memory_budget=static / 3)
     check_plan(tight, atomic, static / 3)
     assert len(tight.stages) >= 3
@@ -256,3 +258,22 @@ def test_replicas_not_dividing_a_micro_batch_cost_the_busiest_replica():
     plan = form_stage(problem, 1, 8)
     q = plan.batch_size // plan.pipelines // plan.microbatches
     assert all(st.replicas // plan.pipelines * st.microbatch_size >= q for st in plan.stages)
+
+
+def test_node_search_improves_on_the_first_memory_feasible_stage_count():
+    """The least stage count memory allows leaves every stage nearly full (the paper stops there);
+    trying the other stage counts of that node count finds a faster plan, and "all" never loses."""
+    graph = model([f"M/block_{i}" for i in range(16)])
+    atomic = atomic_partition(graph)
+    total = PipelineCosts(atomic, V100).totals(range(len(atomic)))
+    budget = (2 * total["params"] + total["state"]) / 5
+    plans = {se: plan_stages(graph, 8, V100, k=16, atomic=atomic, memory_budget=budget, recompute=True, search=se)
+             for se in ("stage", "node", "all")}
+    for plan in plans.values():
+        check_plan(plan, atomic, budget)
+    assert len(plans["stage"].stages) < len(plans["node"].stages)
+    assert plans["node"].step_time < 0.9 * plans["stage"].step_time
+    assert plans["all"].step_time <= plans["node"].step_time * (1 + 1e-12)
+    assert plans["node"].dp_calls > plans["stage"].dp_calls
+    with pytest.raises(PipelineError, match="search='first'"):
+        plan_stages(graph, 8, V100, k=16, atomic=atomic, search="first")
