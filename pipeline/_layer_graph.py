@@ -2,8 +2,13 @@
 
 A node is a layer-sized unit of the training step (a transformer layer, an FF layer, an embedding
 bag, ...) with its costs per sample on one device; an edge carries the node's output to a consumer.
-Costs are linear in the micro-batch size (a micro-batch of b samples takes b * forward seconds),
-which is how GraphPipe's cost model is used in the paper's search (§5, profiled per sample).
+A node's time for a micro-batch of b samples comes from its *curves* when given: seconds at
+b = 1, 2, 4, ..., 2**(K-1) on one device, interpolated linearly between those sizes and extended
+with the last segment's slope beyond them (`curve_seconds`). Small micro-batches are not free on
+real hardware: every micro-batch reads each weight and writes each weight gradient once, so a
+memory-bound layer (a 4096-wide FF layer at b < ~30 on a V100) costs nearly the same at b = 1 as
+at b = 16 — the effect that lets a shallower graph pipeline, with larger micro-batches, beat a deep
+sequential one (GraphPipe §7.5). Without curves the time is linear: b * forward seconds.
 Builders from a traced OpGraph live in `_layer_graph_build.py`; synthetic graphs are built by hand.
 """
 
@@ -12,6 +17,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from functools import cached_property
+
+import numpy as np
 
 from ._atomic import PipelineGraphError
 
@@ -27,6 +34,8 @@ class LayerNode:
     output_bytes: float      # bytes of the output sent to each consumer, per sample
     update: float = 0.0      # optimizer seconds per step (not per sample)
     branch: str = ""         # the model's branch label, if any (reports only)
+    forward_curve: tuple[float, ...] = ()    # seconds per micro-batch of 2**i samples, i = 0, 1, ...
+    backward_curve: tuple[float, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +68,16 @@ class LayerGraph:
                       "output_bytes", "update"):
                 if getattr(nd, f) < 0:
                     raise PipelineGraphError(f"pipeline.LayerGraph: node {i} ({nd.name!r}) has {f} < 0.")
+            for f in ("forward_curve", "backward_curve"):
+                c = getattr(nd, f)
+                if len(c) != len(self.nodes[0].forward_curve) or len(c) != len(nd.forward_curve):
+                    raise PipelineGraphError(
+                        f"pipeline.LayerGraph: node {i} ({nd.name!r}) has a {f} of {len(c)} sizes where node 0 "
+                        f"has {len(self.nodes[0].forward_curve)}; give every node curves at the same sizes "
+                        "(1, 2, 4, ...) or none.")
+                if any(x < 0 for x in c) or any(b < a for a, b in zip(c, c[1:], strict=False)):
+                    raise PipelineGraphError(f"pipeline.LayerGraph: node {i} ({nd.name!r}) has a {f} that is "
+                                             "negative or decreasing in the micro-batch size.")
 
     def __len__(self) -> int:
         return len(self.nodes)
@@ -78,6 +97,11 @@ class LayerGraph:
         return tuple(tuple(sorted(p)) for p in out)
 
     @property
+    def curve_sizes(self) -> int:
+        """K: nodes carry curves at micro-batch sizes 1, 2, ..., 2**(K-1) (0: linear costs)."""
+        return len(self.nodes[0].forward_curve)
+
+    @property
     def sources(self) -> tuple[int, ...]:
         return tuple(i for i, p in enumerate(self.pred) if not p)
 
@@ -89,3 +113,30 @@ class LayerGraph:
 def chain_graph(nodes: Sequence[LayerNode], batch_size: int, name: str = "") -> LayerGraph:
     """A sequential model: node i feeds node i + 1."""
     return LayerGraph(tuple(nodes), tuple((i, i + 1) for i in range(len(nodes) - 1)), batch_size, name)
+
+
+def curve_seconds(curve: np.ndarray, per_sample: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Seconds for micro-batches of b >= 1 samples, elementwise (numpy broadcasting over the
+    leading dims of `curve` [..., K], `per_sample` [...] and `b`): the curve interpolated linearly
+    between its sizes 1, 2, 4, ..., extended with its last segment's slope (with `per_sample` when
+    K = 1) beyond 2**(K-1); b * per_sample when K = 0."""
+    curve = np.asarray(curve, dtype=float)
+    per_sample = np.asarray(per_sample, dtype=float)
+    b = np.maximum(np.asarray(b, dtype=float), 1.0)
+    K = curve.shape[-1]
+    if K == 0:
+        return b * per_sample
+    shape = np.broadcast_shapes(curve.shape[:-1], per_sample.shape, b.shape)
+    curve = np.broadcast_to(curve, shape + (K,))
+    b = np.broadcast_to(b, shape)
+    i = np.minimum(np.floor(np.log2(b)).astype(int), K - 1)
+
+    def at(k: np.ndarray) -> np.ndarray:
+        return np.take_along_axis(curve, k[..., None], axis=-1)[..., 0]
+
+    if K == 1:
+        slope = np.broadcast_to(per_sample, shape)
+    else:
+        j = np.minimum(i, K - 2)                 # the segment [2**j, 2**(j+1)]; past the end, the last
+        slope = (at(j + 1) - at(j)) / np.exp2(j)
+    return at(i) + (b - np.exp2(i)) * slope
