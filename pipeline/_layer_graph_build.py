@@ -32,8 +32,16 @@ they read). This module only decides which components form one *node*:
    carries values produced by u's forward ops and read by v's.
 
 Costs per node: forward/backward seconds are the roofline times of the node's forward/backward ops
-at the traced batch divided by it (constant ops such as weight casts are amortised over the traced
-batch, since a LayerGraph's costs are linear in the micro-batch); `update` is the node's optimizer
+at the traced batch divided by it; the *curves* give the node's seconds per micro-batch of 1, 2, 4,
+... samples up to the traced batch (rounded up to a power of two). For them each op's flops and
+bytes are split into a part that scales with the batch and a part that does not, by the batch
+factor (`autoshard._factors`: the logical dim of the data inputs' leading dim, followed through
+every op): an op touching a batch-carrying value has flops linear in the batch; of its bytes, the
+values carrying the batch scale and the others (weights read, weight gradients written) are paid
+once per micro-batch, so a memory-bound layer costs about the same at b = 1 as at b = 16 on the
+roofline. Ops with no batch-carrying value (weight casts) cost the same per micro-batch. This
+matches traces at smaller batches op for op (a dead value, which no op links to the batch, scales
+when its leading dim is the batch). `update` is the node's optimizer
 seconds per step. `param_bytes`/`state_bytes` count each parameter (and its optimizer state) once,
 in the first node reading it (a tied embedding is held by its first user); saved constants (weights
 read by the backward after a cast) are held once per node and are added to `state_bytes`.
@@ -46,12 +54,16 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+import math
 import re
 from collections import defaultdict, deque
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+import numpy as np
+
 from autoshard._cost import CostModel
+from autoshard._factors import analyze
 from autoshard._graph import OpGraph
 
 from ._atomic import PipelineError, PipelineGraphError, atomic_partition
@@ -87,7 +99,43 @@ def layer_graph(graph: OpGraph, hardware: Any = "v100-sxm", *, batch_size: int |
     modules = [graph.ops[t].module for t in atomic.tasks]
     units = _units(modules, depth)
     node_of, names = _group(atomic, costs, modules, units)
-    return _build(graph, costs, node_of, names, units)
+    return _build(graph, costs, node_of, names, units, _op_curves(graph, costs))
+
+
+# --- micro-batch curves --------------------------------------------------------------------------
+
+def _op_curves(graph: OpGraph, costs: PipelineCosts) -> np.ndarray:
+    """[ops, K] seconds of each op (times its repeat count) at micro-batch 1, 2, ..., 2**(K-1) >= batch."""
+    B = costs.batch
+    K = max(1, math.ceil(math.log2(B)) + 1)
+    sizes = np.exp2(np.arange(K))
+    fg = analyze(graph, range(len(graph.ops)))
+    batch_factors = {fg.value_factors(v)[0] for v in graph.inputs
+                     if graph.values[v].role == "data" and graph.values[v].shape
+                     and graph.values[v].shape[0] == B} - {None}
+    carries = {}
+    outputs = set(graph.outputs)
+
+    def scales(v: int) -> bool:
+        if v not in carries:
+            val = graph.values[v]
+            if not val.consumers and v not in outputs:   # dead (e.g. an unused broadcast): no op links its
+                carries[v] = bool(val.shape) and val.shape[0] == B   # dims, so judge by the leading dim
+            else:
+                carries[v] = any(f in batch_factors for f in fg.value_factors(v))
+        return carries[v]
+
+    cm = costs.cost_model
+    out = np.repeat(costs.op_time[:, None], K, axis=1)     # ops without batch-carrying values
+    for op in graph.ops:
+        vals = [v for v in (*op.inputs, *op.outputs) if graph.values[v].kind != "literal"]
+        var = sum(graph.values[v].nbytes for v in vals if scales(v))
+        if not var:
+            continue
+        dtype = op.out_dtypes[0] if op.out_dtypes else "float32"
+        fixed = max(op.bytes - var, 0)
+        out[op.index] = [op.repeat * cm.compute(op.flops * s / B, fixed + var * s / B, dtype) for s in sizes]
+    return out
 
 
 # --- units ---------------------------------------------------------------------------------------
@@ -266,7 +314,7 @@ def _topo(roots: Iterable[int], edges: set[tuple[int, int]], names: dict[int, st
 
 
 def _build(graph: OpGraph, costs: PipelineCosts, node_of: list[int], names: dict[int, str],
-           units: tuple[tuple[str, ...], ...]) -> LayerGraph:
+           units: tuple[tuple[str, ...], ...], op_curves: np.ndarray) -> LayerGraph:
     roots = sorted(set(node_of))
     # edges and per-consumer bytes between nodes, from the values crossing components
     sent: dict[tuple[int, int], float] = defaultdict(float)
@@ -280,15 +328,20 @@ def _build(graph: OpGraph, costs: PipelineCosts, node_of: list[int], names: dict
     order = _topo(roots, set(sent), names, first)
     index = {r: i for i, r in enumerate(order)}
     tot: dict[str, list[float]] = {cat: [0.0] * len(order) for cat in costs.items}
+    K = op_curves.shape[1]
+    curve = {"forward": np.zeros((len(order), K)), "backward": np.zeros((len(order), K))}
     for cat, its in costs.items.items():
         acc = tot[cat]
-        for w, cs in its.values():
+        phase = {"fwd": "forward", "fwd_const": "forward", "bwd": "backward", "bwd_const": "backward"}.get(cat)
+        for key, (w, cs) in its.items():
             held = {index[node_of[c]] for c in cs}
             if cat in ("params", "state"):      # once, in the first node reading it
                 acc[min(held)] += w
             else:                               # a union: cloned constants count in each node
                 for i in held:
                     acc[i] += w
+                    if phase:
+                        curve[phase][i] += op_curves[key]
     out_bytes = [0.0] * len(order)
     for (a, _), nbytes in sent.items():
         out_bytes[index[a]] = max(out_bytes[index[a]], nbytes)
@@ -308,7 +361,10 @@ def _build(graph: OpGraph, costs: PipelineCosts, node_of: list[int], names: dict
             activation_bytes=(tot["act"][i] + tot["data"][i]) / b,
             output_bytes=out_bytes[i] / b,
             update=tot["step"][i],
-            branch=branch))
+            branch=branch,
+            # cumulative maxima: rounding can make a sum dip by an ulp where an op turns compute-bound
+            forward_curve=tuple(np.maximum.accumulate(curve["forward"][i]).tolist()),
+            backward_curve=tuple(np.maximum.accumulate(curve["backward"][i]).tolist())))
     edges = tuple(sorted((index[a], index[b_]) for a, b_ in sent))
     return LayerGraph(tuple(_unique(nodes)), edges, costs.batch, graph.name)
 

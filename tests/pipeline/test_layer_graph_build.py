@@ -151,3 +151,21 @@ def test_errors_name_the_argument():
         op.module = "CandleUno/x" if op.module else ""
     with pytest.raises(PipelineGraphError, match="pass depth="):
         layer_graph(graph)
+
+
+@pytest.mark.parametrize("name, kw", [("candle_uno", {"hidden": 512, "feature_dim": 512}),
+                                      ("mmt", {"hidden": 128, "d_ff": 512})])
+def test_curves_match_the_step_traced_at_smaller_batches(name, kw):
+    """A node's curve at micro-batch b equals its cost in the step traced at batch b (the batch
+    factor splits each op's flops and bytes exactly). Batch 1 is left out: jax traces a different
+    program there (size-1 dims are squeezed)."""
+    full = layer_graph(_trace(name, batch_size=8, **kw)[2], "v100-sxm")
+    assert full.curve_sizes == 4                                   # 1, 2, 4, 8
+    for i, b in ((1, 2), (2, 4)):
+        small = layer_graph(_trace(name, batch_size=b, **kw)[2], "v100-sxm")
+        assert [n.name for n in small.nodes] == [n.name for n in full.nodes]
+        for nf, ns in zip(full.nodes, small.nodes, strict=True):
+            assert nf.forward_curve[i] == pytest.approx(ns.forward * b, rel=1e-6), nf.name
+            assert nf.backward_curve[i] == pytest.approx(ns.backward * b, rel=1e-6), nf.name
+    for nf in full.nodes:                                          # at the traced batch: the totals
+        assert nf.forward_curve[-1] == pytest.approx(nf.forward * 8, rel=1e-9)
