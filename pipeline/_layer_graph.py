@@ -36,6 +36,7 @@ class LayerNode:
     branch: str = ""         # the model's branch label, if any (reports only)
     forward_curve: tuple[float, ...] = ()    # seconds per micro-batch of 2**i samples, i = 0, 1, ...
     backward_curve: tuple[float, ...] = ()
+    ops: tuple[int, ...] = dataclasses.field(default=(), repr=False)   # traced ops (layer_graph fills it)
 
 
 @dataclasses.dataclass(frozen=True)

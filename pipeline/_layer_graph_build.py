@@ -345,6 +345,9 @@ def _build(graph: OpGraph, costs: PipelineCosts, node_of: list[int], names: dict
     out_bytes = [0.0] * len(order)
     for (a, _), nbytes in sent.items():
         out_bytes[index[a]] = max(out_bytes[index[a]], nbytes)
+    node_ops: dict[int, set[int]] = defaultdict(set)
+    for c, r in enumerate(node_of):
+        node_ops[index[r]].update(costs.atomic.ops(c))
     prefix = _common_prefix(units)
     b = float(costs.batch)
     nodes = []
@@ -364,7 +367,8 @@ def _build(graph: OpGraph, costs: PipelineCosts, node_of: list[int], names: dict
             branch=branch,
             # cumulative maxima: rounding can make a sum dip by an ulp where an op turns compute-bound
             forward_curve=tuple(np.maximum.accumulate(curve["forward"][i]).tolist()),
-            backward_curve=tuple(np.maximum.accumulate(curve["backward"][i]).tolist())))
+            backward_curve=tuple(np.maximum.accumulate(curve["backward"][i]).tolist()),
+            ops=tuple(sorted(node_ops[i]))))
     edges = tuple(sorted((index[a], index[b_]) for a, b_ in sent))
     return LayerGraph(tuple(_unique(nodes)), edges, costs.batch, graph.name)
 

@@ -169,3 +169,10 @@ def test_curves_match_the_step_traced_at_smaller_batches(name, kw):
             assert nf.backward_curve[i] == pytest.approx(ns.backward * b, rel=1e-6), nf.name
     for nf in full.nodes:                                          # at the traced batch: the totals
         assert nf.forward_curve[-1] == pytest.approx(nf.forward * 8, rel=1e-9)
+
+
+def test_nodes_hold_every_op(traced):
+    name, m, args, graph = traced
+    lg = layer_graph(graph, "v100-sxm")
+    held = [o for n in lg.nodes for o in n.ops]
+    assert set(held) == set(range(len(graph.ops)))
