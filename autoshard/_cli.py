@@ -113,7 +113,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     extra = {}
     if args.pipeline:
         extra = {"pipeline": args.pipeline, "schedule": args.schedule, "profile": args.profile,
-                 "pipeline_options": {"k": args.blocks, "recompute": args.recompute}}
+                 "pipeline_options": _pipeline_options(args)}
     plan = autoshard.plan(model.train_step, *model.abstract_state(), mesh=mesh, hardware=args.hardware,
                           memory_budget=args.memory_budget, **extra)
     print(f"model: {args.model} ({args.config}), {model.num_params() / 1e6:.1f}M parameters, planned "
@@ -126,17 +126,28 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _pipeline_options(args: argparse.Namespace) -> dict:
+    if args.pipeline == "graphpipe":
+        return {}
+    return {"k": args.blocks, "recompute": args.recompute}
+
+
 def _cmd_schedule(args: argparse.Namespace) -> int:
     """Pipeline-plan a zoo model and print its schedule as a Gantt chart from the event simulator."""
     import autoshard
     import pipeline
 
     model, _ = _model_from_args(args)
+    schedule = "graph-1f1b" if args.pipeline == "graphpipe" and args.schedule == "1f1b" else args.schedule
     plan = autoshard.plan(model.train_step, *model.abstract_state(), mesh=_parse_mesh(args.mesh),
                           hardware=args.hardware, memory_budget=args.memory_budget, pipeline=args.pipeline,
-                          schedule=args.schedule, pipeline_options={"k": args.blocks, "recompute": args.recompute})
+                          schedule=schedule, pipeline_options=_pipeline_options(args))
     print(plan.explain())
-    sched = pipeline.schedule(args.schedule, num_stages=len(plan.stages), num_microbatches=plan.microbatches)
+    if args.pipeline == "graphpipe":
+        sched = pipeline.schedule("graph-1f1b", num_microbatches=[s.microbatches for s in plan.stages],
+                                  edges=[(a, s.index) for s in plan.stages for a in s.after])
+    else:
+        sched = pipeline.schedule(schedule, num_stages=len(plan.stages), num_microbatches=plan.microbatches)
     sim = pipeline.simulate(sched, forward=[s.predicted_forward for s in plan.stages],
                             backward=[s.predicted_backward for s in plan.stages])
     print()
@@ -240,8 +251,9 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--hardware", default="h100-sxm")
     pl.add_argument("--memory-budget", type=float, default=None, help="bytes per device")
     pl.add_argument("--out", default=None, help="write the plan as JSON")
-    pl.add_argument("--pipeline", default=None, choices=["rannc"], help="pipeline stages instead of tensor sharding")
-    pl.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"], help="pipeline schedule")
+    pl.add_argument("--pipeline", default=None, choices=["rannc", "graphpipe"],
+                    help="pipeline stages instead of tensor sharding")
+    pl.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe", "graph-1f1b"], help="pipeline schedule")
     pl.add_argument("--profile", default="model", choices=["model", "measured"],
                     help="op costs: hardware roofline, or timed on this machine")
     pl.add_argument("--blocks", type=int, default=32, help="RaNNC block count k (default 32)")
@@ -253,8 +265,9 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--hardware", default="h100-sxm")
     ex.add_argument("--memory-budget", type=float, default=None, help="bytes per device")
     ex.add_argument("--out", default=None, help="write the plan as JSON")
-    ex.add_argument("--pipeline", default=None, choices=["rannc"], help="pipeline stages instead of tensor sharding")
-    ex.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"], help="pipeline schedule")
+    ex.add_argument("--pipeline", default=None, choices=["rannc", "graphpipe"],
+                    help="pipeline stages instead of tensor sharding")
+    ex.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe", "graph-1f1b"], help="pipeline schedule")
     ex.add_argument("--profile", default="model", choices=["model", "measured"],
                     help="op costs: hardware roofline, or timed on this machine")
     ex.add_argument("--blocks", type=int, default=32, help="RaNNC block count k (default 32)")
@@ -265,8 +278,8 @@ def build_parser() -> argparse.ArgumentParser:
     sc.add_argument("--mesh", default="pipe=4,data=2", help="name=size,... (a 'pipe' axis fixes the stage count)")
     sc.add_argument("--hardware", default="cpu-sim")
     sc.add_argument("--memory-budget", type=float, default=None, help="bytes per device")
-    sc.add_argument("--pipeline", default="rannc", choices=["rannc"])
-    sc.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"])
+    sc.add_argument("--pipeline", default="rannc", choices=["rannc", "graphpipe"])
+    sc.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe", "graph-1f1b"])
     sc.add_argument("--blocks", type=int, default=32, help="RaNNC block count k (default 32)")
     sc.add_argument("--recompute", action="store_true")
     sc.add_argument("--width", type=int, default=120, help="Gantt chart columns")

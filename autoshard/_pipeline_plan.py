@@ -21,25 +21,35 @@ from ._mesh import MeshSpec
 from ._plan import ParamReport, PipelineStage, Plan
 from ._trace import trace
 
-PIPELINES = ("rannc",)
+PIPELINES = ("rannc", "graphpipe")
 PROFILES = ("model", "measured")
-PIPELINE_OPTIONS = frozenset({"k", "recompute", "use_blocks", "exhaustive", "prune"})
+PIPELINE_OPTIONS = {"rannc": frozenset({"k", "recompute", "use_blocks", "exhaustive", "prune"}),
+                    "graphpipe": frozenset({"max_microbatch_size", "depth"})}
+SCHEDULES = {"rannc": ("1f1b", "gpipe"), "graphpipe": ("1f1b", "graph-1f1b")}
 
 
-def _check(pipeline: str, schedule: str, profile: str, options: Mapping[str, Any]) -> None:
+def _check(pipeline: str, schedule: str, profile: str, options: Mapping[str, Any], mesh: MeshSpec) -> None:
     if pipeline not in PIPELINES:
         raise PlanError(f"autoshard.plan: pipeline={pipeline!r} is unknown; valid: {list(PIPELINES)} "
                         "(or None for tensor sharding only).")
-    if schedule not in ("1f1b", "gpipe"):
+    if schedule not in SCHEDULES[pipeline]:
         raise PlanError(f"autoshard.plan: schedule={schedule!r} is not supported by the {pipeline} partitioner; "
-                        "valid: ['1f1b', 'gpipe'].")
+                        f"valid: {list(SCHEDULES[pipeline])}.")
     if profile not in PROFILES:
         raise PlanError(f"autoshard.plan: profile={profile!r} is unknown; valid: {list(PROFILES)} ('model' "
                         "prices ops with the hardware spec's roofline, 'measured' times them on the local device).")
-    unknown = sorted(set(options) - PIPELINE_OPTIONS)
+    if profile == "measured" and pipeline != "rannc":
+        raise PlanError(f"autoshard.plan: profile='measured' is supported with pipeline='rannc' only; {pipeline} "
+                        "needs each layer's time at every micro-batch size, which is priced on the roofline. "
+                        "Fix: profile='model', or pipeline='rannc'.")
+    unknown = sorted(set(options) - PIPELINE_OPTIONS[pipeline])
     if unknown:
-        raise PlanError(f"autoshard.plan: pipeline_options keys {unknown} are unknown; valid: "
-                        f"{sorted(PIPELINE_OPTIONS)}.")
+        raise PlanError(f"autoshard.plan: pipeline_options keys {unknown} are unknown for pipeline={pipeline!r}; "
+                        f"valid: {sorted(PIPELINE_OPTIONS[pipeline])}.")
+    if pipeline == "graphpipe" and "pipe" in mesh.names:
+        raise PlanError(f"autoshard.plan: mesh {mesh} has a 'pipe' axis, but GraphPipe chooses the stage DAG and "
+                        "each stage's devices itself. Fix: pass the devices as one axis (e.g. {'data': "
+                        f"{math.prod(s for _, s in mesh.axes)}}}), or pipeline='rannc' to fix the stage count.")
 
 
 def _modules(graph: OpGraph, ops: tuple[int, ...]) -> tuple[str, ...]:
@@ -58,25 +68,13 @@ def _params(graph: OpGraph, ops: tuple[int, ...]) -> tuple[str, ...]:
     return tuple(graph.values[v].keypath or "" for v in graph.inputs if v in held)
 
 
-def _max_over_mean(sp: Any) -> float:
-    t = [s.predicted_forward + s.predicted_backward for s in sp.stages]
+def _max_over_mean(fwd: list[float], bwd: list[float]) -> float:
+    t = [f + b for f, b in zip(fwd, bwd, strict=True)]
     return max(t) / (sum(t) / len(t)) if t and sum(t) > 0 else 1.0
 
 
-def pipeline_plan(step: Callable, *args: Any, mesh: MeshSpec, hw: HardwareSpec, memory_budget: float | None,
-                  pipeline: str, schedule: str = "1f1b", profile: str = "model",
-                  options: Mapping[str, Any] | None = None) -> Plan:
-    import pipeline as pipe_pkg  # pure partitioners; imported here because `pipeline` imports autoshard
-
-    from . import __version__
-    from ._planner import fingerprint
-
-    options = dict(options or {})
-    _check(pipeline, schedule, profile, options)
-    devices = math.prod(s for _, s in mesh.axes)
-    stage_counts = [mesh.axis_size("pipe")] if "pipe" in mesh.names else None
-    graph = trace(step, *args, keep_eqns=profile == "measured")
-    grouping = group(graph)
+def _rannc(pipe_pkg: Any, graph: OpGraph, devices: int, hw: HardwareSpec, memory_budget: float | None,
+           schedule: str, profile: str, options: Mapping[str, Any], stage_counts: list[int] | None) -> dict:
     atomic = pipe_pkg.atomic_partition(graph)
     warnings: list[str] = []
     op_time = None
@@ -93,51 +91,134 @@ def pipeline_plan(step: Callable, *args: Any, mesh: MeshSpec, hw: HardwareSpec, 
                               exhaustive=bool(options.get("exhaustive", False)),
                               prune=bool(options.get("prune", False)),
                               costs=costs, stage_counts=stage_counts, **kw)
-    uniform = pipe_pkg.best_uniform(costs, devices, grouping=grouping, schedule=schedule,
+    uniform = pipe_pkg.best_uniform(costs, devices, grouping=group(graph), schedule=schedule,
                                     memory_budget=sp.memory_budget, stage_counts=stage_counts, **kw)
+    stages = [dict(units=tuple(range(*s.blocks)), ops=s.ops, replicas=s.replicas, microbatch_size=s.microbatch_size,
+                   forward=s.predicted_forward, backward=s.predicted_backward, memory=s.memory,
+                   microbatches=sp.microbatches, after=(s.index - 1,) if s.index else ()) for s in sp.stages]
+    sched = pipe_pkg.schedule(schedule, num_stages=len(sp.stages), num_microbatches=sp.microbatches)
+    out = dict(stages=stages, schedule=sched, step_time=sp.step_time, budget=sp.memory_budget, warnings=warnings,
+               info={"method": sp.method, "schedule": sp.schedule, "pipelines": sp.pipelines,
+                     "batch_size": sp.batch_size, "objective": sp.objective, "search_seconds": sp.search_seconds,
+                     "dp_calls": sp.dp_calls, "units": int(sp.stages[-1].blocks[1]), "microbatches": sp.microbatches},
+               baseline_name="uniform layer split",
+               baseline_reason="it needs at least as many repeated layers as stages, stage counts dividing the "
+                               "devices, and must fit the memory budget")
+    if uniform is not None:
+        out["baseline"] = {"name": "uniform layer split", "stages": len(uniform.stages), "depth": len(uniform.stages),
+                           "microbatches": uniform.microbatches, "step_time": uniform.step_time,
+                           "max_over_mean": _max_over_mean(list(uniform.predicted_forward),
+                                                           list(uniform.predicted_backward)),
+                           "hint": "the partitioner searches blocks, not layer boundaries; try more blocks, "
+                                   "pipeline_options={'k': ...}"}
+    return out
+
+
+def _graphpipe(pipe_pkg: Any, graph: OpGraph, devices: int, hw: HardwareSpec, memory_budget: float | None,
+               options: Mapping[str, Any]) -> dict:
+    lg = pipe_pkg.layer_graph(graph, hw, depth=options.get("depth"))
+    kw = {"memory_budget": memory_budget, "max_microbatch_size": options.get("max_microbatch_size")}
+    gp = pipe_pkg.graphpipe_partition(lg, devices, hw, **kw)
+    try:
+        spp = pipe_pkg.spp_partition(lg, devices, hw, **kw)
+    except pipe_pkg.PipelineInfeasibleError:
+        spp = None
+    after = {s.index: tuple(sorted(u for u, v in gp.edges if v == s.index)) for s in gp.stages}
+    stages = [dict(units=tuple(sorted(s.nodes)), ops=tuple(sorted({o for n in s.nodes for o in lg.nodes[n].ops})),
+                   replicas=s.devices, microbatch_size=-(-s.microbatch_size // s.devices), forward=s.forward,
+                   backward=s.backward, memory=s.memory, microbatches=s.num_microbatches, after=after[s.index])
+              for s in gp.stages]
+    out = dict(stages=stages, schedule=gp.schedule, step_time=gp.step_time,
+               budget=memory_budget if memory_budget is not None else None, warnings=[],
+               info={"method": gp.method, "schedule": gp.schedule.name, "pipelines": 1, "batch_size": gp.batch_size,
+                     "time_per_sample": gp.time_per_sample, "search_seconds": gp.search_seconds, "units": len(lg),
+                     "microbatches": max(s.num_microbatches for s in gp.stages), "edges": tuple(gp.edges)},
+               baseline_name="sequential pipeline (SPP)",
+               baseline_reason="no sequential split fits the memory budget")
+    if spp is not None:
+        out["baseline"] = {"name": "sequential pipeline (SPP)", "stages": len(spp.stages), "depth": spp.depth,
+                           "microbatches": max(s.num_microbatches for s in spp.stages), "step_time": spp.step_time,
+                           "max_over_mean": _max_over_mean([s.forward for s in spp.stages],
+                                                           [s.backward for s in spp.stages]),
+                           "hint": "GraphPipe keeps stages to whole series-parallel parts of the graph"}
+    return out
+
+
+def pipeline_plan(step: Callable, *args: Any, mesh: MeshSpec, hw: HardwareSpec, memory_budget: float | None,
+                  pipeline: str, schedule: str = "1f1b", profile: str = "model",
+                  options: Mapping[str, Any] | None = None) -> Plan:
+    import pipeline as pipe_pkg  # pure partitioners; imported here because `pipeline` imports autoshard
+
+    from . import __version__
+    from ._planner import fingerprint
+
+    options = dict(options or {})
+    _check(pipeline, schedule, profile, options, mesh)
+    devices = math.prod(s for _, s in mesh.axes)
+    graph = trace(step, *args, keep_eqns=profile == "measured")
+    if pipeline == "rannc":
+        stage_counts = [mesh.axis_size("pipe")] if "pipe" in mesh.names else None
+        res = _rannc(pipe_pkg, graph, devices, hw, memory_budget, schedule, profile, options, stage_counts)
+    else:
+        res = _graphpipe(pipe_pkg, graph, devices, hw, memory_budget, options)
+    info = res["info"]
     stages = tuple(PipelineStage(
-        index=s.index, blocks=s.blocks, ops=s.ops, modules=_modules(graph, s.ops), params=_params(graph, s.ops),
-        replicas=s.replicas, microbatch_size=s.microbatch_size, predicted_forward=s.predicted_forward,
-        predicted_backward=s.predicted_backward, memory=s.memory) for s in sp.stages)
-    stage_of_param = {kp: s.index for s in stages for kp in s.params}
+        index=i, units=st["units"], ops=st["ops"], modules=_modules(graph, st["ops"]), params=_params(graph, st["ops"]),
+        replicas=st["replicas"], microbatch_size=st["microbatch_size"], predicted_forward=st["forward"],
+        predicted_backward=st["backward"], memory=st["memory"], microbatches=st["microbatches"], after=st["after"])
+        for i, st in enumerate(res["stages"]))
+    fwd, bwd = [s.predicted_forward for s in stages], [s.predicted_backward for s in stages]
+    # the stages through the event simulator: RaNNC's DP optimises a formula (max forward + max
+    # backward per extra micro-batch); the simulator runs the schedule's actual order
+    sim = pipe_pkg.simulate(res["schedule"], forward=fwd, backward=bwd)
+    budget = res["budget"]
+    if budget is None:
+        from pipeline._blocks import DEFAULT_MEMORY_FRACTION
+
+        budget = DEFAULT_MEMORY_FRACTION * hw.memory_bytes
+    depth = stage_depth(stages)
+    pp = {**info, "profile": profile, "devices": devices, "depth": depth, "max_over_mean": _max_over_mean(fwd, bwd),
+          "simulated_step_time": sim.makespan, "bubble_fraction": sim.bubble_fraction,
+          "peak_inflight": tuple(sim.peak_inflight), "baseline_name": res["baseline_name"],
+          "baseline_reason": res["baseline_reason"]}
+    if "baseline" in res:
+        pp["baseline"] = res["baseline"]
     reports = []
     for v in graph.inputs:
         val = graph.values[v]
         if val.role != "parameter":
             continue
-        st = stage_of_param.get(val.keypath or "")
         holders = [s for s in stages if (val.keypath or "") in s.params]
-        sync = (f"all-reduce over the {sum(s.replicas for s in holders)} devices of stage(s) "
-                f"{','.join(str(s.index) for s in holders)}" if holders and sum(s.replicas for s in holders) > 1
-                else "none")
+        n = sum(s.replicas for s in holders)
+        sync = (f"all-reduce over the {n} devices of stage(s) {','.join(str(s.index) for s in holders)}"
+                if n > 1 else "none")
         reports.append(ParamReport(val.keypath or "", val.shape, val.dtype, tuple(() for _ in val.shape),
-                                   val.nbytes if st is not None else 0, sync))
-    specs = tuple(tuple(() for _ in graph.values[v].shape) for v in graph.inputs)
-    out_specs = tuple(tuple(() for _ in graph.values[v].shape) for v in graph.outputs)
-    pp = {"method": sp.method, "schedule": sp.schedule, "profile": profile, "devices": sp.devices,
-          "pipelines": sp.pipelines, "batch_size": sp.batch_size, "objective": sp.objective,
-          "search_seconds": sp.search_seconds, "dp_calls": sp.dp_calls, "units": int(sp.stages[-1].blocks[1]),
-          "max_over_mean": _max_over_mean(sp)}
-    # the same stages through the event simulator: the formula above is what the DP optimises
-    # (max forward + max backward per micro-batch); the simulator runs the schedule's actual order
-    sched = pipe_pkg.schedule(schedule, num_stages=len(sp.stages), num_microbatches=sp.microbatches)
-    sim = pipe_pkg.simulate(sched, forward=list(sp.predicted_forward), backward=list(sp.predicted_backward))
-    pp.update(simulated_step_time=sim.makespan, bubble_fraction=sim.bubble_fraction,
-              peak_inflight=tuple(sim.peak_inflight))
-    if uniform is not None:
-        pp["uniform"] = {"stages": len(uniform.stages), "replicas": uniform.stages[0].replicas,
-                         "microbatches": uniform.microbatches, "step_time": uniform.step_time,
-                         "max_over_mean": _max_over_mean(uniform)}
-    predicted = {"step_time": sp.step_time, "memory": {"total": max(sp.memory)}, "memory_budget": sp.memory_budget,
-                 "feasible": True, "search_seconds": sp.search_seconds, "pipeline": pp}
+                                   val.nbytes if holders else 0, sync))
+    predicted = {"step_time": res["step_time"], "memory": {"total": max(s.memory for s in stages)},
+                 "memory_budget": budget, "feasible": True, "search_seconds": info["search_seconds"], "pipeline": pp}
     provenance = {"autoshard": __version__, "fingerprint": fingerprint(graph), "step": graph.name,
                   "options": {"pipeline": pipeline, "schedule": schedule, "profile": profile, **options},
                   "hardware": {f.name: (dict(getattr(hw, f.name)) if isinstance(getattr(hw, f.name), Mapping)
                                         else getattr(hw, f.name)) for f in dataclasses.fields(hw)}}
     out = Plan(mesh=tuple(mesh.axes), hardware=hw.name,
                input_keypaths=tuple(graph.values[v].keypath or "" for v in graph.inputs),
-               input_specs_flat=specs, output_keypaths=tuple(graph.output_keypaths), output_specs_flat=out_specs,
+               input_specs_flat=tuple(tuple(() for _ in graph.values[v].shape) for v in graph.inputs),
+               output_keypaths=tuple(graph.output_keypaths),
+               output_specs_flat=tuple(tuple(() for _ in graph.values[v].shape) for v in graph.outputs),
                activation_constraints=(), factors=(), storage="replicated", predicted=predicted,
-               params=tuple(reports), warnings=tuple(warnings), provenance=provenance, stages=stages,
-               microbatches=sp.microbatches)
+               params=tuple(reports), warnings=tuple(res["warnings"]), provenance=provenance, stages=stages,
+               microbatches=info["microbatches"])
     return out.bind(*args)
+
+
+def stage_depth(stages: tuple[PipelineStage, ...]) -> int:
+    """Stages on the longest path of the stage DAG."""
+    after = {s.index: s.after for s in stages}
+    depth: dict[int, int] = {}
+
+    def d(i: int) -> int:
+        if i not in depth:
+            depth[i] = 1 + max((d(a) for a in after[i]), default=0)
+        return depth[i]
+
+    return max((d(i) for i in after), default=0)

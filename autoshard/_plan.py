@@ -41,24 +41,35 @@ class PipelineStage:
     `.predicted_forward` / `.predicted_backward` seconds per micro-batch, `.memory` bytes per device)."""
 
     index: int
-    blocks: tuple[int, int]          # [first, last) partitioner units (RaNNC blocks) it holds
+    units: tuple[int, ...]           # partitioner units it holds: RaNNC blocks, GraphPipe layer nodes
     ops: tuple[int, ...]             # op indices of the traced step
     modules: tuple[str, ...]         # top-level modules its forward ops come from, in order
     params: tuple[str, ...]          # keypaths of the parameters it holds
     replicas: int                    # devices running it (data parallel inside the stage)
-    microbatch_size: int             # samples per replica per micro-batch
-    predicted_forward: float
+    microbatch_size: int             # samples per replica per micro-batch (the busiest replica)
+    predicted_forward: float         # seconds per micro-batch
     predicted_backward: float
-    memory: float
+    memory: float                    # peak bytes per device
+    microbatches: int = 1            # micro-batches per step (GraphPipe: per stage)
+    after: tuple[int, ...] = ()      # stages feeding this one (a chain for RaNNC, a DAG for GraphPipe)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> PipelineStage:
-        return cls(int(d["index"]), (int(d["blocks"][0]), int(d["blocks"][1])), tuple(int(o) for o in d["ops"]),
+        return cls(int(d["index"]), tuple(int(u) for u in d["units"]), tuple(int(o) for o in d["ops"]),
                    tuple(d["modules"]), tuple(d["params"]), int(d["replicas"]), int(d["microbatch_size"]),
-                   float(d["predicted_forward"]), float(d["predicted_backward"]), float(d["memory"]))
+                   float(d["predicted_forward"]), float(d["predicted_backward"]), float(d["memory"]),
+                   int(d["microbatches"]), tuple(int(a) for a in d["after"]))
+
+
+def _span(units: tuple[int, ...]) -> str:
+    if not units:
+        return "-"
+    if list(units) == list(range(units[0], units[-1] + 1)):
+        return f"{units[0]}-{units[-1]}" if len(units) > 1 else str(units[0])
+    return f"{len(units)} ({units[0]}..{units[-1]})"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -207,42 +218,44 @@ class Plan:
 
     def _explain_pipeline(self) -> str:
         p, pp = self.predicted, self.predicted["pipeline"]
+        unit = "layer nodes" if pp["method"] in ("graphpipe", "spp") else "blocks"
         lines = [
             f"autoshard pipeline plan ({pp['method']}, {pp['schedule']} schedule, profile {pp['profile']}) on "
             f"{pp['devices']} devices (mesh {' x '.join(f'{n}={s}' for n, s in self.mesh)}), hardware {self.hardware}",
-            f"{len(self.stages)} stages x {pp['pipelines']} pipeline copies, {self.microbatches} micro-batches of "
-            f"batch {pp['batch_size']}; predicted step {p['step_time'] * 1e3:.3f} ms, throughput "
-            f"{pp['batch_size'] / p['step_time']:.4g} samples/s, max/mean stage time {pp['max_over_mean']:.3f}; "
-            f"peak memory {p['memory']['total'] / 2**30:.3f} GiB per device of {p['memory_budget'] / 2**30:.2f} GiB",
-            f"search {pp['search_seconds']:.3f} s over {pp['units']} blocks; event simulator: step "
+            f"{len(self.stages)} stages (depth {pp['depth']}) x {pp['pipelines']} pipeline copies, "
+            f"{self.microbatches} micro-batches of batch {pp['batch_size']}; predicted step "
+            f"{p['step_time'] * 1e3:.3f} ms, throughput {pp['batch_size'] / p['step_time']:.4g} samples/s, "
+            f"max/mean stage time {pp['max_over_mean']:.3f}; peak memory {p['memory']['total'] / 2**30:.3f} GiB "
+            f"per device of {p['memory_budget'] / 2**30:.2f} GiB",
+            f"search {pp['search_seconds']:.3f} s over {pp['units']} {unit}; event simulator: step "
             f"{pp['simulated_step_time'] * 1e3:.3f} ms, bubble {pp['bubble_fraction']:.1%}, in flight per stage "
-            f"{pp['peak_inflight']}",
+            f"{list(pp['peak_inflight'])}",
             "",
         ]
-        rows = [("stage", "blocks", "ops", "replicas", "micro-batch", "forward ms", "backward ms", "memory GiB",
-                 "modules")]
+        dag = any(s.after != ((s.index - 1,) if s.index else ()) for s in self.stages)
+        rows = [("stage", *(("after",) if dag else ()), unit.split()[-1], "ops", "replicas", "micro-batch",
+                 "forward ms", "backward ms", "memory GiB", "modules")]
         for s in self.stages:
             mods = ", ".join(s.modules[:3]) + (f", ... ({len(s.modules)})" if len(s.modules) > 3 else "")
-            rows.append((str(s.index), f"{s.blocks[0]}-{s.blocks[1] - 1}", str(len(s.ops)), str(s.replicas),
-                         str(s.microbatch_size), f"{s.predicted_forward * 1e3:.3f}",
-                         f"{s.predicted_backward * 1e3:.3f}", f"{s.memory / 2**30:.3f}", mods or "-"))
+            rows.append((str(s.index), *((",".join(map(str, s.after)) or "-",) if dag else ()), _span(s.units),
+                         str(len(s.ops)), str(s.replicas), f"{s.microbatch_size} x{s.microbatches}",
+                         f"{s.predicted_forward * 1e3:.3f}", f"{s.predicted_backward * 1e3:.3f}",
+                         f"{s.memory / 2**30:.3f}", mods or "-"))
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         for k, r in enumerate(rows):
             lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
             if k == 0:
                 lines.append("  ".join("-" * w for w in widths))
-        u = pp.get("uniform")
         lines.append("")
-        if u:
-            lines.append(f"vs uniform layer split ({u['stages']} stages x {u['replicas']} replicas, "
-                         f"{u['microbatches']} micro-batches): {u['step_time'] * 1e3:.3f} ms, max/mean "
-                         f"{u['max_over_mean']:.3f}; " + (f"this plan is {u['step_time'] / p['step_time']:.2f}x faster"
-                         if u["step_time"] >= p["step_time"] else f"the uniform split is "
-                         f"{p['step_time'] / u['step_time']:.2f}x faster (the partitioner searches blocks, "
-                         "not layer boundaries; try more blocks, pipeline_options={'k': ...})"))
+        base = pp.get("baseline")
+        if base:
+            ratio = base["step_time"] / p["step_time"]
+            lines.append(f"vs {base['name']} ({base['stages']} stages, depth {base['depth']}, {base['microbatches']} "
+                         f"micro-batches): {base['step_time'] * 1e3:.3f} ms, max/mean {base['max_over_mean']:.3f}; "
+                         + (f"this plan is {ratio:.2f}x faster" if ratio >= 1 else
+                            f"the {base['name']} is {1 / ratio:.2f}x faster ({base['hint']})"))
         else:
-            lines.append("vs uniform layer split: none applies (it needs at least as many repeated layers as stages, "
-                         "stage counts dividing the devices, and must fit the memory budget)")
+            lines.append(f"vs {pp['baseline_name']}: none applies ({pp['baseline_reason']})")
         for w in self.warnings:
             lines.append(f"warning: {w}")
         return "\n".join(lines)

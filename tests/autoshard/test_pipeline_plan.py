@@ -32,10 +32,10 @@ def test_stages_cover_the_step_and_fit(bert, bert_plan):
     assert p.stages and p.microbatches >= 1
     covered = set().union(*(s.ops for s in p.stages))
     assert covered == set(range(len(graph.ops)))
-    # stage block ranges are contiguous and in order
-    assert p.stages[0].blocks[0] == 0
+    # stages hold contiguous block ranges, in order, and form a chain
+    assert p.stages[0].units[0] == 0
     for a, b in zip(p.stages, p.stages[1:], strict=False):
-        assert a.blocks[1] == b.blocks[0]
+        assert b.units == tuple(range(a.units[-1] + 1, b.units[-1] + 1)) and b.after == (a.index,)
     pp = p.predicted["pipeline"]
     assert sum(s.replicas for s in p.stages) == pp["devices"]
     for s in p.stages:
@@ -161,3 +161,48 @@ def test_cli_schedule_prints_a_gantt_chart(capsys):
     assert main(["schedule", "bert", "--config", "debug", "--mesh", "pipe=2,data=4", "--width", "60"]) == 0
     out = capsys.readouterr().out
     assert "rank 0 |" in out and "rank 1 |" in out and "F0" in out and "B0" in out
+
+
+@pytest.fixture(scope="module")
+def mmt():
+    m = models.get("mmt", "debug")
+    return m, m.abstract_state()
+
+
+def test_graphpipe_plans_keep_branches_parallel(mmt):
+    m, args = mmt
+    p = autoshard.plan(m.train_step, *args, mesh={"data": 8}, hardware="v100-sxm", pipeline="graphpipe")
+    graph = autoshard.trace(m.train_step, *args)
+    pp = p.predicted["pipeline"]
+    assert pp["method"] == "graphpipe" and pp["schedule"] == "graph-1f1b"
+    assert set().union(*(s.ops for s in p.stages)) == set(range(len(graph.ops)))
+    assert sum(len(s.ops) for s in p.stages) == len(graph.ops)          # layer nodes never share ops
+    # a DAG of stages: several sources (the branches) feed the join; depth < stage count
+    sources = [s for s in p.stages if not s.after]
+    assert len(sources) >= 2 and pp["depth"] < len(p.stages)
+    assert pp["baseline"]["name"] == "sequential pipeline (SPP)" and pp["baseline"]["depth"] > pp["depth"]
+    assert p.predicted["step_time"] == pytest.approx(pp["simulated_step_time"])
+    assert autoshard.Plan.from_json(p.to_json()).stages == p.stages
+    assert "after" in p.explain() and "vs sequential pipeline (SPP)" in p.explain()
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"mesh": {"pipe": 2, "data": 4}}, "has a 'pipe' axis"),
+    ({"profile": "measured"}, "pipeline='rannc' only"),
+    ({"schedule": "gpipe"}, "schedule='gpipe'"),
+    ({"pipeline_options": {"k": 8}}, "keys \\['k'\\] are unknown for pipeline='graphpipe'"),
+])
+def test_graphpipe_argument_errors(mmt, kw, match):
+    m, args = mmt
+    kw = {"mesh": {"data": 8}, **kw}
+    with pytest.raises(autoshard.PlanError, match=match):
+        autoshard.plan(m.train_step, *args, hardware="v100-sxm", pipeline="graphpipe", **kw)
+
+
+def test_cli_schedule_for_graphpipe(capsys):
+    from autoshard._cli import main
+
+    assert main(["schedule", "mmt", "--config", "debug", "--mesh", "data=8", "--pipeline", "graphpipe",
+                 "--hardware", "v100-sxm"]) == 0
+    out = capsys.readouterr().out
+    assert "graphpipe, graph-1f1b" in out and "rank 4 |" in out
