@@ -53,7 +53,7 @@ from . import _graph_schedule  # noqa: F401  (registers the "graph-1f1b" schedul
 from ._atomic import PipelineError
 from ._blocks import DEFAULT_MEMORY_FRACTION
 from ._costs import PipelineCosts, stage_cost
-from ._layer_graph import LayerGraph
+from ._layer_graph import LayerGraph, curve_seconds
 from ._schedule import Schedule, schedule
 from ._simulate import simulate
 from ._sp import SPTree, sp_decompose
@@ -157,20 +157,26 @@ class _Inst:
 
 
 class _Problem:
-    """Subproblem instances of an SP tree, deduplicated into signatures for the DP tables."""
+    """Subproblem instances of an SP tree, deduplicated into signatures for the DP tables.
 
-    def __init__(self, graph: LayerGraph, tree: SPTree) -> None:
+    `variants`: a series node also offers its children lists with one branch's tail (head) moved
+    after (before) a parallel child, see `_variant_lists`; SPP and the brute-force tests' concrete
+    trees pass False."""
+
+    def __init__(self, graph: LayerGraph, tree: SPTree, variants: bool = True) -> None:
         self.graph = graph
         nodes = graph.nodes
+        self.variants = variants
         self.work = [nd.forward + nd.backward for nd in nodes]
         self._sigs: dict[Any, int] = {}
         self.sig_kind: list[str] = []
         self.sig_options: list[tuple[tuple[int, int], ...]] = []   # (piece sig, rest sig or -1)
         self.single_stats: list[tuple[float, ...]] = []              # per single sig, _STATS
+        self.single_curves: list[tuple[tuple[float, ...], tuple[float, ...]]] = []   # forward, backward
         self.single_index: dict[int, int] = {}                       # sig -> row in single_stats
         self._single_nodes: dict[int, tuple[int, ...]] = {}
-        self.root = self._build(tree)
-        self.R = tree.height      # deepest possible pipeline: bounds successor depths
+        self._built: dict[int, tuple[SPTree, _Inst, int]] = {}       # id(tree) -> (tree, inst, height)
+        self.root, self.R = self._build(tree)   # R: the deepest pipeline any option forms
 
     def _intern(self, key: Any, kind: str, options=(), stats=None) -> int:
         sig = self._sigs.get(key)
@@ -180,7 +186,8 @@ class _Problem:
             self.sig_options.append(options)
             if stats is not None:
                 self.single_index[sig] = len(self.single_stats)
-                self.single_stats.append(stats)
+                self.single_stats.append(stats[0])
+                self.single_curves.append(stats[1])
         return sig
 
     def _collect_nodes(self, sig: int) -> tuple[int, ...]:
@@ -188,29 +195,60 @@ class _Problem:
         if their costs match, so this is the first instance's set)."""
         return self._single_nodes[sig]
 
+    def single_sig(self, nodes: tuple[int, ...]) -> int:
+        """The signature of the single stage made of `nodes` (interned by the build)."""
+        return self._sigs[("single", self._stats(nodes))]
+
     def _single(self, nodes: tuple[int, ...]) -> _Inst:
         stats = self._stats(nodes)
         sig = self._intern(("single", stats), "single", stats=stats)
         self._single_nodes.setdefault(sig, nodes)
         return _Inst(sig, "single", nodes)
 
-    def _stats(self, nodes: tuple[int, ...]) -> tuple[float, ...]:
+    def _stats(self, nodes: tuple[int, ...]) -> tuple[tuple[float, ...], tuple[tuple[float, ...], ...]]:
         g, inside = self.graph, set(nodes)
         nd = [g.nodes[v] for v in nodes]
         cut_out = sum(g.nodes[u].output_bytes for u in nodes if any(v not in inside for v in g.succ[u]))
         feeders = sorted({u for v in nodes for u in g.pred[v] if u not in inside})
         cut_in = sum(g.nodes[u].output_bytes for u in feeders)
-        return (sum(x.forward for x in nd), sum(x.backward for x in nd), sum(x.update for x in nd),
-                sum(x.param_bytes for x in nd), sum(x.state_bytes for x in nd),
-                sum(x.activation_bytes for x in nd), float(cut_in), float(cut_out))
+        # curves are additive over nodes: the stage's seconds at size 2**i are the sum of its nodes'
+        curves = tuple(tuple(float(x) for x in np.sum([getattr(x, f) for x in nd], axis=0))
+                       if g.curve_sizes else () for f in ("forward_curve", "backward_curve"))
+        return ((sum(x.forward for x in nd), sum(x.backward for x in nd), sum(x.update for x in nd),
+                 sum(x.param_bytes for x in nd), sum(x.state_bytes for x in nd),
+                 sum(x.activation_bytes for x in nd), float(cut_in), float(cut_out)), curves)
 
-    def _build(self, tree: SPTree) -> _Inst:
+    def _build(self, tree: SPTree) -> tuple[_Inst, int]:
+        """(instance, height): height = nodes on the longest chain of any option (bounds depths)."""
+        hit = self._built.get(id(tree))
+        if hit is not None:
+            return hit[1], hit[2]
         if tree.kind == "leaf":
-            return self._single(tree.nodes)
-        kids = list(tree.children)
-        if tree.kind == "parallel":  # heaviest first, so merged pieces group similar branches
-            kids.sort(key=lambda c: (-sum(self.work[v] for v in c.nodes), c.nodes[0]))
-        insts = [self._build(c) for c in kids]
+            inst, height = self._single(tree.nodes), 1
+        elif tree.kind == "parallel":  # heaviest first, so merged pieces group similar branches
+            kids = sorted(tree.children, key=lambda c: (-sum(self.work[v] for v in c.nodes), c.nodes[0]))
+            built = [self._build(c) for c in kids]
+            inst = self._chain("parallel", kids, [i for i, _ in built])
+            height = max(h for _, h in built)
+        else:
+            lists = [list(tree.children)] + (_variant_lists(tree.children) if self.variants else [])
+            options: dict[tuple[int, int], tuple[_Inst, _Inst | None]] = {}
+            height = 0
+            for kids in lists:
+                built = [self._build(c) for c in kids]
+                inst = self._chain("series", kids, [i for i, _ in built])
+                for piece, rest in inst.options:
+                    options.setdefault((piece.sig, -1 if rest is None else rest.sig), (piece, rest))
+                height = max(height, sum(h for _, h in built))
+            if len(lists) > 1:   # the union of the lists' first-piece options
+                key = ("series", tuple(options))
+                inst = _Inst(self._intern(key, "series", tuple(sorted(options))), "series",
+                             options=tuple(options.values()))
+        self._built[id(tree)] = (tree, inst, height)
+        return inst, height
+
+    def _chain(self, kind: str, kids: list[SPTree], insts: list[_Inst]) -> _Inst:
+        """The suffix instances of a children list; returns the whole list's."""
         k = len(kids)
         suffix: list[_Inst | None] = [None] * (k + 1)
         for i in range(k - 1, -1, -1):
@@ -219,10 +257,43 @@ class _Problem:
                 piece = insts[i] if m == i + 1 else self._single(
                     tuple(sorted(v for c in kids[i:m] for v in c.nodes)))
                 options.append((piece, suffix[m]))
-            key = (tree.kind, tuple((p.sig, -1 if r is None else r.sig) for p, r in options))
-            sig = self._intern(key, tree.kind, tuple(sorted(set(key[1]))))
-            suffix[i] = _Inst(sig, tree.kind, options=tuple(options))
+            key = (kind, tuple((p.sig, -1 if r is None else r.sig) for p, r in options))
+            sig = self._intern(key, kind, tuple(sorted(set(key[1]))))
+            suffix[i] = _Inst(sig, kind, options=tuple(options))
+        assert suffix[0] is not None
         return suffix[0]
+
+
+def _variant_lists(children: tuple[SPTree, ...]) -> list[list[SPTree]]:
+    """Children lists of a series node besides its own: for a parallel child P and one of its
+    series branches S(b_0 ; ... ; b_{L-1}), the last k children (1 <= k < L) moved after P
+    (P' ; b_{L-k} ; ... ; b_{L-1} ; next), when P has a next sibling (the join), and the first k
+    moved before P when it has a previous one (a source). This only adds order (the moved part
+    now follows, or precedes, every other branch of P), so stages built from a variant are convex
+    and their DAG acyclic; it lets a light join or source share a stage with the adjacent end of
+    one branch instead of taking a device of its own. One variant per list (no combinations);
+    every branch is tried (identical branches give identical signatures, so the DP work is
+    shared)."""
+    out: list[list[SPTree]] = []
+    kids = list(children)
+    for j, par in enumerate(kids):
+        if par.kind != "parallel":
+            continue
+        for bi, br in enumerate(par.children):
+            if br.kind != "series":
+                continue
+            L = len(br.children)
+            for k in range(1, L):
+                for after in ((True,) if j == 0 else (False,) if j == len(kids) - 1 else (True, False)):
+                    keep, moved = ((br.children[:L - k], br.children[L - k:]) if after
+                                   else (br.children[k:], br.children[:k]))
+                    rest = keep[0] if len(keep) == 1 else SPTree("series", keep, artificial=br.artificial)
+                    # canonical form: a parallel remainder's branches join P's directly
+                    others = par.children[:bi] + par.children[bi + 1:]
+                    par2 = SPTree("parallel", others + (rest.children if rest.kind == "parallel" else (rest,)))
+                    mid = [par2, *moved] if after else [*moved, par2]
+                    out.append(kids[:j] + mid + kids[j + 1:])
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -236,10 +307,17 @@ class _Costs:
     def __init__(self, prob: _Problem, hw: HardwareSpec, D: int, b: int, batch: int, budget: float) -> None:
         self.b, self.M = b, batch // b
         S = np.array(prob.single_stats, dtype=float).reshape(-1, len(_STATS))
-        t = {c: S[:, i:i + 1] for i, c in enumerate(_STATS[:6])}
-        t.update(fwd_const=0.0, bwd_const=0.0, act_const=0.0, data=0.0)
+        K = prob.graph.curve_sizes
+        C = np.array(prob.single_curves, dtype=float).reshape(len(S), 2, K)
         d = np.arange(D + 1)
         per_dev = np.where(d > 0, -(-b // np.maximum(d, 1)), 0)   # samples per replica (ceil)
+        # compute seconds of a replica's share of the micro-batch, from the curves (K = 0: linear,
+        # per_dev x per-sample seconds, bit for bit what stage_cost computes from fraction x fwd);
+        # they enter stage_cost as its constant terms, which it only adds to the communication
+        t = {c: S[:, i:i + 1] for i, c in enumerate(_STATS[:6])}
+        t.update(fwd=0.0, bwd=0.0, act_const=0.0, data=0.0,
+                 fwd_const=curve_seconds(C[:, None, 0, :], S[:, 0:1], per_dev[None, :]),
+                 bwd_const=curve_seconds(C[:, None, 1, :], S[:, 1:2], per_dev[None, :]))
         shim = types.SimpleNamespace(hardware=hw)  # PipelineCosts' comm formulas only read .hardware
         ar = [PipelineCosts.allreduce(shim, int(x), int(x) > hw.devices_per_node) for x in d]
         kw = dict(fraction=per_dev[None, :], microbatches=self.M, p2p=PipelineCosts.p2p(shim),
@@ -442,7 +520,7 @@ def _plan(graph: LayerGraph, prob: _Problem, pick: _Best, D: int, budget: float,
     else:
         edges = tuple(sorted((pos[u], pos[v]) for u, v in g.edges))
     costs, b, M = pick.costs, pick.b, graph.batch_size // pick.b
-    rows = [prob.single_index[prob._sigs[("single", prob._stats(nodes))]] for nodes, _, _ in raw]
+    rows = [prob.single_index[prob.single_sig(nodes)] for nodes, _, _ in raw]
     fwd = [float(costs.fwd[row, d]) for row, (_, d, _) in zip(rows, raw, strict=True)]
     bwd = [float(costs.bwd[row, d]) for row, (_, d, _) in zip(rows, raw, strict=True)]
     sched = schedule("graph-1f1b", num_stages=len(raw), num_microbatches=[M] * len(raw), edges=edges)

@@ -12,7 +12,7 @@ import pipeline
 from pipeline import GraphPipePlan, PipelineError, PipelineInfeasibleError, graphpipe_partition, spp_partition
 from pipeline._graphpipe import _Costs, _microbatch_sizes, _Problem, _search_b
 from pipeline._layer_graph import LayerGraph, LayerNode, chain_graph
-from pipeline._sp import sp_decompose
+from pipeline._sp import SPTree, sp_decompose
 from pipeline._spp import linear_tree
 
 MS = 1e-3
@@ -155,10 +155,10 @@ def test_bad_arguments(kwargs, match):
 # --- brute force: the DP is optimal over the space it searches ---------------------------------
 
 def _brute_force(graph: LayerGraph, tree, devices: int, b: int, budget: float) -> float:
-    """Least bottleneck TPS over every split of the nodes into the DP's pieces (unions of
-    consecutive SP children, and leaves), every device count per stage (sum <= devices), with
-    memory at 1 + depth below in the stage DAG of the tree's order (SPP: the chain)."""
-    prob = _Problem(graph, tree)
+    """Least bottleneck TPS over every split of the nodes into the pieces of a concrete tree
+    (unions of consecutive SP children, and leaves), every device count per stage (sum <=
+    devices), with memory at 1 + depth below in the stage DAG of the tree's order (SPP: the chain)."""
+    prob = _Problem(graph, tree, variants=False)
     order = _tree_order(tree)
     costs = _Costs(prob, pipeline._graphpipe.get_hardware("v100-sxm"), devices, b, graph.batch_size, budget)
     pieces = {prob._collect_nodes(sig): row for sig, row in prob.single_index.items()}
@@ -191,6 +191,43 @@ def _brute_force(graph: LayerGraph, tree, devices: int, b: int, budget: float) -
     return best
 
 
+def _concrete_trees(tree):
+    """The space GraphPipe searches (spec): the SP tree and, at every series node, each variant
+    children list (one series branch of a parallel child with its last k children moved after
+    the parallel child when it has a next sibling, or its first k moved before it when it has a
+    previous one, 1 <= k < branch length; a parallel remainder's branches join the parallel
+    child's), recursively in every child of every list."""
+    if tree.kind == "leaf":
+        yield tree
+        return
+    if tree.kind == "parallel":
+        for kids in itertools.product(*(list(_concrete_trees(c)) for c in tree.children)):
+            yield SPTree("parallel", kids)
+        return
+    lists = [list(tree.children)]
+    for j, par in enumerate(tree.children):
+        if par.kind != "parallel":
+            continue
+        for bi, br in enumerate(par.children):
+            if br.kind != "series":
+                continue
+            for k in range(1, len(br.children)):
+                for after in (True, False):
+                    if (after and j == len(tree.children) - 1) or (not after and j == 0):
+                        continue
+                    cut = len(br.children) - k if after else k
+                    keep, moved = (br.children[:cut], br.children[cut:]) if after else (br.children[cut:],
+                                                                                       br.children[:cut])
+                    rest = keep[0] if len(keep) == 1 else SPTree("series", keep)
+                    others = par.children[:bi] + par.children[bi + 1:]
+                    par2 = SPTree("parallel", others + (rest.children if rest.kind == "parallel" else (rest,)))
+                    mid = [par2, *moved] if after else [*moved, par2]
+                    lists.append(list(tree.children[:j]) + mid + list(tree.children[j + 1:]))
+    for kids in lists:
+        for combo in itertools.product(*(list(_concrete_trees(c)) for c in kids)):
+            yield SPTree("series", combo)
+
+
 def _tree_order(tree) -> list[tuple[int, int]]:
     """Pairs (u, v) with u before v in the SP tree: a series ancestor puts u's child first."""
     if tree.kind == "leaf":
@@ -220,23 +257,44 @@ TINY = {
     "fork5": (5, [(0, 1), (0, 2), (0, 3), (1, 4), (2, 4), (3, 4)]),
     "two-chains": (4, [(0, 1), (2, 3)]),
     "skip": (4, [(0, 1), (1, 2), (2, 3), (0, 3), (0, 2)]),
+    "join5": (5, [(0, 1), (2, 3), (1, 4), (3, 4)]),            # branch tails can join the join
+    "source5": (5, [(0, 1), (1, 2), (0, 3), (3, 4)]),          # branch heads can join the source
+    "nested5": (5, [(0, 1), (0, 2), (1, 3), (2, 3), (3, 4)]),  # no series branch: no variants
 }
+
+
+def _tiny_graph(name: str, curves: bool) -> LayerGraph:
+    n, edges = TINY[name]
+    fs = [1.0, 2.5, 1.5, 3.0, 0.5]
+
+    def curve(f, i):   # memory-bound up to a size that differs per node, then linear
+        return tuple(max(f * (1 + i) * 2 * MS, f * MS * 2 ** k) for k in range(4)) if curves else ()
+
+    nodes = tuple(LayerNode(f"n{i}", fs[i] * MS, 2 * fs[i] * MS, (1 + i) * 4e6, 8e6, (5 - i) * 2e6, 3e5,
+                            forward_curve=curve(fs[i], i), backward_curve=curve(2 * fs[i], i))
+                  for i in range(n))
+    return LayerGraph(nodes, tuple(edges), 8, name)
 
 
 @pytest.mark.parametrize("name", sorted(TINY))
 @pytest.mark.parametrize("devices", [2, 3, 4])
-def test_dp_matches_brute_force(name, devices):
-    n, edges = TINY[name]
-    fs = [1.0, 2.5, 1.5, 3.0, 0.5]
-    nodes = tuple(LayerNode(f"n{i}", fs[i] * MS, 2 * fs[i] * MS, (1 + i) * 4e6, 8e6, (5 - i) * 2e6, 3e5)
-                  for i in range(n))
-    g = LayerGraph(nodes, tuple(edges), 8, name)
+@pytest.mark.parametrize("curves", [False, True])
+def test_dp_matches_brute_force(name, devices, curves):
+    g = _tiny_graph(name, curves)
     for tree in (sp_decompose(g), linear_tree(g)):
+        trees = list(_concrete_trees(tree))
+        assert len(trees) == len(set(trees))
         for budget in (math.inf, 60e6):
             prob = _Problem(g, tree)
             for b in _microbatch_sizes(8, None):
                 costs = _Costs(prob, pipeline._graphpipe.get_hardware("v100-sxm"), devices, b, 8, budget)
                 res = _search_b(prob, costs, devices)
-                want = _brute_force(g, tree, devices, b, budget)
+                want = min(_brute_force(g, t, devices, b, budget) for t in trees)
                 got = math.inf if res is None else res[0]
                 assert got == pytest.approx(want), (name, devices, budget, b)
+
+
+def test_variants_reach_branch_tails_and_heads():
+    assert len(list(_concrete_trees(sp_decompose(_tiny_graph("join5", False))))) == 3
+    assert len(list(_concrete_trees(sp_decompose(_tiny_graph("source5", False))))) == 3
+    assert len(list(_concrete_trees(sp_decompose(_tiny_graph("nested5", False))))) == 1
