@@ -160,8 +160,8 @@ class _Problem:
     """Subproblem instances of an SP tree, deduplicated into signatures for the DP tables.
 
     `variants`: a series node also offers its children lists with one branch's tail (head) moved
-    after (before) a parallel child, see `_variant_lists`; SPP and the brute-force tests' concrete
-    trees pass False."""
+    after (before) a parallel child next to a light sibling, see `_variant_lists`; SPP and the
+    brute-force tests' concrete trees pass False."""
 
     def __init__(self, graph: LayerGraph, tree: SPTree, variants: bool = True) -> None:
         self.graph = graph
@@ -197,26 +197,28 @@ class _Problem:
 
     def single_sig(self, nodes: tuple[int, ...]) -> int:
         """The signature of the single stage made of `nodes` (interned by the build)."""
-        return self._sigs[("single", self._stats(nodes))]
+        return self._sigs[("single", _cost_key(self._stats(nodes)))]
 
     def _single(self, nodes: tuple[int, ...]) -> _Inst:
         stats = self._stats(nodes)
-        sig = self._intern(("single", stats), "single", stats=stats)
+        sig = self._intern(("single", _cost_key(stats)), "single", stats=stats)
         self._single_nodes.setdefault(sig, nodes)
         return _Inst(sig, "single", nodes)
 
     def _stats(self, nodes: tuple[int, ...]) -> tuple[tuple[float, ...], tuple[tuple[float, ...], ...]]:
+        """(_STATS, (forward curve, backward curve)) of the stage made of `nodes`; exactly rounded
+        sums (fsum), so the same costs summed in another order give the same signature."""
         g, inside = self.graph, set(nodes)
         nd = [g.nodes[v] for v in nodes]
-        cut_out = sum(g.nodes[u].output_bytes for u in nodes if any(v not in inside for v in g.succ[u]))
+        cut_out = math.fsum(g.nodes[u].output_bytes for u in nodes if any(v not in inside for v in g.succ[u]))
         feeders = sorted({u for v in nodes for u in g.pred[v] if u not in inside})
-        cut_in = sum(g.nodes[u].output_bytes for u in feeders)
+        cut_in = math.fsum(g.nodes[u].output_bytes for u in feeders)
         # curves are additive over nodes: the stage's seconds at size 2**i are the sum of its nodes'
-        curves = tuple(tuple(float(x) for x in np.sum([getattr(x, f) for x in nd], axis=0))
-                       if g.curve_sizes else () for f in ("forward_curve", "backward_curve"))
-        return ((sum(x.forward for x in nd), sum(x.backward for x in nd), sum(x.update for x in nd),
-                 sum(x.param_bytes for x in nd), sum(x.state_bytes for x in nd),
-                 sum(x.activation_bytes for x in nd), float(cut_in), float(cut_out)), curves)
+        curves = tuple(tuple(math.fsum(c) for c in zip(*(getattr(x, f) for x in nd), strict=True))
+                       for f in ("forward_curve", "backward_curve"))
+        return (tuple(math.fsum(getattr(x, f) for x in nd) for f in
+                      ("forward", "backward", "update", "param_bytes", "state_bytes", "activation_bytes"))
+                + (cut_in, cut_out), curves)
 
     def _build(self, tree: SPTree) -> tuple[_Inst, int]:
         """(instance, height): height = nodes on the longest chain of any option (bounds depths)."""
@@ -231,7 +233,7 @@ class _Problem:
             inst = self._chain("parallel", kids, [i for i, _ in built])
             height = max(h for _, h in built)
         else:
-            lists = [list(tree.children)] + (_variant_lists(tree.children) if self.variants else [])
+            lists = [list(tree.children)] + (_variant_lists(tree.children, self.work) if self.variants else [])
             options: dict[tuple[int, int], tuple[_Inst, _Inst | None]] = {}
             height = 0
             for kids in lists:
@@ -264,16 +266,28 @@ class _Problem:
         return suffix[0]
 
 
-def _variant_lists(children: tuple[SPTree, ...]) -> list[list[SPTree]]:
-    """Children lists of a series node besides its own: for a parallel child P and one of its
-    series branches S(b_0 ; ... ; b_{L-1}), the last k children (1 <= k < L) moved after P
-    (P' ; b_{L-k} ; ... ; b_{L-1} ; next), when P has a next sibling (the join), and the first k
-    moved before P when it has a previous one (a source). This only adds order (the moved part
-    now follows, or precedes, every other branch of P), so stages built from a variant are convex
-    and their DAG acyclic; it lets a light join or source share a stage with the adjacent end of
-    one branch instead of taking a device of its own. One variant per list (no combinations);
-    every branch is tried (identical branches give identical signatures, so the DP work is
-    shared)."""
+def _cost_key(stats: tuple[tuple[float, ...], tuple[tuple[float, ...], ...]]) -> tuple[int, ...]:
+    """Costs rounded to 24 bits (~7 significant digits) for interning: stage costs that differ only by
+    rounding noise (identical branches whose traced ops sum in another order) share one DP
+    table; the DP and the plan then use the first instance's exact costs."""
+    m, e = np.frexp(np.array(stats[0] + stats[1][0] + stats[1][1], dtype=float))
+    return tuple(np.round(m * (1 << 24)).astype(np.int64).tolist()) + tuple(e.tolist())
+
+
+def _variant_lists(children: tuple[SPTree, ...], work: list[float]) -> list[list[SPTree]]:
+    """Children lists of a series node besides its own: for a parallel child P, one of its series
+    branches S(b_0 ; ... ; b_{L-1}) and 1 <= k < L, the last k children moved after P
+    (P' ; b_{L-k} ; ... ; b_{L-1} ; next) when P's next sibling is *light*: less work (forward +
+    backward per sample) than b_{L-1}; likewise the first k moved before P when its previous
+    sibling is lighter than b_0. This only adds order (the moved part now follows, or precedes,
+    every other branch of P), so stages built from a variant are convex and their DAG acyclic;
+    it lets a light join or source (MMT's concat + head + loss) share a stage with the adjacent
+    end of a branch instead of taking a device of its own (a heavy one can have its own stage at
+    no loss, and skipping it keeps the search small). One move per list; every branch is tried
+    (identical branches give identical signatures, so the DP work is shared)."""
+    def w(t: SPTree) -> float:
+        return math.fsum(work[v] for v in t.nodes)
+
     out: list[list[SPTree]] = []
     kids = list(children)
     for j, par in enumerate(kids):
@@ -283,8 +297,11 @@ def _variant_lists(children: tuple[SPTree, ...]) -> list[list[SPTree]]:
             if br.kind != "series":
                 continue
             L = len(br.children)
-            for k in range(1, L):
-                for after in ((True,) if j == 0 else (False,) if j == len(kids) - 1 else (True, False)):
+            for after in (True, False):
+                nb = j + 1 if after else j - 1
+                if not (0 <= nb < len(kids)) or w(kids[nb]) >= w(br.children[-1 if after else 0]):
+                    continue
+                for k in range(1, L):
                     keep, moved = ((br.children[:L - k], br.children[L - k:]) if after
                                    else (br.children[k:], br.children[:k]))
                     rest = keep[0] if len(keep) == 1 else SPTree("series", keep, artificial=br.artificial)

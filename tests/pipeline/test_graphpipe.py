@@ -191,17 +191,21 @@ def _brute_force(graph: LayerGraph, tree, devices: int, b: int, budget: float) -
     return best
 
 
-def _concrete_trees(tree):
+def _concrete_trees(tree, work):
     """The space GraphPipe searches (spec): the SP tree and, at every series node, each variant
     children list (one series branch of a parallel child with its last k children moved after
-    the parallel child when it has a next sibling, or its first k moved before it when it has a
-    previous one, 1 <= k < branch length; a parallel remainder's branches join the parallel
-    child's), recursively in every child of every list."""
+    the parallel child when its next sibling has less work than the branch's last child, or its
+    first k moved before it when its previous sibling has less work than the branch's first
+    child, 1 <= k < branch length; a parallel remainder's branches join the parallel child's),
+    recursively in every child of every list."""
+    def w(t):
+        return sum(work[v] for v in t.nodes)
+
     if tree.kind == "leaf":
         yield tree
         return
     if tree.kind == "parallel":
-        for kids in itertools.product(*(list(_concrete_trees(c)) for c in tree.children)):
+        for kids in itertools.product(*(list(_concrete_trees(c, work)) for c in tree.children)):
             yield SPTree("parallel", kids)
         return
     lists = [list(tree.children)]
@@ -213,7 +217,8 @@ def _concrete_trees(tree):
                 continue
             for k in range(1, len(br.children)):
                 for after in (True, False):
-                    if (after and j == len(tree.children) - 1) or (not after and j == 0):
+                    nb = j + 1 if after else j - 1
+                    if not 0 <= nb < len(tree.children) or w(tree.children[nb]) >= w(br.children[-1 if after else 0]):
                         continue
                     cut = len(br.children) - k if after else k
                     keep, moved = (br.children[:cut], br.children[cut:]) if after else (br.children[cut:],
@@ -224,7 +229,7 @@ def _concrete_trees(tree):
                     mid = [par2, *moved] if after else [*moved, par2]
                     lists.append(list(tree.children[:j]) + mid + list(tree.children[j + 1:]))
     for kids in lists:
-        for combo in itertools.product(*(list(_concrete_trees(c)) for c in kids)):
+        for combo in itertools.product(*(list(_concrete_trees(c, work)) for c in kids)):
             yield SPTree("series", combo)
 
 
@@ -282,7 +287,7 @@ def _tiny_graph(name: str, curves: bool) -> LayerGraph:
 def test_dp_matches_brute_force(name, devices, curves):
     g = _tiny_graph(name, curves)
     for tree in (sp_decompose(g), linear_tree(g)):
-        trees = list(_concrete_trees(tree))
+        trees = list(_concrete_trees(tree, [nd.forward + nd.backward for nd in g.nodes]))
         assert len(trees) == len(set(trees))
         for budget in (math.inf, 60e6):
             prob = _Problem(g, tree)
@@ -295,6 +300,10 @@ def test_dp_matches_brute_force(name, devices, curves):
 
 
 def test_variants_reach_branch_tails_and_heads():
-    assert len(list(_concrete_trees(sp_decompose(_tiny_graph("join5", False))))) == 3
-    assert len(list(_concrete_trees(sp_decompose(_tiny_graph("source5", False))))) == 3
-    assert len(list(_concrete_trees(sp_decompose(_tiny_graph("nested5", False))))) == 1
+    def count(name):
+        g = _tiny_graph(name, False)
+        return len(list(_concrete_trees(sp_decompose(g), [nd.forward + nd.backward for nd in g.nodes])))
+    assert (count("join5"), count("source5"), count("nested5")) == (3, 3, 1)
+    # a heavy join (more work than a branch's last node) gets no variants
+    g = branchy(2, 2, 8, join_f=5 * MS)
+    assert len(list(_concrete_trees(sp_decompose(g), [nd.forward + nd.backward for nd in g.nodes]))) == 1
