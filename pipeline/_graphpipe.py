@@ -471,9 +471,11 @@ class _Best:
     costs: _Costs
 
 
-def _search_b(prob: _Problem, costs: _Costs, D: int) -> tuple[float, _DP] | None:
-    """Least feasible target TPS for this micro-batch size (binary search over the candidates)."""
-    cand = costs.candidates
+def _search_b(prob: _Problem, costs: _Costs, D: int, lo_t: float = 0.0,
+              hi_t: float = INF) -> tuple[float, _DP] | None:
+    """Least feasible target TPS in [lo_t, hi_t] for this micro-batch size (binary search over the
+    candidates there; None if none is feasible)."""
+    cand = costs.candidates[(costs.candidates >= lo_t) & (costs.candidates <= hi_t)]
     if cand.size == 0:
         return None
     lo, hi = 0, cand.size - 1
@@ -490,6 +492,22 @@ def _search_b(prob: _Problem, costs: _Costs, D: int) -> tuple[float, _DP] | None
     return float(cand[hi]), best
 
 
+def _tps_floor(graph: LayerGraph, D: int, b: int) -> float:
+    """A lower bound on the bottleneck TPS of any plan at micro-batch b: a stage on d devices
+    runs p = ceil(b/d) <= b samples per replica, so TPS x d >= its compute(p) / p >= the sum over
+    its nodes of their least seconds per sample at any size <= b, and the devices add up to <= D.
+    On the interpolated curves that least value is at a size 2**i <= b or at b."""
+    fb = np.array([nd.forward + nd.backward for nd in graph.nodes])
+    K = graph.curve_sizes
+    if K == 0:
+        return math.fsum(fb) / D
+    C = np.array([nd.forward_curve for nd in graph.nodes]) + np.array([nd.backward_curve for nd in graph.nodes])
+    i = min(b.bit_length() - 1, K - 1)
+    per = np.minimum((C[:, :i + 1] / np.exp2(np.arange(i + 1))).min(axis=1),
+                     curve_seconds(C, fb, np.full(len(fb), float(b))) / b)
+    return math.fsum(per) / D
+
+
 def _microbatch_sizes(batch: int, max_mb: int | None) -> list[int]:
     cap = min(batch, max_mb or batch)
     return [1 << k for k in range(cap.bit_length()) if (1 << k) <= cap and batch % (1 << k) == 0]
@@ -502,15 +520,23 @@ def _partition(graph: LayerGraph, tree: SPTree, devices: int, hardware: Any, bud
     prob = _Problem(graph, tree)
     B, D = graph.batch_size, int(devices)
     found: list[_Best] = []
-    for b in _microbatch_sizes(B, max_mb):
+    # largest micro-batch first; a size whose estimate cannot come within the pick tolerance of the
+    # best so far is skipped. Estimates are >= t x B, so only targets t <= bound / B matter, and t
+    # is at least _tps_floor (which grows as b shrinks: every smaller size is then skipped too).
+    bound = INF
+    for b in reversed(_microbatch_sizes(B, max_mb)):
+        lo_t = _tps_floor(graph, D, b) * (1 - 1e-9)   # margins: rounding must not cut off t*
+        if lo_t * B > bound:
+            break
         costs = _Costs(prob, hw, D, b, B, budget_)
-        res = _search_b(prob, costs, D)
+        res = _search_b(prob, costs, D, lo_t, bound / B * (1 + 1e-9))
         if res is None:
             continue
         t, dp = res
         stages = dp.stages(prob.root, D, 0)
         depth = int(dp.table(prob.root.sig)[D, 0])
         found.append(_Best(b, t, depth, t * (B + (depth - 1) * b), stages, costs))
+        bound = min(bound, found[-1].estimate * (1 + _TOLERANCE))
     if not found:
         raise _infeasible(graph, prob, hw, D, B, budget_, max_mb, method)
     top = min(x.estimate for x in found)
