@@ -3,12 +3,16 @@
 Models at their GraphPipe A.2 configs (`mmt-paper`: 4 branches x 8 transformer layers; `dlrm-paper`:
 7 dense branches x 4 FF layers + 7 embedding bags + top MLP; `candle-uno-paper`: 7 branches x 4 FF
 layers + top MLP), traced abstractly (nothing allocated) at the paper's mini-batch for each device
-count (A.2 table), turned into a LayerGraph (`pipeline.layer_graph`, roofline costs), and
+count (A.2 table), turned into a LayerGraph (`pipeline.layer_graph`: roofline costs, with each
+node's seconds per micro-batch of 1, 2, 4, ... samples, so small micro-batches of memory-bound
+layers pay their weight reads), and
 partitioned for 4/8/16/32 GPUs of the paper's cluster (Summit: V100 SXM2 16 GB, 4 per node,
 NVLink inside a node, EDR InfiniBand between nodes) by GraphPipe (`graphpipe_partition`) and by
 its sequential baseline on the same costs (`spp_partition`, a linearised chain: PipeDream-style).
 Per cell: search seconds of both (median of `--reps` runs; the paper's GraphPipe column beside),
-simulated throughput of both and the ratio, pipeline depth, stage count, chosen micro-batch sizes.
+simulated throughput of both and the ratio, pipeline depth, stage count, chosen micro-batch sizes,
+and a lower bound on any plan's step (batch x the partitioner's TPS floor: all devices busy at the
+nodes' best seconds per sample, no bubble, no communication), so SPP step / bound caps GPP / SPP.
 
 Also: the branch-count sweep of Fig. 7 (left) on CANDLE-Uno (1..16 branches at 4/8/16 GPUs), and
 the sequential-transformer check of A.3 (the MMT config with one branch: a chain, where GraphPipe
@@ -38,9 +42,8 @@ from _common import git_state, machine  # noqa: E402
 import autoshard  # noqa: E402
 import models  # noqa: E402
 from autoshard import get_hardware  # noqa: E402
-from autoshard._cost import AnalyticalCostModel  # noqa: E402
 from pipeline import graphpipe_partition, layer_graph, spp_partition  # noqa: E402
-from pipeline._costs import traced_batch  # noqa: E402
+from pipeline._graphpipe import _tps_floor  # noqa: E402
 
 # Summit (GraphPipe §7): V100 SXM2 16 GB, 4 GPUs per node used, NVLink2 50 GB/s inside a node,
 # EDR InfiniBand 100 Gb/s between nodes; the v100-sxm preset has the links, not the 16 GB or 4/node.
@@ -66,33 +69,6 @@ TARGET_RATIO = 1.2
 RATIO_DEVICES = (16, 32)
 SWEEP_BRANCHES = (1, 2, 4, 8, 16)
 SWEEP_DEVICES = (4, 8, 16)
-
-
-def microbatch_penalty(graph, graph_half, sizes) -> dict[int, float]:
-    """Diagnostic (not used by the partitioners): forward + backward seconds per sample when the
-    ops run at micro-batch b, over the LayerGraph's linear per-sample estimate (b = the traced
-    batch B). Each op's flops and bytes are affine in the batch, fitted exactly from the step traced
-    at B and at B/2 (`graph_half`, same program): the batch-independent part (reading weights,
-    writing weight gradients) is paid once per micro-batch, so small micro-batches of a dense layer
-    are memory-bound on the roofline, which the linear per-sample model amortises away."""
-    cm = AnalyticalCostModel({"stage": 1}, HW)
-    big, half = traced_batch(graph), traced_batch(graph_half)
-    if len(graph.ops) != len(graph_half.ops) or big == half:
-        raise ValueError("microbatch_penalty: the two traces differ in structure or batch")
-    rows = []
-    for o1, o2 in zip(graph.ops, graph_half.ops, strict=True):
-        if o1.phase not in ("forward", "backward"):
-            continue
-        fs, bs = (o1.flops - o2.flops) / (big - half), (o1.bytes - o2.bytes) / (big - half)
-        rows.append((fs, o1.flops - fs * big, bs, o1.bytes - bs * big,
-                     o1.out_dtypes[0] if o1.out_dtypes else "float32", o1.repeat))
-
-    def per_sample(b: int) -> float:
-        return sum(r * cm.compute(max(fs * b + f0, 0.0), max(bs * b + b0, 0.0), dt)
-                   for fs, f0, bs, b0, dt, r in rows) / b
-
-    base = per_sample(big)
-    return {b: per_sample(b) / base for b in sizes}
 
 
 def traced_graph(name: str, config: str, batch: int, **overrides):
@@ -131,7 +107,7 @@ def run(fn, lg, devices: int, reps: int) -> tuple[dict, list[float]]:
     return plan_info(plan), walls
 
 
-def cell(name: str, config: str, batch: int, devices: int, reps: int, penalty: bool = False, **overrides) -> dict:
+def cell(name: str, config: str, batch: int, devices: int, reps: int, **overrides) -> dict:
     lg, info, graph = traced_graph(name, config, batch, **overrides)
     out = {"model": name, "config": config, "overrides": overrides, "devices": devices, "batch": batch,
            "graph": info}
@@ -145,14 +121,11 @@ def cell(name: str, config: str, batch: int, devices: int, reps: int, penalty: b
         out[key] = p
     g, s = out["graphpipe"], out["spp"]
     out["ratio"] = g["throughput"] / s["throughput"] if "throughput" in g and "throughput" in s else None
-    if out["ratio"] is not None and penalty:
-        # what the chosen plans' micro-batch sizes cost on the roofline (see microbatch_penalty)
-        m = models.get(name, config, batch_size=batch // 2, **overrides)
-        half = autoshard.trace(m.train_step, *m.abstract_state())
-        pen = microbatch_penalty(graph, half, sorted({*g["microbatch_sizes"], *s["microbatch_sizes"]}))
-        g["roofline_penalty"] = max(pen[b] for b in g["microbatch_sizes"])
-        s["roofline_penalty"] = max(pen[b] for b in s["microbatch_sizes"])
-        out["ratio_roofline_estimate"] = out["ratio"] * s["roofline_penalty"] / g["roofline_penalty"]
+    if out["ratio"] is not None:
+        # no plan (any method, any micro-batch) beats batch x the TPS floor: every device busy at the
+        # nodes' best seconds per sample, no bubble, no communication; SPP / that bounds GPP / SPP
+        out["step_lower_bound_s"] = _tps_floor(lg, devices, batch) * batch
+        out["max_ratio"] = s["step_time_s"] / out["step_lower_bound_s"]
     return out
 
 
@@ -163,8 +136,8 @@ def fmt(x, spec=".3g", none="—"):
 def table1_md(cells: list[dict]) -> list[str]:
     lines = ["| model | GPUs | batch | nodes | GPP search s | paper GPP s | SPP search s | paper PipeDream s "
              "| GPP samples/s | SPP samples/s | GPP/SPP | depth GPP / SPP | stages GPP / SPP "
-             "| micro-batch GPP / SPP | GPP devices per stage | roofline penalty at b GPP / SPP "
-             "| GPP/SPP with penalty (est.) |",
+             "| micro-batch GPP / SPP | GPP devices per stage | step lower bound s "
+             "| max GPP/SPP (SPP / bound) |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in cells:
         g, s, m, d = c["graphpipe"], c["spp"], c["model"], c["devices"]
@@ -177,7 +150,7 @@ def table1_md(cells: list[dict]) -> list[str]:
             f"| {s['search_s']:.3f} | {PAPER_PIPEDREAM_S[m][d]} | {g['throughput']:.1f} | {s['throughput']:.1f} "
             f"| {c['ratio']:.3f} | {g['depth']} / {s['depth']} | {g['stages']} / {s['stages']} "
             f"| {g['microbatch_sizes']} / {s['microbatch_sizes']} | {g['stage_devices']} "
-            f"| {g['roofline_penalty']:.2f} / {s['roofline_penalty']:.2f} | {c['ratio_roofline_estimate']:.2f} |")
+            f"| {c['step_lower_bound_s']:.4g} | {c['max_ratio']:.3f} |")
     return lines
 
 
@@ -212,7 +185,7 @@ def main() -> None:
     table1 = []
     for name, (config, batches) in MODELS.items():
         for d in devices:
-            c = cell(name, config, batches[d], d, reps, penalty=True)
+            c = cell(name, config, batches[d], d, reps)
             c["paper_search_s"] = PAPER_SEARCH_S[name][d]
             table1.append(c)
             print(f"{name} {d} GPUs: GPP {fmt(c['graphpipe'].get('search_s'))} s, SPP {fmt(c['spp'].get('search_s'))} "
