@@ -10,23 +10,33 @@ bottleneck time-per-sample (TPS) is minimal and every device fits its memory:
   node's suffix of children; its options are "the first piece, then the rest", where a piece is one
   child solved recursively or several consecutive children as ONE stage (the base case). Every
   stage of the result is thus a union of consecutive whole SP children. Parallel children are
-  ordered by work (heaviest first), so stages that merge small branches take similar ones;
+  ordered by work (heaviest first), so stages that merge small branches take similar ones. A
+  series node also offers variant children lists where the last (first) k children of one branch
+  of a parallel child move after (before) it, next to a light join (source), so MMT's tiny
+  concat + head + loss can share a stage with the end of one branch instead of taking a device of
+  its own (`_variant_lists`; this only adds order, so stages stay convex and their DAG acyclic);
 * the DP value, per (devices <= d, successor depth r), is the least pipeline depth of the part (the
   in-flight count of its source stages, Algorithm 1's objective) such that every stage runs at
   TPS <= t and fits memory. With one micro-batch size per plan, graph-1F1B (`static_inflight`,
   Table 2 with bx = by) holds 1 + (depth below) micro-batches on a stage, so memory only depends
   on r, and series parts compose by adding depths, parallel ones by taking the max;
 * memoisation: subproblems with identical costs and structure (the identical branches of MMT,
-  DLRM, CANDLE-Uno) share one DP table, keyed by a structural signature;
+  DLRM, CANDLE-Uno, and the variants of identical branches) share one DP table, keyed by a
+  structural signature (costs at 24-bit precision);
 * the schedule configuration is the paper's default (§6/§7): graph-1F1B (k = 1) and one
   micro-batch size b for all stages, b a power of two dividing the mini-batch, searched in an outer
-  loop. Per b the DP gives t*(b) and its depth h; the step estimate t*·(B + (h-1)·b) picks b (the
-  largest b within 1% of the best estimate: fewer micro-batches cost less in the simulator and on
-  real devices). The chosen plan is then scheduled (graph-1F1B) and simulated (`simulate`), and
-  its memory re-checked with the schedule's actual in-flight counts.
+  loop over every such b up to `max_microbatch_size`. Per b the DP gives t*(b) and its depth h;
+  the step estimate t*·(B + (h-1)·b) picks b (the largest b within 1% of the best estimate: fewer
+  micro-batches cost less in the simulator and on real devices), trading fill/drain ((h-1)·b)
+  against per-sample efficiency (t*(b) falls with b on memory-bound layers). Sizes are tried
+  largest first and skipped once a lower bound on t (`_tps_floor`) times B exceeds the best
+  estimate, which is exact for this pick. The chosen plan is then scheduled (graph-1F1B) and
+  simulated (`simulate`), and its memory re-checked with the schedule's actual in-flight counts.
 
-Stage costs reuse RaNNC's `stage_cost` (`_costs.py`): per micro-batch, forward = samples per device
-x forward seconds per sample + one send of the outputs leaving the stage; backward likewise + the
+Stage costs reuse RaNNC's `stage_cost` (`_costs.py`): per micro-batch, forward = the stage's
+seconds for its replica's share p = ceil(b/d) of the micro-batch (the sum of its nodes' curves at
+p, `curve_seconds`; p x seconds per sample when the graph has no curves) + one send of the outputs
+leaving the stage; backward likewise + the
 gradient all-reduce among its replicas (ring, inter-node when the stage has more devices than a
 node) and optimizer update, amortised over the micro-batches; memory = 2 x parameters + optimizer
 state + saved activations x in-flight micro-batches. Sends are charged to the sending stage (as in

@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 
 import networkx as nx
+import numpy as np
 import pytest
 
 import pipeline
 from pipeline import GraphPipePlan, PipelineError, PipelineInfeasibleError, graphpipe_partition, spp_partition
 from pipeline._graphpipe import _Costs, _microbatch_sizes, _Problem, _search_b
-from pipeline._layer_graph import LayerGraph, LayerNode, chain_graph
+from pipeline._layer_graph import LayerGraph, LayerNode, chain_graph, curve_seconds
 from pipeline._sp import SPTree, sp_decompose
 from pipeline._spp import linear_tree
 
@@ -307,3 +309,46 @@ def test_variants_reach_branch_tails_and_heads():
     # a heavy join (more work than a branch's last node) gets no variants
     g = branchy(2, 2, 8, join_f=5 * MS)
     assert len(list(_concrete_trees(sp_decompose(g), [nd.forward + nd.backward for nd in g.nodes]))) == 1
+
+
+# --- micro-batch curves and light joins ------------------------------------------------------
+
+def ff_node(name, f=1 * MS, w=16 * MS, params=1e6) -> LayerNode:
+    """A memory-bound layer: reading its weights costs w per micro-batch until the per-sample
+    compute f x b exceeds it (curve[i] = max(w, f 2**i)); per-sample costs are the linear view."""
+    fc = tuple(max(w, f * 2 ** i) for i in range(8))
+    return LayerNode(name, f, 2 * f, params, 2 * params, 1e5, 0.0, forward_curve=fc,
+                     backward_curve=tuple(2 * x for x in fc))
+
+
+def test_curves_set_stage_costs_and_favour_larger_microbatches():
+    nodes = [ff_node(f"l{i}") for i in range(4)]
+    g = chain_graph(nodes, 256, "ff")
+    linear = chain_graph([dataclasses.replace(n, forward_curve=(), backward_curve=()) for n in nodes], 256)
+    for devices in (1, 2, 4):
+        plan, flat = graphpipe_partition(g, devices), graphpipe_partition(linear, devices)
+        check_plan(g, plan)
+        for s in plan.stages:   # compute at the replica's share of the micro-batch, from the curves
+            p = -(-s.microbatch_size // s.devices)
+            want = sum(float(curve_seconds(np.array(g.nodes[v].forward_curve), g.nodes[v].forward, p))
+                       for v in s.nodes)
+            assert s.forward >= want and s.forward == pytest.approx(want, rel=1e-3, abs=1e-6)
+            assert p >= 16                      # the weight reads are amortised: >= 16 samples per replica
+        assert plan.step_time >= flat.step_time  # curves only add cost at small sizes
+        assert min(s.microbatch_size for s in flat.stages) <= min(s.microbatch_size for s in plan.stages)
+        if devices > 1:                         # linear costs: small micro-batches, short fill/drain
+            assert max(s.microbatch_size for s in flat.stages) < 16
+
+
+def test_light_join_shares_a_stage_with_a_branch_end():
+    # MMT-like: 4 branches of 4 layers and a join of ~0 work on 16 devices. Without variants the
+    # join needs a stage (and a device) of its own; with them it rides with a branch's last layer.
+    g = branchy(4, 4, 256, join_f=1e-4 * MS, out=1e5)
+    join = len(g) - 1
+    plan = graphpipe_partition(g, 16)
+    check_plan(g, plan)
+    host = next(s for s in plan.stages if join in s.nodes)
+    assert len(host.nodes) > 1 and plan.depth > 1
+    prob = _Problem(g, sp_decompose(g), variants=False)
+    assert prob.R < _Problem(g, sp_decompose(g)).R   # the variants' moved tails deepen the tree
+    assert plan.throughput >= spp_partition(g, 16).throughput * (1 - 1e-9)
