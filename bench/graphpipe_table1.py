@@ -69,6 +69,7 @@ TARGET_RATIO = 1.2
 RATIO_DEVICES = (16, 32)
 SWEEP_BRANCHES = (1, 2, 4, 8, 16)
 SWEEP_DEVICES = (4, 8, 16)
+KERNEL_OVERHEAD = 0.0   # seconds per kernel launch added to the layer curves (--kernel-overhead)
 
 
 def traced_graph(name: str, config: str, batch: int, **overrides):
@@ -76,7 +77,7 @@ def traced_graph(name: str, config: str, batch: int, **overrides):
     t0 = time.perf_counter()
     graph = autoshard.trace(m.train_step, *m.abstract_state())
     t1 = time.perf_counter()
-    lg = layer_graph(graph, HW)
+    lg = layer_graph(graph, HW, kernel_overhead=KERNEL_OVERHEAD)
     t2 = time.perf_counter()
     info = {"ops": len(graph.ops), "nodes": len(lg), "edges": len(lg.edges), "sources": len(lg.sources),
             "trace_s": t1 - t0, "layer_graph_s": t2 - t1,
@@ -174,8 +175,15 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true",
                     help="4 and 16 GPUs only, one search per cell, a smaller branch sweep and A.3 check")
     ap.add_argument("--reps", type=int, default=3, help="searches per cell (median reported)")
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "graphpipe_table1.json"))
+    ap.add_argument("--out", default=None, help="default bench/results/graphpipe_table1[_kernel<us>us].json")
+    ap.add_argument("--kernel-overhead", type=float, default=0.0,
+                    help="seconds per kernel launch beyond the roofline (sensitivity run, e.g. 5e-6; default 0)")
     opts = ap.parse_args()
+    global KERNEL_OVERHEAD
+    KERNEL_OVERHEAD = opts.kernel_overhead
+    if opts.out is None:
+        tag = f"_kernel{opts.kernel_overhead * 1e6:g}us" if opts.kernel_overhead else ""
+        opts.out = str(ROOT / "bench" / "results" / f"graphpipe_table1{tag}.json")
     git = git_state()   # before running: the checkout may change while a long run goes on
     load_start = os.getloadavg()
     reps = 1 if opts.quick else opts.reps
@@ -226,7 +234,9 @@ def main() -> None:
           f"Hardware `{hw.name}`: V100 {hw.flops['float32'] / 1e12:g} TFLOP/s float32 x {hw.compute_efficiency}, "
           f"{hw.memory_bytes / 1e9:g} GB, {hw.devices_per_node} per node, NVLink {hw.intra_node_bandwidth / 1e9:g} "
           f"GB/s, IB {hw.inter_node_bandwidth / 1e9:g} GB/s. Search seconds: median of {reps} on this "
-          f"{os.cpu_count()}-core machine; paper: Apple M1 Max. Throughput: simulated samples/s.", "",
+          f"{os.cpu_count()}-core machine; paper: Apple M1 Max. Throughput: simulated samples/s. Layer costs: "
+          + (f"roofline + {KERNEL_OVERHEAD * 1e6:g} us per kernel launch (sensitivity run)." if KERNEL_OVERHEAD
+             else "pure roofline (per-op max of compute and memory time, weights paid per micro-batch)."), "",
           "## Table 1 (search) and throughput, GraphPipe (GPP) vs SPP", "", *table1_md(table1), "",
           "## Fig. 7 (left): CANDLE-Uno branch count", "", *sweep_md(sweep), "",
           "## A.3: sequential transformer (MMT config, 1 branch): GPP must equal SPP", "",
@@ -242,7 +252,7 @@ def main() -> None:
     report = {"bench": "graphpipe_table1", "date": time.strftime("%Y-%m-%d"), "machine": machine(git),
               "hardware": {"spec": HARDWARE, "resolved": {"name": hw.name, "memory_bytes": hw.memory_bytes,
                                                           "devices_per_node": hw.devices_per_node}},
-              "quick": opts.quick, "reps": reps, "paper_search_s": PAPER_SEARCH_S,
+              "quick": opts.quick, "reps": reps, "kernel_overhead_s": KERNEL_OVERHEAD, "paper_search_s": PAPER_SEARCH_S,
               "table1": table1, "branch_sweep": sweep, "sequential": sequential, "acceptance": acceptance,
               "wall_s": wall, "loadavg_1_5_15": {"start": load_start, "end": os.getloadavg()}}
     out = Path(opts.out)

@@ -74,15 +74,25 @@ _INDEXED = re.compile(r"^(.*?)_?(\d+)$")
 ROOT_NAME = "<root>"     # name of an outside node whose ops have no module (the loss, usually)
 
 
+# ops that start a kernel of their own after XLA's fusion (elementwise ops fuse into them)
+KERNEL_OPS = frozenset({"dot_general", "conv_general_dilated", "reduce_sum", "reduce_max", "reduce_min",
+                        "reduce_prod", "argmax", "argmin", "cumsum", "cumprod", "cummax", "cummin",
+                        "cumlogsumexp", "gather", "scatter", "scatter-add", "scatter_add", "sort",
+                        "dynamic_slice", "dynamic_update_slice", "reduce_window_sum", "select_and_scatter_add"})
+
+
 def layer_graph(graph: OpGraph, hardware: Any = "v100-sxm", *, batch_size: int | None = None,
-                depth: int | None = None, cost_model: CostModel | None = None) -> LayerGraph:
+                depth: int | None = None, cost_model: CostModel | None = None,
+                kernel_overhead: float = 0.0) -> LayerGraph:
     """The LayerGraph of a traced training step (see the module docstring for the rules).
 
     `hardware`: a preset name, HardwareSpec or override dict (`autoshard.get_hardware`), used by
     the roofline cost model unless `cost_model` (anything with `compute(flops, bytes, dtype)`) is
     given. `batch_size`: the batch the step was traced with (default: the most common leading dim of
     the data inputs). `depth`: cut the module tree at this many path components instead of the
-    automatic layer level.
+    automatic layer level. `kernel_overhead`: seconds each kernel costs per launch beyond the
+    roofline (e.g. ~5e-6 for a CUDA launch), added to the curves once per micro-batch for each op
+    in KERNEL_OPS; the default 0 is the pure roofline.
     """
     if not isinstance(graph, OpGraph):
         raise PipelineError(f"pipeline.layer_graph: graph has type {type(graph).__name__}; pass the OpGraph of "
@@ -94,17 +104,21 @@ def layer_graph(graph: OpGraph, hardware: Any = "v100-sxm", *, batch_size: int |
     if depth is not None and (isinstance(depth, bool) or not isinstance(depth, int) or depth < 1):
         raise PipelineError(f"pipeline.layer_graph: depth={depth!r} must be an int >= 1 (module path components "
                             "per node, e.g. 3 for 'MMT/branch_0/layer_3'), or None for the automatic level.")
+    if isinstance(kernel_overhead, bool) or not isinstance(kernel_overhead, (int, float)) or not (
+            0 <= kernel_overhead < 1):
+        raise PipelineError(f"pipeline.layer_graph: kernel_overhead={kernel_overhead!r} must be seconds per "
+                            "kernel launch, >= 0 (e.g. 5e-6), or 0 for the pure roofline.")
     atomic = atomic_partition(graph)
     costs = PipelineCosts(atomic, hardware, cost_model=cost_model, batch=batch_size)
     modules = [graph.ops[t].module for t in atomic.tasks]
     units = _units(modules, depth)
     node_of, names = _group(atomic, costs, modules, units)
-    return _build(graph, costs, node_of, names, units, _op_curves(graph, costs))
+    return _build(graph, costs, node_of, names, units, _op_curves(graph, costs, kernel_overhead))
 
 
 # --- micro-batch curves --------------------------------------------------------------------------
 
-def _op_curves(graph: OpGraph, costs: PipelineCosts) -> np.ndarray:
+def _op_curves(graph: OpGraph, costs: PipelineCosts, kernel_overhead: float = 0.0) -> np.ndarray:
     """[ops, K] seconds of each op (times its repeat count) at micro-batch 1, 2, ..., 2**(K-1) >= batch."""
     B = costs.batch
     K = max(1, math.ceil(math.log2(B)) + 1)
@@ -135,6 +149,9 @@ def _op_curves(graph: OpGraph, costs: PipelineCosts) -> np.ndarray:
         dtype = op.out_dtypes[0] if op.out_dtypes else "float32"
         fixed = max(op.bytes - var, 0)
         out[op.index] = [op.repeat * cm.compute(op.flops * s / B, fixed + var * s / B, dtype) for s in sizes]
+    if kernel_overhead:
+        launches = np.array([op.repeat if op.primitive in KERNEL_OPS else 0 for op in graph.ops], dtype=float)
+        out += kernel_overhead * launches[:, None]
     return out
 
 

@@ -176,3 +176,16 @@ def test_nodes_hold_every_op(traced):
     lg = layer_graph(graph, "v100-sxm")
     held = [o for n in lg.nodes for o in n.ops]
     assert set(held) == set(range(len(graph.ops)))
+
+
+def test_kernel_overhead_is_paid_per_micro_batch(traced):
+    name, m, args, graph = traced
+    base = layer_graph(graph, "v100-sxm")
+    slow = layer_graph(graph, "v100-sxm", kernel_overhead=5e-6)
+    for a, b in zip(base.nodes, slow.nodes, strict=True):
+        extra = [y - x for x, y in zip(a.forward_curve, b.forward_curve, strict=True)]
+        assert extra[0] == pytest.approx(extra[-1]) and extra[0] >= 0      # the same at every size
+        assert a.forward == b.forward                                       # per-sample roofline unchanged
+    assert any(b.forward_curve[0] > a.forward_curve[0] for a, b in zip(base.nodes, slow.nodes, strict=True))
+    with pytest.raises(PipelineError, match="kernel_overhead=-1"):
+        layer_graph(graph, "v100-sxm", kernel_overhead=-1)
