@@ -162,10 +162,14 @@ def test_two_nodes_replicate_the_pipeline_across_nodes():
     atomic = atomic_partition(graph)
     total = PipelineCosts(atomic, V100).totals(range(len(atomic)))
     budget = (2 * total["params"] + total["state"]) / 3
-    plan = plan_stages(graph, 16, V100, k=12, atomic=atomic, memory_budget=budget, batch_size=64)
+    plan = plan_stages(graph, 16, V100, k=12, atomic=atomic, memory_budget=budget, batch_size=64, search="node")
     check_plan(plan, atomic, budget)
     assert plan.pipelines == 2 and all(st.replicas % 2 == 0 for st in plan.stages)
     assert sum(st.replicas for st in plan.stages) == 16
+    # the default search also tries one pipeline over both nodes (every stage count at n = 2)
+    full = plan_stages(graph, 16, V100, k=12, atomic=atomic, memory_budget=budget, batch_size=64)
+    check_plan(full, atomic, budget)
+    assert full.step_time <= plan.step_time * (1 + 1e-12)
 
 
 def test_infeasible_is_a_typed_error_with_the_smallest_memory_found():
