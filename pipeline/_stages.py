@@ -347,7 +347,7 @@ def form_stage(problem: StageProblem, nodes: int, devices_per_node: int, *, prun
         prev = n_
     seconds = time.perf_counter() - t0
     if not found:
-        raise _infeasible(problem, nodes, devices_per_node, tried)
+        raise _infeasible(problem, nodes, devices_per_node, tried, stage_counts)
     best, splits = min(found, key=lambda ps: (ps[0].step_time, len(ps[0].stages), ps[0].microbatches))
     return problem.plan(splits, D=best.devices // best.pipelines, R=best.pipelines, MB=best.microbatches,
                         method=method, seconds=seconds, dp_calls=calls)
@@ -377,8 +377,8 @@ def _fmt(nbytes: float) -> str:
     return f"{nbytes:.3g} B"
 
 
-def _infeasible(problem: StageProblem, nodes: int, dpn: int,
-                tried: dict[int, tuple[int, int]]) -> PipelineInfeasibleError:
+def _infeasible(problem: StageProblem, nodes: int, dpn: int, tried: dict[int, tuple[int, int]],
+                stage_counts: Sequence[int] | None = None) -> PipelineInfeasibleError:
     # memory falls with more micro-batches (smaller ones; GPipe keeps the product constant), so
     # take the most, and a few stage counts down from the most tried, each on its (D, R)
     found, S_found, MB_found = math.inf, 0, 0
@@ -388,18 +388,30 @@ def _infeasible(problem: StageProblem, nodes: int, dpn: int,
         if problem.n > 64 or D > 64 or problem.batch_size // R < 1:
             continue
         MB = 1 << int(math.log2(problem.batch_size // R))
-        mem = min_peak_memory(problem, S, D, R, MB)
+        while MB >= 1:   # the most micro-batches that still give every replica a sample
+            mem = min_peak_memory(problem, S, D, R, MB)
+            if math.isfinite(mem):
+                break
+            MB //= 2
         if mem < found:
             found, S_found, MB_found = mem, S, MB
     D = nodes * dpn
     floor = float(problem.costs.component_memory().max()) if len(problem.costs.atomic) else 0.0
+    if not tried:
+        peak = (f"No stage count was tried: the allowed ones ({sorted(set(stage_counts or ()))}) exceed the "
+                f"{problem.n} units or the devices")
+    elif math.isinf(found):   # too big for the min-max DP: report the floor, a lower bound
+        found = floor
+        peak = f"The per-device peak is at least {_fmt(floor)} (the largest atomic component)"
+    else:
+        peak = (f"The smallest per-device peak found is {_fmt(found)} ({S_found} stages, {MB_found} "
+                f"micro-batches); one atomic component alone needs {_fmt(floor)}")
     return PipelineInfeasibleError(
         f"pipeline: no stage split of {problem.n} units over {D} devices ({nodes} node(s) x {dpn}) fits the "
         f"memory budget of {_fmt(problem.budget)} per device with batch {problem.batch_size} and the "
-        f"{problem.schedule} schedule. The smallest per-device peak found is {_fmt(found)} ({S_found} stages, "
-        f"{MB_found} micro-batches); one atomic component alone needs {_fmt(floor)}. Fixes: more devices or "
-        "nodes, a smaller batch, recompute=True, more blocks (k), or hardware with more memory.",
-        min_memory=found, budget=problem.budget)
+        f"{problem.schedule} schedule. {peak}. Fixes: more devices or nodes, a smaller batch, recompute=True, "
+        "more blocks (k), or hardware with more memory.",
+        min_memory=found if not math.isinf(found) else floor, budget=problem.budget)
 
 
 def plan_stages(graph: OpGraph, devices: int, hardware: Any = "v100-sxm", *, k: int = 32,

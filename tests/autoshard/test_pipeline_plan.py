@@ -206,3 +206,10 @@ def test_cli_schedule_for_graphpipe(capsys):
                  "--hardware", "v100-sxm"]) == 0
     out = capsys.readouterr().out
     assert "graphpipe, graph-1f1b" in out and "rank 4 |" in out
+
+
+def test_a_pipe_axis_larger_than_the_blocks_is_a_clear_error(bert):
+    m, args = bert
+    with pytest.raises(autoshard.InfeasiblePlanError, match="No stage count was tried"):
+        autoshard.plan(m.train_step, *args, mesh={"pipe": 8}, hardware="v100-sxm", pipeline="rannc",
+                       pipeline_options={"k": 4})
