@@ -23,7 +23,7 @@ from ._trace import trace
 
 PIPELINES = ("rannc", "graphpipe")
 PROFILES = ("model", "measured")
-PIPELINE_OPTIONS = {"rannc": frozenset({"k", "recompute", "use_blocks", "exhaustive", "prune"}),
+PIPELINE_OPTIONS = {"rannc": frozenset({"k", "recompute", "use_blocks", "search", "prune"}),
                     "graphpipe": frozenset({"max_microbatch_size", "depth"})}
 SCHEDULES = {"rannc": ("1f1b", "gpipe"), "graphpipe": ("1f1b", "graph-1f1b")}
 
@@ -46,6 +46,9 @@ def _check(pipeline: str, schedule: str, profile: str, options: Mapping[str, Any
     if unknown:
         raise PlanError(f"autoshard.plan: pipeline_options keys {unknown} are unknown for pipeline={pipeline!r}; "
                         f"valid: {sorted(PIPELINE_OPTIONS[pipeline])}.")
+    if options.get("search", "all") not in ("stage", "node", "all"):
+        raise PlanError(f"autoshard.plan: pipeline_options search={options['search']!r} is unknown; valid: 'all' "
+                        "(every node and stage count, default), 'node', 'stage' (the paper's first feasible count).")
     if pipeline == "graphpipe" and "pipe" in mesh.names:
         raise PlanError(f"autoshard.plan: mesh {mesh} has a 'pipe' axis, but GraphPipe chooses the stage DAG and "
                         "each stage's devices itself. Fix: pass the devices as one axis (e.g. {'data': "
@@ -88,8 +91,7 @@ def _rannc(pipe_pkg: Any, graph: OpGraph, devices: int, hw: HardwareSpec, memory
     kw = {k: options[k] for k in ("recompute",) if k in options}
     sp = pipe_pkg.plan_stages(graph, devices, hw, k=int(options.get("k", 32)), schedule=schedule,
                               memory_budget=memory_budget, use_blocks=bool(options.get("use_blocks", True)),
-                              exhaustive=bool(options.get("exhaustive", False)),
-                              prune=bool(options.get("prune", False)),
+                              search=str(options.get("search", "all")), prune=bool(options.get("prune", False)),
                               costs=costs, stage_counts=stage_counts, **kw)
     uniform = pipe_pkg.best_uniform(costs, devices, grouping=group(graph), schedule=schedule,
                                     memory_budget=sp.memory_budget, stage_counts=stage_counts, **kw)
@@ -100,7 +102,8 @@ def _rannc(pipe_pkg: Any, graph: OpGraph, devices: int, hw: HardwareSpec, memory
     out = dict(stages=stages, schedule=sched, step_time=sp.step_time, budget=sp.memory_budget, warnings=warnings,
                info={"method": sp.method, "schedule": sp.schedule, "pipelines": sp.pipelines,
                      "batch_size": sp.batch_size, "objective": sp.objective, "search_seconds": sp.search_seconds,
-                     "dp_calls": sp.dp_calls, "units": int(sp.stages[-1].blocks[1]), "microbatches": sp.microbatches},
+                     "dp_calls": sp.dp_calls, "units": int(sp.stages[-1].blocks[1]), "microbatches": sp.microbatches,
+                     "unit": "blocks" if options.get("use_blocks", True) else "atomic components"},
                baseline_name="uniform layer split",
                baseline_reason="it needs at least as many repeated layers as stages, stage counts dividing the "
                                "devices, and must fit the memory budget")
@@ -128,11 +131,16 @@ def _graphpipe(pipe_pkg: Any, graph: OpGraph, devices: int, hw: HardwareSpec, me
                    replicas=s.devices, microbatch_size=-(-s.microbatch_size // s.devices), forward=s.forward,
                    backward=s.backward, memory=s.memory, microbatches=s.num_microbatches, after=after[s.index])
               for s in gp.stages]
-    out = dict(stages=stages, schedule=gp.schedule, step_time=gp.step_time,
-               budget=memory_budget if memory_budget is not None else None, warnings=[],
+    used = sum(s.devices for s in gp.stages)
+    warnings = [] if used == devices else [
+        f"graphpipe uses {used} of the {devices} devices: every micro-batch size is a power of two dividing "
+        f"the batch of {gp.batch_size}, and a stage gets at most one device per sample of its micro-batch; "
+        "a larger batch (or fewer devices) uses them all"]
+    out = dict(stages=stages, schedule=gp.schedule, step_time=gp.step_time, budget=memory_budget, warnings=warnings,
                info={"method": gp.method, "schedule": gp.schedule.name, "pipelines": 1, "batch_size": gp.batch_size,
                      "time_per_sample": gp.time_per_sample, "search_seconds": gp.search_seconds, "units": len(lg),
-                     "microbatches": max(s.num_microbatches for s in gp.stages), "edges": tuple(gp.edges)},
+                     "microbatches": max(s.num_microbatches for s in gp.stages), "edges": tuple(gp.edges),
+                     "unit": "layer nodes"},
                baseline_name="sequential pipeline (SPP)",
                baseline_reason="no sequential split fits the memory budget")
     if spp is not None:
@@ -177,7 +185,8 @@ def pipeline_plan(step: Callable, *args: Any, mesh: MeshSpec, hw: HardwareSpec, 
 
         budget = DEFAULT_MEMORY_FRACTION * hw.memory_bytes
     depth = stage_depth(stages)
-    pp = {**info, "profile": profile, "devices": devices, "depth": depth, "max_over_mean": _max_over_mean(fwd, bwd),
+    pp = {**info, "profile": profile, "devices": devices, "devices_used": sum(s.replicas for s in stages),
+          "depth": depth, "max_over_mean": _max_over_mean(fwd, bwd),
           "simulated_step_time": sim.makespan, "bubble_fraction": sim.bubble_fraction,
           "peak_inflight": tuple(sim.peak_inflight), "baseline_name": res["baseline_name"],
           "baseline_reason": res["baseline_reason"]}

@@ -89,7 +89,7 @@ class Plan:
     params: tuple[ParamReport, ...]
     warnings: tuple[str, ...]
     provenance: Mapping[str, Any]
-    stages: tuple[PipelineStage, ...] = ()   # pipeline plans only (pipeline="rannc")
+    stages: tuple[PipelineStage, ...] = ()   # pipeline plans only (pipeline="rannc" or "graphpipe")
     microbatches: int = 1
     _treedef: Any = dataclasses.field(default=None, compare=False, repr=False)
 
@@ -218,10 +218,11 @@ class Plan:
 
     def _explain_pipeline(self) -> str:
         p, pp = self.predicted, self.predicted["pipeline"]
-        unit = "layer nodes" if pp["method"] in ("graphpipe", "spp") else "blocks"
+        unit = pp["unit"]
         lines = [
             f"autoshard pipeline plan ({pp['method']}, {pp['schedule']} schedule, profile {pp['profile']}) on "
-            f"{pp['devices']} devices (mesh {' x '.join(f'{n}={s}' for n, s in self.mesh)}), hardware {self.hardware}",
+            f"{pp['devices']} devices (mesh {' x '.join(f'{n}={s}' for n, s in self.mesh)}), hardware {self.hardware}"
+            + (f", {pp['devices_used']} of them used" if pp["devices_used"] != pp["devices"] else ""),
             f"{len(self.stages)} stages (depth {pp['depth']}) x {pp['pipelines']} pipeline copies, "
             f"{self.microbatches} micro-batches of batch {pp['batch_size']}; predicted step "
             f"{p['step_time'] * 1e3:.3f} ms, throughput {pp['batch_size'] / p['step_time']:.4g} samples/s, "
@@ -233,7 +234,7 @@ class Plan:
             "",
         ]
         dag = any(s.after != ((s.index - 1,) if s.index else ()) for s in self.stages)
-        rows = [("stage", *(("after",) if dag else ()), unit.split()[-1], "ops", "replicas", "micro-batch",
+        rows = [("stage", *(("after",) if dag else ()), unit.split()[-1].rstrip("s"), "ops", "replicas", "micro-batch",
                  "forward ms", "backward ms", "memory GiB", "modules")]
         for s in self.stages:
             mods = ", ".join(s.modules[:3]) + (f", ... ({len(s.modules)})" if len(s.modules) > 3 else "")

@@ -91,6 +91,6 @@ def measure_op_times(graph: OpGraph, estimate: Callable[[int], float], *, min_se
             estimated[op.primitive] = estimated.get(op.primitive, 0) + 1
         else:
             out.append(cache[key])
-    notes = [f"profile='measured': {n} '{p}' op(s) could not run alone and keep the cost model's estimate"
-             for p, n in sorted(estimated.items())]
+    notes = [f"profile='measured': {n} '{p}' op(s) could not run alone and keep the cost model's estimate "
+             "(seconds on the hardware spec, mixed with seconds measured here)" for p, n in sorted(estimated.items())]
     return out, notes

@@ -15,6 +15,8 @@ Builders from a traced OpGraph live in `_layer_graph_build.py`; synthetic graphs
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 from collections.abc import Sequence
 from functools import cached_property
 
@@ -53,8 +55,10 @@ class LayerGraph:
         n = len(self.nodes)
         if n == 0:
             raise PipelineGraphError("pipeline.LayerGraph: the graph has no nodes.")
-        if self.batch_size < 1:
-            raise PipelineGraphError(f"pipeline.LayerGraph: batch_size={self.batch_size} must be >= 1.")
+        if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, numbers.Integral) \
+                or self.batch_size < 1:
+            raise PipelineGraphError(f"pipeline.LayerGraph: batch_size={self.batch_size!r} must be an int >= 1 "
+                                     "(samples per step).")
         seen = set()
         for u, v in self.edges:
             if not (0 <= u < v < n):
@@ -67,8 +71,9 @@ class LayerGraph:
         for i, nd in enumerate(self.nodes):
             for f in ("forward", "backward", "param_bytes", "state_bytes", "activation_bytes",
                       "output_bytes", "update"):
-                if getattr(nd, f) < 0:
-                    raise PipelineGraphError(f"pipeline.LayerGraph: node {i} ({nd.name!r}) has {f} < 0.")
+                if not (0 <= getattr(nd, f) < math.inf):   # also rejects NaN
+                    raise PipelineGraphError(f"pipeline.LayerGraph: node {i} ({nd.name!r}) has {f}="
+                                             f"{getattr(nd, f)!r}; costs and bytes must be finite and >= 0.")
             for f in ("forward_curve", "backward_curve"):
                 c = getattr(nd, f)
                 if len(c) != len(self.nodes[0].forward_curve) or len(c) != len(nd.forward_curve):
@@ -76,9 +81,9 @@ class LayerGraph:
                         f"pipeline.LayerGraph: node {i} ({nd.name!r}) has a {f} of {len(c)} sizes where node 0 "
                         f"has {len(self.nodes[0].forward_curve)}; give every node curves at the same sizes "
                         "(1, 2, 4, ...) or none.")
-                if any(x < 0 for x in c) or any(b < a for a, b in zip(c, c[1:], strict=False)):
+                if not all(0 <= x < math.inf for x in c) or any(b < a for a, b in zip(c, c[1:], strict=False)):
                     raise PipelineGraphError(f"pipeline.LayerGraph: node {i} ({nd.name!r}) has a {f} that is "
-                                             "negative or decreasing in the micro-batch size.")
+                                             "negative, not finite, or decreasing in the micro-batch size.")
 
     def __len__(self) -> int:
         return len(self.nodes)

@@ -107,7 +107,7 @@ def layer_graph(graph: OpGraph, hardware: Any = "v100-sxm", *, batch_size: int |
     if isinstance(kernel_overhead, bool) or not isinstance(kernel_overhead, (int, float)) or not (
             0 <= kernel_overhead < 1):
         raise PipelineError(f"pipeline.layer_graph: kernel_overhead={kernel_overhead!r} must be seconds per "
-                            "kernel launch, >= 0 (e.g. 5e-6), or 0 for the pure roofline.")
+                            "kernel launch, in [0, 1) (e.g. 5e-6), or 0 for the pure roofline.")
     atomic = atomic_partition(graph)
     costs = PipelineCosts(atomic, hardware, cost_model=cost_model, batch=batch_size)
     modules = [graph.ops[t].module for t in atomic.tasks]

@@ -155,11 +155,12 @@ class StageProblem:
     def mbs(self, R: int, MB: int, r: int) -> int:
         """Samples the busiest of r replicas computes per micro-batch (0: some replica gets none).
 
-        The paper profiles at ⌊BS/MB/R/r⌋, but a micro-batch of q = ⌊BS/R/MB⌋ samples over r
-        replicas not dividing q leaves some replicas ⌈q/r⌉ samples, and they bound the stage:
-        with the floor, 5 replicas of an 8-sample micro-batch were costed at 1 sample each
-        (5 of 8 samples), overstating throughput and favouring odd replica counts."""
-        q = self.batch_size // R // MB
+        The paper profiles at ⌊BS/MB/R/r⌋, but a micro-batch of q samples over r replicas not
+        dividing q leaves some replicas ⌈q/r⌉ samples, and they bound the stage: with the floor,
+        5 replicas of an 8-sample micro-batch were costed at 1 sample each (5 of 8 samples),
+        overstating throughput and favouring odd replica counts. Likewise q itself is the busiest
+        micro-batch, ⌈BS/(R·MB)⌉, when R·MB does not divide the batch (the floor dropped samples)."""
+        q = -(-self.batch_size // (R * MB))
         return -(-q // r) if q >= r else 0
 
     def tables(self, D: int, R: int, MB: int) -> _Tables:
@@ -317,7 +318,9 @@ def form_stage(problem: StageProblem, nodes: int, devices_per_node: int, *, prun
     if search not in SEARCHES:
         raise PipelineError(f"pipeline.form_stage: search={search!r} is not one of {SEARCHES} (stop after the "
                             "first stage count, the first node count, or never, with a solution).")
-    search = "all" if exhaustive else search
+    if exhaustive and search != "all":
+        raise PipelineError(f"pipeline.form_stage: exhaustive=True contradicts search={search!r}; exhaustive=True "
+                            "is search='all' (the default).")
     t0 = time.perf_counter()
     found: list[tuple[StagePlan, list[tuple[int, int, int]]]] = []
     tried: dict[int, tuple[int, int]] = {}          # stage count -> (D, R) it was tried with

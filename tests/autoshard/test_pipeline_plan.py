@@ -41,7 +41,7 @@ def test_stages_cover_the_step_and_fit(bert, bert_plan):
     for s in p.stages:
         assert s.memory <= p.predicted["memory_budget"]
         # each replica computes its share of a micro-batch (the busiest one when they don't divide)
-        q = pp["batch_size"] // pp["pipelines"] // p.microbatches
+        q = -(-pp["batch_size"] // (pp["pipelines"] * p.microbatches))     # the busiest micro-batch
         assert s.microbatch_size == -(-q // (s.replicas // pp["pipelines"]))
         assert s.predicted_forward > 0 and s.predicted_backward > 0
     # every parameter is held by some stage, and the report says which devices sync it
@@ -91,6 +91,7 @@ def test_memory_limits_force_more_stages(bert):
     ({"pipeline": "rannc", "schedule": "zb-v"}, "schedule='zb-v'"),
     ({"pipeline": "rannc", "profile": "guess"}, "profile='guess'"),
     ({"pipeline": "rannc", "pipeline_options": {"blocks": 4}}, "keys \\['blocks'\\]"),
+    ({"pipeline": "rannc", "pipeline_options": {"search": "some"}}, "search='some'"),
     ({"profile": "measured"}, "pipeline plans only"),
 ])
 def test_bad_pipeline_arguments_are_typed_errors(bert, kw, match):
@@ -182,6 +183,9 @@ def test_graphpipe_plans_keep_branches_parallel(mmt):
     assert len(sources) >= 2 and pp["depth"] < len(p.stages)
     assert pp["baseline"]["name"] == "sequential pipeline (SPP)" and pp["baseline"]["depth"] > pp["depth"]
     assert p.predicted["step_time"] == pytest.approx(pp["simulated_step_time"])
+    # batch 4 over 8 devices: micro-batches of at most 4 samples leave devices idle, and the plan says so
+    assert pp["devices_used"] == sum(s.replicas for s in p.stages)
+    assert (pp["devices_used"] < 8) == any("uses" in w and "of the 8 devices" in w for w in p.warnings)
     assert autoshard.Plan.from_json(p.to_json()).stages == p.stages
     assert "after" in p.explain() and "vs sequential pipeline (SPP)" in p.explain()
 

@@ -30,5 +30,9 @@ def test_curves_must_agree_and_not_decrease():
     bad = LayerNode("c", 1, 2, 0, 0, 0, 0, forward_curve=(2, 1), backward_curve=(2, 4))
     with pytest.raises(PipelineGraphError, match="decreasing"):
         chain_graph([bad], 8)
+    with pytest.raises(PipelineGraphError, match="forward=nan"):
+        chain_graph([LayerNode("n", float("nan"), 2, 0, 0, 0, 0)], 8)
+    with pytest.raises(PipelineGraphError, match="batch_size=6.0"):
+        chain_graph([a], 6.0)
     with pytest.raises(PipelineGraphError, match="not forward"):
         LayerGraph((a, a), ((1, 0),), 8)
