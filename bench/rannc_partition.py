@@ -106,7 +106,7 @@ def main() -> None:
         for devices in (32, 64):
             kw = dict(costs=costs, blocks=blocks, batch_size=512, recompute=True)
             row = {}
-            for name, extra in (("rannc", {}), ("rannc_exhaustive", {"exhaustive": True})):
+            for name, extra in (("rannc", {}), ("rannc_published", {"search": "stage"})):
                 try:
                     row[name] = plan_summary(plan_stages(graph, devices, "v100-sxm", **kw, **extra))
                 except PipelineInfeasibleError as err:
