@@ -38,10 +38,6 @@ def _check(pipeline: str, schedule: str, profile: str, options: Mapping[str, Any
     if profile not in PROFILES:
         raise PlanError(f"autoshard.plan: profile={profile!r} is unknown; valid: {list(PROFILES)} ('model' "
                         "prices ops with the hardware spec's roofline, 'measured' times them on the local device).")
-    if profile == "measured" and pipeline != "rannc":
-        raise PlanError(f"autoshard.plan: profile='measured' is supported with pipeline='rannc' only; {pipeline} "
-                        "needs each layer's time at every micro-batch size, which is priced on the roofline. "
-                        "Fix: profile='model', or pipeline='rannc'.")
     unknown = sorted(set(options) - PIPELINE_OPTIONS[pipeline])
     if unknown:
         raise PlanError(f"autoshard.plan: pipeline_options keys {unknown} are unknown for pipeline={pipeline!r}; "
@@ -118,8 +114,32 @@ def _rannc(pipe_pkg: Any, graph: OpGraph, devices: int, hw: HardwareSpec, memory
 
 
 def _graphpipe(pipe_pkg: Any, graph: OpGraph, devices: int, hw: HardwareSpec, memory_budget: float | None,
-               options: Mapping[str, Any]) -> dict:
-    lg = pipe_pkg.layer_graph(graph, hw, depth=options.get("depth"))
+               options: Mapping[str, Any], profile: str, step: Callable, args: tuple) -> dict:
+    measured: list[str] = []
+    kw_lg: dict[str, Any] = {}
+    if profile == "measured":
+        # GraphPipe picks micro-batch sizes from each layer's time at every size, so every op is
+        # timed at each size (the step traced again with its data inputs cut to that many samples)
+        from pipeline._costs import traced_batch
+
+        from ._profile import measure_op_curves
+
+        if not any(graph.values[v].role == "data" and graph.values[v].shape for v in graph.inputs):
+            raise PlanError("autoshard.plan: profile='measured' with pipeline='graphpipe' times each op at every "
+                            "micro-batch size, cutting the data inputs along their batch dim, but the step has no "
+                            "data inputs with a batch dim. Fix: profile='model'.")
+        batch = traced_batch(graph)
+        sizes = pipe_pkg.curve_sizes(batch)
+        model = pipe_pkg.op_curves(graph, hw, batch_size=batch)
+        reps = [op.repeat for op in graph.ops]
+        k_full = next((k for k, s in enumerate(sizes) if s >= batch), len(sizes) - 1)
+
+        def estimate(i: int, k: int) -> float:   # seconds per execution on the hardware spec
+            return float(model[i, k_full if k < 0 else k]) / reps[i]
+
+        curves, full, measured = measure_op_curves(step, args, graph, batch, sizes, estimate)
+        kw_lg = {"op_time": full, "op_curves": curves}
+    lg = pipe_pkg.layer_graph(graph, hw, depth=options.get("depth"), **kw_lg)
     kw = {"memory_budget": memory_budget, "max_microbatch_size": options.get("max_microbatch_size")}
     gp = pipe_pkg.graphpipe_partition(lg, devices, hw, **kw)
     try:
@@ -132,7 +152,7 @@ def _graphpipe(pipe_pkg: Any, graph: OpGraph, devices: int, hw: HardwareSpec, me
                    backward=s.backward, memory=s.memory, microbatches=s.num_microbatches, after=after[s.index])
               for s in gp.stages]
     used = sum(s.devices for s in gp.stages)
-    warnings = [] if used == devices else [
+    warnings = list(measured) if used == devices else [*measured,
         f"graphpipe uses {used} of the {devices} devices: every micro-batch size is a power of two dividing "
         f"the batch of {gp.batch_size}, and a stage gets at most one device per sample of its micro-batch; "
         "a larger batch (or fewer devices) uses them all"]
@@ -168,7 +188,7 @@ def pipeline_plan(step: Callable, *args: Any, mesh: MeshSpec, hw: HardwareSpec, 
         stage_counts = [mesh.axis_size("pipe")] if "pipe" in mesh.names else None
         res = _rannc(pipe_pkg, graph, devices, hw, memory_budget, schedule, profile, options, stage_counts)
     else:
-        res = _graphpipe(pipe_pkg, graph, devices, hw, memory_budget, options)
+        res = _graphpipe(pipe_pkg, graph, devices, hw, memory_budget, options, profile, step, args)
     info = res["info"]
     stages = tuple(PipelineStage(
         index=i, units=st["units"], ops=st["ops"], modules=_modules(graph, st["ops"]), params=_params(graph, st["ops"]),

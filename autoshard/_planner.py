@@ -45,7 +45,9 @@ def plan(step: Callable, *args: Any, mesh: Any, hardware: str | HardwareSpec | d
     per stage and micro-batch count over all the mesh's devices; a "pipe" axis fixes the stage
     count), with `schedule` "1f1b" or "gpipe", `profile` "model" (roofline on the hardware spec) or
     "measured" (ops timed on the local device), and `pipeline_options` k (blocks, default 32),
-    recompute, use_blocks, exhaustive, prune.
+    recompute, use_blocks, search ("all" | "node" | "stage"), prune. `pipeline="graphpipe"` chooses
+    a DAG of stages over the model's branches (GraphPipe; schedule "1f1b"/"graph-1f1b", options
+    max_microbatch_size, depth); its measured profile times every op at each micro-batch size.
     """
     hw = get_hardware(hardware)
     if pipeline is not None:

@@ -9,6 +9,7 @@ an upper bound that ranks blocks consistently. On this CPU-only machine the numb
 
 from __future__ import annotations
 
+import difflib
 import time
 from collections.abc import Callable
 from typing import Any
@@ -21,6 +22,7 @@ from ._graph import OpGraph
 from ._jax_compat import is_literal
 
 # primitives that cannot run on synthetic inputs (PRNG key types, host effects)
+MIN_MATCHED = 0.9     # share of a step's ops that must recur at a smaller micro-batch (measured curves)
 _UNTIMED = frozenset({"random_seed", "random_wrap", "random_unwrap", "random_bits", "random_split",
                       "random_fold_in", "debug_callback", "io_callback", "pure_callback"})
 
@@ -63,14 +65,16 @@ def _time_eqn(eqn: Any, rng: np.random.Generator, min_seconds: float, max_runs: 
 
 
 def measure_op_times(graph: OpGraph, estimate: Callable[[int], float], *, min_seconds: float = 2e-3,
-                     max_runs: int = 50, seed: int = 0) -> tuple[list[float], list[str]]:
+                     max_runs: int = 50, seed: int = 0,
+                     cache: dict[tuple, float] | None = None) -> tuple[list[float], list[str]]:
     """Seconds per execution of every op of `graph` (traced with keep_eqns=True). Ops that cannot
     run alone (PRNG keys, host callbacks, control flow joined from branches) keep `estimate(op)`;
-    the second result names them by primitive, for the plan's warnings."""
+    the second result names them by primitive, for the plan's warnings. `cache` (signature ->
+    seconds) lets several traces of one step time their common ops once."""
     if graph.eqns is None:
         raise PlanError("autoshard: profile='measured' needs the graph traced with keep_eqns=True.")
     rng = np.random.default_rng(seed)
-    cache: dict[tuple, float] = {}
+    cache = {} if cache is None else cache
     out: list[float] = []
     estimated: dict[str, int] = {}
     for op in graph.ops:
@@ -94,3 +98,66 @@ def measure_op_times(graph: OpGraph, estimate: Callable[[int], float], *, min_se
     notes = [f"profile='measured': {n} '{p}' op(s) could not run alone and keep the cost model's estimate "
              "(seconds on the hardware spec, mixed with seconds measured here)" for p, n in sorted(estimated.items())]
     return out, notes
+
+
+def _sliced(args: tuple, graph: OpGraph, batch: int, size: int) -> tuple:
+    """`args` with every data input whose leading dim is the batch cut to `size` samples (abstract)."""
+    leaves, treedef = jax.tree_util.tree_flatten(args)
+    out = list(leaves)
+    for i, v in enumerate(graph.inputs):
+        val = graph.values[v]
+        if val.role == "data" and val.shape and val.shape[0] == batch:
+            x = leaves[i]
+            out[i] = jax.ShapeDtypeStruct((size, *tuple(x.shape)[1:]), x.dtype)
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _align(a: OpGraph, b: OpGraph) -> dict[int, int]:
+    """Op i of `a` -> its op in `b`, matching (primitive, module) sequences. Traces at two batch
+    sizes are the same program except where size-1 dims change broadcasting (batch 1)."""
+    sm = difflib.SequenceMatcher(a=[(o.primitive, o.module) for o in a.ops],
+                                 b=[(o.primitive, o.module) for o in b.ops], autojunk=False)
+    return {m.a + t: m.b + t for m in sm.get_matching_blocks() for t in range(m.size)}
+
+
+def measure_op_curves(step: Callable, args: tuple, graph: OpGraph, batch: int, sizes: list[int],
+                      estimate: Callable[[int, int], float], *, min_seconds: float = 2e-3,
+                      max_runs: int = 50) -> tuple[np.ndarray, list[float], list[str]]:
+    """Each op's measured seconds per execution at every micro-batch size in `sizes` ([ops, K]),
+    its seconds at the traced `batch` (`graph`'s, traced with keep_eqns=True), and notes.
+
+    The step is traced again with its data inputs cut to each size (shapes only) and every op timed
+    alone (`measure_op_times`); ops are matched to `graph`'s by their (primitive, module) sequence
+    (`_align`), and the few that differ (batch 1 broadcasts size-1 dims) keep the estimate. Sizes above the traced batch (a batch that is not a power of two) scale the batch's time.
+    `estimate(op, k)` prices the ops that cannot run alone."""
+    from ._trace import trace
+
+    cache: dict[tuple, float] = {}     # weight casts and the optimizer are the same at every size
+    full, notes = measure_op_times(graph, lambda i: estimate(i, -1), min_seconds=min_seconds, max_runs=max_runs,
+                                   cache=cache)
+    curves = np.zeros((len(graph.ops), len(sizes)))
+    for k, s in enumerate(sizes):
+        if s >= batch:
+            curves[:, k] = np.asarray(full) * (s / batch)
+            continue
+        g = trace(step, *_sliced(args, graph, batch, s), keep_eqns=True)
+        match = _align(graph, g)
+        if len(match) < MIN_MATCHED * len(graph.ops):
+            raise PlanError(
+                f"autoshard.plan: profile='measured' times every op at micro-batch sizes {sizes}, tracing the step "
+                f"with its data inputs cut from {batch} to {s} samples, but only {len(match)} of its {len(graph.ops)} "
+                f"ops recur in that trace ({len(g.ops)} ops): the program depends on the batch size, so measured "
+                "times cannot be matched to ops. Fix: profile='model', or a step whose ops do not depend on the "
+                "batch size.")
+        times, more = measure_op_times(g, lambda j: -1.0, min_seconds=min_seconds, max_runs=max_runs, cache=cache)
+        for i in range(len(graph.ops)):
+            j = match.get(i)
+            curves[i, k] = times[j] if j is not None and times[j] >= 0 else estimate(i, k)
+        unmatched = len(graph.ops) - len(match)
+        if unmatched or len(g.ops) > len(match):
+            notes.append(f"profile='measured': at micro-batch {s} the step has {len(g.ops) - len(match)} op(s) that "
+                         f"batch {batch} has not and lacks {unmatched} (size-1 dims broadcast differently); those "
+                         "keep the cost model's estimate or are left out")
+        notes += [n for n in more if n not in notes]
+    return curves, full, notes
+

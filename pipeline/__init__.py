@@ -22,7 +22,9 @@ from ._graph_schedule import static_inflight as static_inflight
 from ._graphpipe import GraphPipePlan as GraphPipePlan
 from ._graphpipe import GraphStage as GraphStage
 from ._graphpipe import graphpipe_partition as graphpipe_partition
+from ._layer_graph_build import curve_sizes as curve_sizes
 from ._layer_graph_build import layer_graph as layer_graph
+from ._layer_graph_build import op_curves as op_curves
 from ._schedule import Schedule as Schedule
 from ._schedule import ScheduleError as ScheduleError
 from ._schedule import Task as Task

@@ -83,7 +83,8 @@ KERNEL_OPS = frozenset({"dot_general", "conv_general_dilated", "reduce_sum", "re
 
 def layer_graph(graph: OpGraph, hardware: Any = "v100-sxm", *, batch_size: int | None = None,
                 depth: int | None = None, cost_model: CostModel | None = None,
-                kernel_overhead: float = 0.0) -> LayerGraph:
+                kernel_overhead: float = 0.0, op_time: Sequence[float] | None = None,
+                op_curves: Any = None) -> LayerGraph:
     """The LayerGraph of a traced training step (see the module docstring for the rules).
 
     `hardware`: a preset name, HardwareSpec or override dict (`autoshard.get_hardware`), used by
@@ -93,6 +94,11 @@ def layer_graph(graph: OpGraph, hardware: Any = "v100-sxm", *, batch_size: int |
     automatic layer level. `kernel_overhead`: seconds each kernel costs per launch beyond the
     roofline (e.g. ~5e-6 for a CUDA launch), added to the curves once per micro-batch for each op
     in KERNEL_OPS; the default 0 is the pure roofline.
+
+    Measured costs (autoshard's profile="measured") replace the model: `op_time` gives each op's
+    seconds per execution at the traced batch (the nodes' per-sample forward/backward), and
+    `op_curves` an [ops, K] array of each op's seconds per execution at micro-batch 1, 2, ...,
+    2**(K-1) (K = len(curve_sizes(batch))), which becomes the node curves.
     """
     if not isinstance(graph, OpGraph):
         raise PipelineError(f"pipeline.layer_graph: graph has type {type(graph).__name__}; pass the OpGraph of "
@@ -108,21 +114,58 @@ def layer_graph(graph: OpGraph, hardware: Any = "v100-sxm", *, batch_size: int |
             0 <= kernel_overhead < 1):
         raise PipelineError(f"pipeline.layer_graph: kernel_overhead={kernel_overhead!r} must be seconds per "
                             "kernel launch, in [0, 1) (e.g. 5e-6), or 0 for the pure roofline.")
+    if op_curves is not None and kernel_overhead:
+        raise PipelineError(f"pipeline.layer_graph: kernel_overhead={kernel_overhead!r} adds launch costs to the "
+                            "roofline curves, but op_curves (measured) are given and hold them already; pass one.")
     atomic = atomic_partition(graph)
-    costs = PipelineCosts(atomic, hardware, cost_model=cost_model, batch=batch_size)
+    costs = PipelineCosts(atomic, hardware, cost_model=cost_model, batch=batch_size, op_time=op_time)
     modules = [graph.ops[t].module for t in atomic.tasks]
     units = _units(modules, depth)
     node_of, names = _group(atomic, costs, modules, units)
-    return _build(graph, costs, node_of, names, units, _op_curves(graph, costs, kernel_overhead))
+    if op_curves is None:
+        curves = _op_curves(graph, costs, kernel_overhead)
+    else:
+        curves = _measured_curves(graph, costs.batch, op_curves)
+    return _build(graph, costs, node_of, names, units, curves)
 
 
 # --- micro-batch curves --------------------------------------------------------------------------
 
+def curve_sizes(batch: int) -> list[int]:
+    """Micro-batch sizes the curves are given at: 1, 2, 4, ..., the first power of two >= batch."""
+    return [2 ** k for k in range(max(1, math.ceil(math.log2(batch)) + 1))]
+
+
+def op_curves(graph: OpGraph, hardware: Any = "v100-sxm", *, batch_size: int | None = None,
+              cost_model: CostModel | None = None, kernel_overhead: float = 0.0) -> np.ndarray:
+    """[ops, K] roofline seconds of each op (times its repeat count) at micro-batch `curve_sizes`."""
+    costs = PipelineCosts(atomic_partition(graph), hardware, cost_model=cost_model, batch=batch_size)
+    return _op_curves(graph, costs, kernel_overhead)
+
+
+def _measured_curves(graph: OpGraph, batch: int, op_curves: Any) -> np.ndarray:
+    K = len(curve_sizes(batch))
+    try:
+        arr = np.asarray(op_curves, dtype=float)
+    except (TypeError, ValueError) as e:
+        raise PipelineError(f"pipeline.layer_graph: op_curves is not numeric ({e}); give an [ops, K] array of "
+                            "seconds per execution.") from None
+    if arr.shape != (len(graph.ops), K):
+        raise PipelineError(f"pipeline.layer_graph: op_curves has shape {arr.shape}; the graph has {len(graph.ops)} "
+                            f"ops and batch {batch}, so give ({len(graph.ops)}, {K}): each op's seconds at "
+                            f"micro-batch {curve_sizes(batch)}.")
+    if not np.isfinite(arr).all() or (arr < 0).any():
+        bad = np.argwhere(~np.isfinite(arr) | (arr < 0))[0]
+        raise PipelineError(f"pipeline.layer_graph: op_curves[{bad[0]}, {bad[1]}] = {float(arr[tuple(bad)])!r} "
+                            f"(op '{graph.ops[bad[0]].primitive}'); seconds must be finite and >= 0.")
+    return arr * np.array([op.repeat for op in graph.ops], dtype=float)[:, None]
+
+
 def _op_curves(graph: OpGraph, costs: PipelineCosts, kernel_overhead: float = 0.0) -> np.ndarray:
     """[ops, K] seconds of each op (times its repeat count) at micro-batch 1, 2, ..., 2**(K-1) >= batch."""
     B = costs.batch
-    K = max(1, math.ceil(math.log2(B)) + 1)
-    sizes = np.exp2(np.arange(K))
+    sizes = np.array(curve_sizes(B), dtype=float)
+    K = len(sizes)
     fg = analyze(graph, range(len(graph.ops)))
     batch_factors = {fg.value_factors(v)[0] for v in graph.inputs
                      if graph.values[v].role == "data" and graph.values[v].shape

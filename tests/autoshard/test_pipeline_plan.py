@@ -9,7 +9,7 @@ import pytest
 import autoshard
 import models
 import pipeline
-from autoshard._profile import measure_op_times
+from autoshard._profile import measure_op_curves, measure_op_times
 
 
 @pytest.fixture(scope="module")
@@ -192,7 +192,6 @@ def test_graphpipe_plans_keep_branches_parallel(mmt):
 
 @pytest.mark.parametrize("kw, match", [
     ({"mesh": {"pipe": 2, "data": 4}}, "has a 'pipe' axis"),
-    ({"profile": "measured"}, "pipeline='rannc' only"),
     ({"schedule": "gpipe"}, "schedule='gpipe'"),
     ({"pipeline_options": {"k": 8}}, "keys \\['k'\\] are unknown for pipeline='graphpipe'"),
 ])
@@ -217,3 +216,34 @@ def test_a_pipe_axis_larger_than_the_blocks_is_a_clear_error(bert):
     with pytest.raises(autoshard.InfeasiblePlanError, match="No stage count was tried"):
         autoshard.plan(m.train_step, *args, mesh={"pipe": 8}, hardware="v100-sxm", pipeline="rannc",
                        pipeline_options={"k": 4})
+
+
+def test_graphpipe_measured_profile_times_every_micro_batch_size():
+    """profile="measured" with GraphPipe: each op timed at micro-batch 1, 2, 4, 8 (the step traced
+    again with its data cut), matched to the full trace; batch 1 broadcasts size-1 dims differently,
+    and the plan says those ops keep the estimate."""
+    m = models.get("candle_uno", "debug")
+    args = m.abstract_state()
+    kw = dict(mesh={"data": 4}, hardware="cpu-sim", pipeline="graphpipe")
+    p = autoshard.plan(m.train_step, *args, profile="measured", **kw)
+    model = autoshard.plan(m.train_step, *args, **kw)
+    assert p.predicted["pipeline"]["profile"] == "measured"
+    assert p.predicted["step_time"] != model.predicted["step_time"]
+    assert any("at micro-batch 1" in w and "keep the cost model's estimate" in w for w in p.warnings)
+    assert autoshard.Plan.from_json(p.to_json()).stages == p.stages
+
+
+def test_measured_curves_refuse_a_program_that_changes_with_the_batch():
+    def step(x):
+        for _ in range(30 if x.shape[0] > 2 else 1):     # a different program below 3 samples
+            x = jax.numpy.tanh(x * 1.5)
+        return x.sum()
+
+    args = (jax.ShapeDtypeStruct((8, 4), np.float32),)
+    graph = autoshard.trace(step, *args, keep_eqns=True)
+    with pytest.raises(autoshard.PlanError, match="cut from 8 to 1 samples, but only .* ops recur"):
+        measure_op_curves(step, args, graph, 8, [1, 2, 4, 8], lambda i, k: 1.0, min_seconds=1e-5, max_runs=3)
+    curves, full, notes = measure_op_curves(step, args, graph, 8, [4, 8], lambda i, k: 1.0,
+                                            min_seconds=1e-5, max_runs=3)
+    assert curves.shape == (len(graph.ops), 2) and (curves > 0).all() and not notes
+    assert list(curves[:, 1]) == full                                    # the traced batch itself

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 import jax
 import pytest
 
@@ -189,3 +191,39 @@ def test_kernel_overhead_is_paid_per_micro_batch(traced):
     assert any(b.forward_curve[0] > a.forward_curve[0] for a, b in zip(base.nodes, slow.nodes, strict=True))
     with pytest.raises(PipelineError, match="kernel_overhead=-1"):
         layer_graph(graph, "v100-sxm", kernel_overhead=-1)
+
+
+def test_measured_op_curves_drive_the_micro_batch_size():
+    """Given per-op seconds at each micro-batch size (profile="measured"), the node curves are their
+    sums, and GraphPipe follows them: flat costs (a kernel costs the same at any size) want large
+    micro-batches, linear costs (no per-micro-batch overhead) small ones (a shorter fill/drain)."""
+    from pipeline import curve_sizes, graphpipe_partition
+
+    m, _, graph = _trace("candle_uno")
+    sizes = curve_sizes(m.config.batch_size)
+    n, K = len(graph.ops), len(sizes)
+    flat = np.full((n, K), 1e-4)
+    linear = 1e-4 * np.tile(np.array(sizes, dtype=float), (n, 1))
+    chosen = {}
+    for name, cur in (("flat", flat), ("linear", linear)):
+        lg = layer_graph(graph, "v100-sxm", op_curves=cur, op_time=cur[:, -1])
+        for node in lg.nodes:
+            fwd = [o for o in node.ops if graph.ops[o].phase == "forward"]
+            assert node.forward_curve[0] == pytest.approx(1e-4 * len(fwd), rel=1e-9), node.name
+            assert node.forward_curve[-1] == pytest.approx(node.forward_curve[0] * (1 if name == "flat" else sizes[-1]))
+            assert node.forward == pytest.approx(node.forward_curve[-1] / m.config.batch_size)
+        chosen[name] = graphpipe_partition(lg, 4, "v100-sxm").stages[0].microbatch_size
+    assert chosen["flat"] > chosen["linear"] == 1
+
+
+def test_measured_op_curves_are_checked():
+    _, _, graph = _trace("candle_uno")
+    n = len(graph.ops)
+    with pytest.raises(PipelineError, match=rf"shape \(3, 4\); the graph has {n} ops and batch 8, so give \({n}, 4\)"):
+        layer_graph(graph, op_curves=np.ones((3, 4)))
+    bad = np.ones((n, 4))
+    bad[5, 2] = -1.0
+    with pytest.raises(PipelineError, match=r"op_curves\[5, 2\] = -1.0"):
+        layer_graph(graph, op_curves=bad)
+    with pytest.raises(PipelineError, match="kernel_overhead=5e-06 .* pass one"):
+        layer_graph(graph, op_curves=np.ones((n, 4)), kernel_overhead=5e-6)
