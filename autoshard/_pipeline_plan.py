@@ -120,25 +120,10 @@ def _graphpipe(pipe_pkg: Any, graph: OpGraph, devices: int, hw: HardwareSpec, me
     if profile == "measured":
         # GraphPipe picks micro-batch sizes from each layer's time at every size, so every op is
         # timed at each size (the step traced again with its data inputs cut to that many samples)
-        from pipeline._costs import traced_batch
+        from ._profile import measured_layer_costs
 
-        from ._profile import measure_op_curves
-
-        if not any(graph.values[v].role == "data" and graph.values[v].shape for v in graph.inputs):
-            raise PlanError("autoshard.plan: profile='measured' with pipeline='graphpipe' times each op at every "
-                            "micro-batch size, cutting the data inputs along their batch dim, but the step has no "
-                            "data inputs with a batch dim. Fix: profile='model'.")
-        batch = traced_batch(graph)
-        sizes = pipe_pkg.curve_sizes(batch)
-        model = pipe_pkg.op_curves(graph, hw, batch_size=batch)
-        reps = [op.repeat for op in graph.ops]
-        k_full = next((k for k, s in enumerate(sizes) if s >= batch), len(sizes) - 1)
-
-        def estimate(i: int, k: int) -> float:   # seconds per execution on the hardware spec
-            return float(model[i, k_full if k < 0 else k]) / reps[i]
-
-        curves, full, measured = measure_op_curves(step, args, graph, batch, sizes, estimate)
-        kw_lg = {"op_time": full, "op_curves": curves}
+        op_time, op_curves, measured = measured_layer_costs(step, args, graph, hw)
+        kw_lg = {"op_time": op_time, "op_curves": op_curves}
     lg = pipe_pkg.layer_graph(graph, hw, depth=options.get("depth"), **kw_lg)
     kw = {"memory_budget": memory_budget, "max_microbatch_size": options.get("max_microbatch_size")}
     gp = pipe_pkg.graphpipe_partition(lg, devices, hw, **kw)

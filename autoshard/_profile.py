@@ -128,7 +128,8 @@ def measure_op_curves(step: Callable, args: tuple, graph: OpGraph, batch: int, s
 
     The step is traced again with its data inputs cut to each size (shapes only) and every op timed
     alone (`measure_op_times`); ops are matched to `graph`'s by their (primitive, module) sequence
-    (`_align`), and the few that differ (batch 1 broadcasts size-1 dims) keep the estimate. Sizes above the traced batch (a batch that is not a power of two) scale the batch's time.
+    (`_align`), and the few that differ (batch 1 broadcasts size-1 dims) keep the estimate.
+    Sizes above the traced batch (a batch that is not a power of two) scale the batch's time.
     `estimate(op, k)` prices the ops that cannot run alone."""
     from ._trace import trace
 
@@ -161,3 +162,28 @@ def measure_op_curves(step: Callable, args: tuple, graph: OpGraph, batch: int, s
         notes += [n for n in more if n not in notes]
     return curves, full, notes
 
+
+
+def measured_layer_costs(step: Callable, args: tuple, graph: OpGraph,
+                         hardware: Any) -> tuple[list[float], np.ndarray, list[str]]:
+    """`pipeline.layer_graph`'s measured inputs for `step(*args)` traced as `graph` (keep_eqns=True):
+    (op_time at the traced batch, op_curves at `pipeline.curve_sizes(batch)`, notes). Ops that
+    cannot be timed keep the roofline on `hardware`."""
+    import pipeline  # pure; imported here because `pipeline` imports autoshard
+    from pipeline._costs import traced_batch
+
+    if not any(graph.values[v].role == "data" and graph.values[v].shape for v in graph.inputs):
+        raise PlanError("autoshard.plan: profile='measured' with pipeline='graphpipe' times each op at every "
+                        "micro-batch size, cutting the data inputs along their batch dim, but the step has no "
+                        "data inputs with a batch dim. Fix: profile='model'.")
+    batch = traced_batch(graph)
+    sizes = pipeline.curve_sizes(batch)
+    model = pipeline.op_curves(graph, hardware, batch_size=batch)
+    reps = [op.repeat for op in graph.ops]
+    k_full = next((k for k, s in enumerate(sizes) if s >= batch), len(sizes) - 1)
+
+    def estimate(i: int, k: int) -> float:   # roofline seconds per execution
+        return float(model[i, k_full if k < 0 else k]) / reps[i]
+
+    curves, full, notes = measure_op_curves(step, args, graph, batch, sizes, estimate)
+    return full, curves, notes

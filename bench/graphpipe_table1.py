@@ -22,6 +22,7 @@ Acceptance (issue 7): GraphPipe search <= the paper's at every device count, and
 throughput >= 1.2x SPP at 16 and 32 devices for all three models.
 
     python bench/graphpipe_table1.py [--quick] [--reps 3] [--out bench/results/graphpipe_table1.json]
+    python bench/graphpipe_table1.py --profile measured    # on a V100 node: measured layer curves
 """
 
 from __future__ import annotations
@@ -37,11 +38,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import jax  # noqa: E402
 from _common import git_state, machine  # noqa: E402
 
 import autoshard  # noqa: E402
 import models  # noqa: E402
 from autoshard import get_hardware  # noqa: E402
+from autoshard._profile import measured_layer_costs  # noqa: E402
 from pipeline import graphpipe_partition, layer_graph, spp_partition  # noqa: E402
 from pipeline._graphpipe import _tps_floor  # noqa: E402
 
@@ -70,16 +73,24 @@ RATIO_DEVICES = (16, 32)
 SWEEP_BRANCHES = (1, 2, 4, 8, 16)
 SWEEP_DEVICES = (4, 8, 16)
 KERNEL_OVERHEAD = 0.0   # seconds per kernel launch added to the layer curves (--kernel-overhead)
+PROFILE = "model"       # or "measured" (--profile): layer curves timed on the local device
 
 
 def traced_graph(name: str, config: str, batch: int, **overrides):
     m = models.get(name, config, batch_size=batch, **overrides)
     t0 = time.perf_counter()
-    graph = autoshard.trace(m.train_step, *m.abstract_state())
+    args = m.abstract_state()
+    graph = autoshard.trace(m.train_step, *args, keep_eqns=PROFILE == "measured")
     t1 = time.perf_counter()
-    lg = layer_graph(graph, HW, kernel_overhead=KERNEL_OVERHEAD)
+    notes: list[str] = []
+    if PROFILE == "measured":   # every op timed on this machine's device at micro-batch 1, 2, 4, ...
+        op_time, op_curves, notes = measured_layer_costs(m.train_step, args, graph, HW)
+        lg = layer_graph(graph, HW, op_time=op_time, op_curves=op_curves)
+    else:
+        lg = layer_graph(graph, HW, kernel_overhead=KERNEL_OVERHEAD)
     t2 = time.perf_counter()
-    info = {"ops": len(graph.ops), "nodes": len(lg), "edges": len(lg.edges), "sources": len(lg.sources),
+    info = {"profile_notes": notes,
+            "ops": len(graph.ops), "nodes": len(lg), "edges": len(lg.edges), "sources": len(lg.sources),
             "trace_s": t1 - t0, "layer_graph_s": t2 - t1,
             "per_sample_fwd_bwd_s": sum(n.forward + n.backward for n in lg.nodes),
             "param_gb": sum(n.param_bytes for n in lg.nodes) / 1e9}
@@ -178,11 +189,17 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="default bench/results/graphpipe_table1[_kernel<us>us].json")
     ap.add_argument("--kernel-overhead", type=float, default=0.0,
                     help="seconds per kernel launch beyond the roofline (sensitivity run, e.g. 5e-6; default 0)")
+    ap.add_argument("--profile", default="model", choices=["model", "measured"],
+                    help="layer costs: the roofline on the V100 spec, or every op timed at each micro-batch size "
+                         "on this machine's jax device (run it on a V100 node; hours on a CPU)")
     opts = ap.parse_args()
-    global KERNEL_OVERHEAD
-    KERNEL_OVERHEAD = opts.kernel_overhead
+    global KERNEL_OVERHEAD, PROFILE
+    KERNEL_OVERHEAD, PROFILE = opts.kernel_overhead, opts.profile
+    if opts.profile == "measured" and opts.kernel_overhead:
+        ap.error("--kernel-overhead adds launch costs to the roofline; measured curves hold them already")
     if opts.out is None:
         tag = f"_kernel{opts.kernel_overhead * 1e6:g}us" if opts.kernel_overhead else ""
+        tag += f"_measured_{jax.devices()[0].platform}" if opts.profile == "measured" else ""
         opts.out = str(ROOT / "bench" / "results" / f"graphpipe_table1{tag}.json")
     git = git_state()   # before running: the checkout may change while a long run goes on
     load_start = os.getloadavg()
@@ -235,7 +252,9 @@ def main() -> None:
           f"{hw.memory_bytes / 1e9:g} GB, {hw.devices_per_node} per node, NVLink {hw.intra_node_bandwidth / 1e9:g} "
           f"GB/s, IB {hw.inter_node_bandwidth / 1e9:g} GB/s. Search seconds: median of {reps} on this "
           f"{os.cpu_count()}-core machine; paper: Apple M1 Max. Throughput: simulated samples/s. Layer costs: "
-          + (f"roofline + {KERNEL_OVERHEAD * 1e6:g} us per kernel launch (sensitivity run)." if KERNEL_OVERHEAD
+          + (f"every op timed at each micro-batch size on {jax.devices()[0].device_kind} (profile='measured')."
+             if PROFILE == "measured" else
+             f"roofline + {KERNEL_OVERHEAD * 1e6:g} us per kernel launch (sensitivity run)." if KERNEL_OVERHEAD
              else "pure roofline (per-op max of compute and memory time, weights paid per micro-batch)."), "",
           "## Table 1 (search) and throughput, GraphPipe (GPP) vs SPP", "", *table1_md(table1), "",
           "## Fig. 7 (left): CANDLE-Uno branch count", "", *sweep_md(sweep), "",
@@ -252,7 +271,8 @@ def main() -> None:
     report = {"bench": "graphpipe_table1", "date": time.strftime("%Y-%m-%d"), "machine": machine(git),
               "hardware": {"spec": HARDWARE, "resolved": {"name": hw.name, "memory_bytes": hw.memory_bytes,
                                                           "devices_per_node": hw.devices_per_node}},
-              "quick": opts.quick, "reps": reps, "kernel_overhead_s": KERNEL_OVERHEAD, "paper_search_s": PAPER_SEARCH_S,
+              "quick": opts.quick, "reps": reps, "kernel_overhead_s": KERNEL_OVERHEAD, "profile": PROFILE,
+              "device": str(jax.devices()[0].device_kind), "paper_search_s": PAPER_SEARCH_S,
               "table1": table1, "branch_sweep": sweep, "sequential": sequential, "acceptance": acceptance,
               "wall_s": wall, "loadavg_1_5_15": {"start": load_start, "end": os.getloadavg()}}
     out = Path(opts.out)

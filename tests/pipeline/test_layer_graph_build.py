@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
-
 import jax
+import numpy as np
 import pytest
 
 import autoshard
