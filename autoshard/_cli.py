@@ -143,7 +143,8 @@ def _cmd_schedule(args: argparse.Namespace) -> int:
                           hardware=args.hardware, memory_budget=args.memory_budget, pipeline=args.pipeline,
                           schedule=schedule, pipeline_options=_pipeline_options(args))
     print(plan.explain())
-    if args.pipeline == "graphpipe":
+    chosen = plan.predicted["pipeline"].get("auto", {}).get("chosen", args.pipeline)
+    if chosen == "graphpipe":
         sched = pipeline.schedule("graph-1f1b", num_microbatches=[s.microbatches for s in plan.stages],
                                   edges=[(a, s.index) for s in plan.stages for a in s.after])
     else:
@@ -251,7 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--hardware", default="h100-sxm")
     pl.add_argument("--memory-budget", type=float, default=None, help="bytes per device")
     pl.add_argument("--out", default=None, help="write the plan as JSON")
-    pl.add_argument("--pipeline", default=None, choices=["rannc", "graphpipe"],
+    pl.add_argument("--pipeline", default=None, choices=["rannc", "graphpipe", "auto"],
                     help="pipeline stages instead of tensor sharding")
     pl.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe", "graph-1f1b"], help="pipeline schedule")
     pl.add_argument("--profile", default="model", choices=["model", "measured"],
@@ -265,7 +266,7 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--hardware", default="h100-sxm")
     ex.add_argument("--memory-budget", type=float, default=None, help="bytes per device")
     ex.add_argument("--out", default=None, help="write the plan as JSON")
-    ex.add_argument("--pipeline", default=None, choices=["rannc", "graphpipe"],
+    ex.add_argument("--pipeline", default=None, choices=["rannc", "graphpipe", "auto"],
                     help="pipeline stages instead of tensor sharding")
     ex.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe", "graph-1f1b"], help="pipeline schedule")
     ex.add_argument("--profile", default="model", choices=["model", "measured"],
@@ -278,7 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
     sc.add_argument("--mesh", default="pipe=4,data=2", help="name=size,... (a 'pipe' axis fixes the stage count)")
     sc.add_argument("--hardware", default="cpu-sim")
     sc.add_argument("--memory-budget", type=float, default=None, help="bytes per device")
-    sc.add_argument("--pipeline", default="rannc", choices=["rannc", "graphpipe"])
+    sc.add_argument("--pipeline", default="rannc", choices=["rannc", "graphpipe", "auto"])
     sc.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe", "graph-1f1b"])
     sc.add_argument("--blocks", type=int, default=32, help="RaNNC block count k (default 32)")
     sc.add_argument("--recompute", action="store_true")

@@ -1,4 +1,4 @@
-"""autoshard.plan(..., pipeline="rannc"): pipeline stages as a Plan (RaNNC partitioner in `pipeline/`).
+"""autoshard.plan(..., pipeline="rannc" | "graphpipe" | "auto"): pipeline stages as a Plan (`pipeline/`).
 
 The partitioner works over all devices of the mesh: it chooses the stages, the devices (replicas,
 data parallel) of each stage and the micro-batch count. A mesh axis named "pipe" fixes the stage
@@ -30,7 +30,7 @@ SCHEDULES = {"rannc": ("1f1b", "gpipe"), "graphpipe": ("1f1b", "graph-1f1b")}
 
 def _check(pipeline: str, schedule: str, profile: str, options: Mapping[str, Any], mesh: MeshSpec) -> None:
     if pipeline not in PIPELINES:
-        raise PlanError(f"autoshard.plan: pipeline={pipeline!r} is unknown; valid: {list(PIPELINES)} "
+        raise PlanError(f"autoshard.plan: pipeline={pipeline!r} is unknown; valid: {[*PIPELINES, 'auto']} "
                         "(or None for tensor sharding only).")
     if schedule not in SCHEDULES[pipeline]:
         raise PlanError(f"autoshard.plan: schedule={schedule!r} is not supported by the {pipeline} partitioner; "
@@ -162,13 +162,72 @@ def pipeline_plan(step: Callable, *args: Any, mesh: MeshSpec, hw: HardwareSpec, 
                   options: Mapping[str, Any] | None = None) -> Plan:
     import pipeline as pipe_pkg  # pure partitioners; imported here because `pipeline` imports autoshard
 
+    options = dict(options or {})
+    if pipeline == "auto":
+        return _auto(step, args, mesh, hw, memory_budget, schedule, profile, options)
+    _check(pipeline, schedule, profile, options, mesh)
+    graph = trace(step, *args, keep_eqns=profile == "measured")
+    return _plan_from_graph(pipe_pkg, step, args, graph, mesh, hw, memory_budget, pipeline, schedule, profile,
+                            options)
+
+
+def _auto(step: Callable, args: tuple, mesh: MeshSpec, hw: HardwareSpec, memory_budget: float | None,
+          schedule: str, profile: str, options: Mapping[str, Any]) -> Plan:
+    """pipeline="auto": every partitioner that applies (GraphPipe needs no "pipe" axis; each has its
+    schedules), on one trace; the plan with the shortest simulated step wins (the same event
+    simulator times both), and the plan records every candidate's step or why it had none."""
+    import pipeline as pipe_pkg
+
+    if profile not in PROFILES:
+        _check("rannc", "1f1b", profile, {}, mesh)                  # the same typed error
+    unknown = sorted(set(options) - set().union(*PIPELINE_OPTIONS.values()))
+    if unknown:
+        raise PlanError(f"autoshard.plan: pipeline_options keys {unknown} are unknown for pipeline='auto'; valid: "
+                        f"{sorted(set().union(*PIPELINE_OPTIONS.values()))} (each goes to the partitioner it names "
+                        f"in {dict((k, sorted(v)) for k, v in PIPELINE_OPTIONS.items())}).")
+    skipped: dict[str, str] = {}
+    names = []
+    for name in PIPELINES:
+        if schedule not in SCHEDULES[name]:
+            skipped[name] = f"schedule {schedule!r} is not one of its {list(SCHEDULES[name])}"
+        elif name == "graphpipe" and "pipe" in mesh.names:
+            skipped[name] = "the mesh has a 'pipe' axis (GraphPipe chooses its stage DAG itself)"
+        else:
+            names.append(name)
+    if not names:
+        raise PlanError(f"autoshard.plan: pipeline='auto' has no partitioner for schedule={schedule!r} on mesh "
+                        f"{mesh}: {'; '.join(f'{k}: {v}' for k, v in skipped.items())}. Fix: schedule='1f1b'.")
+    mine = {name: {k: v for k, v in options.items() if k in PIPELINE_OPTIONS[name]} for name in names}
+    for name in names:
+        _check(name, schedule, profile, mine[name], mesh)
+    graph = trace(step, *args, keep_eqns=profile == "measured")
+    plans: dict[str, Plan] = {}
+    first_error: Exception | None = None
+    for name in names:
+        try:
+            plans[name] = _plan_from_graph(pipe_pkg, step, args, graph, mesh, hw, memory_budget, name, schedule,
+                                           profile, mine[name])
+        except (pipe_pkg.PipelineError, pipe_pkg.PipelineInfeasibleError) as e:   # recorded: the other may fit
+            skipped[name] = str(e).splitlines()[0]
+            first_error = first_error or e
+    if not plans:
+        raise first_error   # every candidate failed: the first one's typed error, whole
+    steps = {name: p.predicted["pipeline"]["simulated_step_time"] for name, p in plans.items()}
+    best = min(steps, key=lambda n: (steps[n], n))
+    chosen = plans[best]
+    auto = {"chosen": best, "simulated_step_time": steps, "skipped": skipped}
+    predicted = {**chosen.predicted, "pipeline": {**chosen.predicted["pipeline"], "auto": auto}}
+    provenance = {**chosen.provenance, "options": {**chosen.provenance["options"], "pipeline": "auto"}}
+    return dataclasses.replace(chosen, predicted=predicted, provenance=provenance)
+
+
+def _plan_from_graph(pipe_pkg: Any, step: Callable, args: tuple, graph: OpGraph, mesh: MeshSpec,
+                     hw: HardwareSpec, memory_budget: float | None, pipeline: str, schedule: str, profile: str,
+                     options: Mapping[str, Any]) -> Plan:
     from . import __version__
     from ._planner import fingerprint
 
-    options = dict(options or {})
-    _check(pipeline, schedule, profile, options, mesh)
     devices = math.prod(s for _, s in mesh.axes)
-    graph = trace(step, *args, keep_eqns=profile == "measured")
     if pipeline == "rannc":
         stage_counts = [mesh.axis_size("pipe")] if "pipe" in mesh.names else None
         res = _rannc(pipe_pkg, graph, devices, hw, memory_budget, schedule, profile, options, stage_counts)

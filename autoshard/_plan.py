@@ -257,6 +257,13 @@ class Plan:
                             f"the {base['name']} is {1 / ratio:.2f}x faster ({base['hint']})"))
         else:
             lines.append(f"vs {pp['baseline_name']}: none applies ({pp['baseline_reason']})")
+        auto = pp.get("auto")
+        if auto:
+            steps = auto["simulated_step_time"]
+            others = [f"{n} {t * 1e3:.3f} ms" for n, t in sorted(steps.items()) if n != auto["chosen"]]
+            others += [f"{n} skipped: {why}" for n, why in sorted(auto["skipped"].items())]
+            lines.append(f"pipeline='auto' chose {auto['chosen']} (simulated step {steps[auto['chosen']] * 1e3:.3f} ms)"
+                         + (f" over {'; '.join(others)}" if others else ""))
         for w in self.warnings:
             lines.append(f"warning: {w}")
         return "\n".join(lines)

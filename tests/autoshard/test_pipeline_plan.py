@@ -247,3 +247,57 @@ def test_measured_curves_refuse_a_program_that_changes_with_the_batch():
                                             min_seconds=1e-5, max_runs=3)
     assert curves.shape == (len(graph.ops), 2) and (curves > 0).all() and not notes
     assert list(curves[:, 1]) == full                                    # the traced batch itself
+
+
+def test_auto_pipeline_picks_the_faster_partitioner(mmt):
+    m, args = mmt
+    kw = dict(mesh={"data": 8}, hardware="v100-sxm")
+    p = autoshard.plan(m.train_step, *args, pipeline="auto", **kw)
+    auto = p.predicted["pipeline"]["auto"]
+    steps = auto["simulated_step_time"]
+    assert set(steps) == {"rannc", "graphpipe"} and not auto["skipped"]
+    assert auto["chosen"] == min(steps, key=steps.get)
+    direct = autoshard.plan(m.train_step, *args, pipeline=auto["chosen"], **kw)
+    assert p.stages == direct.stages and p.predicted["step_time"] == direct.predicted["step_time"]
+    assert steps[auto["chosen"]] == pytest.approx(direct.predicted["pipeline"]["simulated_step_time"])
+    assert f"pipeline='auto' chose {auto['chosen']}" in p.explain()
+    q = autoshard.Plan.from_json(p.to_json())
+    assert q.predicted["pipeline"]["auto"] == auto and q.provenance["options"]["pipeline"] == "auto"
+
+
+@pytest.mark.parametrize("kw, chosen, skipped", [
+    ({"mesh": {"pipe": 2, "data": 4}}, "rannc", "graphpipe"),          # a pipe axis: RaNNC's stage count
+    ({"schedule": "gpipe"}, "rannc", "graphpipe"),
+    ({"schedule": "graph-1f1b"}, "graphpipe", "rannc"),
+])
+def test_auto_pipeline_skips_what_does_not_apply(mmt, kw, chosen, skipped):
+    m, args = mmt
+    kw = {"mesh": {"data": 8}, **kw}
+    p = autoshard.plan(m.train_step, *args, hardware="v100-sxm", pipeline="auto", **kw)
+    auto = p.predicted["pipeline"]["auto"]
+    assert auto["chosen"] == chosen and set(auto["skipped"]) == {skipped}
+    assert set(auto["simulated_step_time"]) == {chosen}
+    assert f"{skipped} skipped: " in p.explain()
+
+
+def test_auto_pipeline_routes_options_and_reports_errors(mmt):
+    m, args = mmt
+    p = autoshard.plan(m.train_step, *args, mesh={"pipe": 2, "data": 4}, hardware="v100-sxm", pipeline="auto",
+                       pipeline_options={"k": 4, "max_microbatch_size": 2})
+    assert p.predicted["pipeline"]["units"] == 4                         # k went to RaNNC
+    with pytest.raises(autoshard.PlanError, match=r"keys \['blocks'\] are unknown for pipeline='auto'"):
+        autoshard.plan(m.train_step, *args, mesh={"data": 8}, hardware="v100-sxm", pipeline="auto",
+                       pipeline_options={"blocks": 4})
+    # nothing fits 1 KiB: the first partitioner's typed infeasibility error, whole
+    with pytest.raises(autoshard.InfeasiblePlanError):
+        autoshard.plan(m.train_step, *args, mesh={"data": 8}, hardware="v100-sxm", pipeline="auto",
+                       memory_budget=1024)
+
+
+def test_cli_schedule_auto(capsys):
+    from autoshard._cli import main
+
+    assert main(["schedule", "mmt", "--config", "debug", "--mesh", "data=8", "--pipeline", "auto",
+                 "--hardware", "v100-sxm"]) == 0
+    out = capsys.readouterr().out
+    assert "pipeline='auto' chose" in out and "rank 0 |" in out
