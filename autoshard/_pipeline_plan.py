@@ -24,7 +24,7 @@ from ._trace import trace
 PIPELINES = ("rannc", "graphpipe")
 PROFILES = ("model", "measured")
 PIPELINE_OPTIONS = {"rannc": frozenset({"k", "recompute", "use_blocks", "search", "prune"}),
-                    "graphpipe": frozenset({"max_microbatch_size", "depth"})}
+                    "graphpipe": frozenset({"max_microbatch_size", "depth", "per_stage_microbatch"})}
 SCHEDULES = {"rannc": ("1f1b", "gpipe"), "graphpipe": ("1f1b", "graph-1f1b")}
 
 
@@ -125,7 +125,8 @@ def _graphpipe(pipe_pkg: Any, graph: OpGraph, devices: int, hw: HardwareSpec, me
         op_time, op_curves, measured = measured_layer_costs(step, args, graph, hw)
         kw_lg = {"op_time": op_time, "op_curves": op_curves}
     lg = pipe_pkg.layer_graph(graph, hw, depth=options.get("depth"), **kw_lg)
-    kw = {"memory_budget": memory_budget, "max_microbatch_size": options.get("max_microbatch_size")}
+    kw = {"memory_budget": memory_budget, "max_microbatch_size": options.get("max_microbatch_size"),
+          "per_stage_microbatch": options.get("per_stage_microbatch", False)}
     gp = pipe_pkg.graphpipe_partition(lg, devices, hw, **kw)
     try:
         spp = pipe_pkg.spp_partition(lg, devices, hw, **kw)

@@ -47,7 +47,8 @@ def plan(step: Callable, *args: Any, mesh: Any, hardware: str | HardwareSpec | d
     "measured" (ops timed on the local device), and `pipeline_options` k (blocks, default 32),
     recompute, use_blocks, search ("all" | "node" | "stage"), prune. `pipeline="graphpipe"` chooses
     a DAG of stages over the model's branches (GraphPipe; schedule "1f1b"/"graph-1f1b", options
-    max_microbatch_size, depth); its measured profile times every op at each micro-batch size.
+    max_microbatch_size, depth, per_stage_microbatch); its measured profile times every op at each
+    micro-batch size. `pipeline="auto"` plans with both and keeps the shorter simulated step.
     """
     hw = get_hardware(hardware)
     if pipeline is not None:

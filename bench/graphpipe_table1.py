@@ -23,6 +23,7 @@ throughput >= 1.2x SPP at 16 and 32 devices for all three models.
 
     python bench/graphpipe_table1.py [--quick] [--reps 3] [--out bench/results/graphpipe_table1.json]
     python bench/graphpipe_table1.py --profile measured    # on a V100 node: measured layer curves
+    python bench/graphpipe_table1.py --per-stage           # per-stage micro-batch sizes, both methods
 """
 
 from __future__ import annotations
@@ -74,6 +75,7 @@ SWEEP_BRANCHES = (1, 2, 4, 8, 16)
 SWEEP_DEVICES = (4, 8, 16)
 KERNEL_OVERHEAD = 0.0   # seconds per kernel launch added to the layer curves (--kernel-overhead)
 PROFILE = "model"       # or "measured" (--profile): layer curves timed on the local device
+PER_STAGE = False       # --per-stage: each stage its own micro-batch size (GPP and SPP alike)
 
 
 def traced_graph(name: str, config: str, batch: int, **overrides):
@@ -114,7 +116,7 @@ def run(fn, lg, devices: int, reps: int) -> tuple[dict, list[float]]:
     walls, plan = [], None
     for _ in range(reps):
         t0 = time.perf_counter()
-        plan = fn(lg, devices, HW)
+        plan = fn(lg, devices, HW, per_stage_microbatch=PER_STAGE)
         walls.append(time.perf_counter() - t0)
     return plan_info(plan), walls
 
@@ -192,14 +194,17 @@ def main() -> None:
     ap.add_argument("--profile", default="model", choices=["model", "measured"],
                     help="layer costs: the roofline on the V100 spec, or every op timed at each micro-batch size "
                          "on this machine's jax device (run it on a V100 node; hours on a CPU)")
+    ap.add_argument("--per-stage", action="store_true",
+                    help="per-stage micro-batch sizes (per_stage_microbatch=True) for GraphPipe and SPP alike")
     opts = ap.parse_args()
-    global KERNEL_OVERHEAD, PROFILE
-    KERNEL_OVERHEAD, PROFILE = opts.kernel_overhead, opts.profile
+    global KERNEL_OVERHEAD, PROFILE, PER_STAGE
+    KERNEL_OVERHEAD, PROFILE, PER_STAGE = opts.kernel_overhead, opts.profile, opts.per_stage
     if opts.profile == "measured" and opts.kernel_overhead:
         ap.error("--kernel-overhead adds launch costs to the roofline; measured curves hold them already")
     if opts.out is None:
         tag = f"_kernel{opts.kernel_overhead * 1e6:g}us" if opts.kernel_overhead else ""
         tag += f"_measured_{jax.devices()[0].platform}" if opts.profile == "measured" else ""
+        tag += "_per_stage" if opts.per_stage else ""
         opts.out = str(ROOT / "bench" / "results" / f"graphpipe_table1{tag}.json")
     git = git_state()   # before running: the checkout may change while a long run goes on
     load_start = os.getloadavg()
@@ -255,7 +260,8 @@ def main() -> None:
           + (f"every op timed at each micro-batch size on {jax.devices()[0].device_kind} (profile='measured')."
              if PROFILE == "measured" else
              f"roofline + {KERNEL_OVERHEAD * 1e6:g} us per kernel launch (sensitivity run)." if KERNEL_OVERHEAD
-             else "pure roofline (per-op max of compute and memory time, weights paid per micro-batch)."), "",
+             else "pure roofline (per-op max of compute and memory time, weights paid per micro-batch).")
+          + (" Per-stage micro-batch sizes (per_stage_microbatch=True) for both methods." if PER_STAGE else ""), "",
           "## Table 1 (search) and throughput, GraphPipe (GPP) vs SPP", "", *table1_md(table1), "",
           "## Fig. 7 (left): CANDLE-Uno branch count", "", *sweep_md(sweep), "",
           "## A.3: sequential transformer (MMT config, 1 branch): GPP must equal SPP", "",
@@ -272,6 +278,7 @@ def main() -> None:
               "hardware": {"spec": HARDWARE, "resolved": {"name": hw.name, "memory_bytes": hw.memory_bytes,
                                                           "devices_per_node": hw.devices_per_node}},
               "quick": opts.quick, "reps": reps, "kernel_overhead_s": KERNEL_OVERHEAD, "profile": PROFILE,
+              "per_stage_microbatch": PER_STAGE,
               "device": str(jax.devices()[0].device_kind), "paper_search_s": PAPER_SEARCH_S,
               "table1": table1, "branch_sweep": sweep, "sequential": sequential, "acceptance": acceptance,
               "wall_s": wall, "loadavg_1_5_15": {"start": load_start, "end": os.getloadavg()}}

@@ -63,9 +63,9 @@ from . import _graph_schedule  # noqa: F401  (registers the "graph-1f1b" schedul
 from ._atomic import PipelineError
 from ._blocks import DEFAULT_MEMORY_FRACTION
 from ._costs import PipelineCosts, stage_cost
+from ._graphpipe_refine import evaluate, refine_sizes
 from ._layer_graph import LayerGraph, curve_seconds
-from ._schedule import Schedule, schedule
-from ._simulate import simulate
+from ._schedule import Schedule
 from ._sp import SPTree, sp_decompose
 from ._stages import PipelineInfeasibleError
 
@@ -120,23 +120,26 @@ class GraphPipePlan:
 
 
 def graphpipe_partition(graph: LayerGraph, devices: int, hardware: Any = "v100-sxm", *,
-                        memory_budget: float | None = None,
-                        max_microbatch_size: int | None = None) -> GraphPipePlan:
+                        memory_budget: float | None = None, max_microbatch_size: int | None = None,
+                        per_stage_microbatch: bool = False) -> GraphPipePlan:
     """GraphPipe's graph pipeline (module doc) of `graph` on `devices` devices of `hardware`.
     `memory_budget`: bytes per device (default: the RaNNC default fraction of device memory);
-    `max_microbatch_size`: the largest micro-batch considered. Raises PipelineInfeasibleError when
-    no partition fits memory, PipelineError on bad arguments."""
-    _check_args("graphpipe_partition", graph, devices, memory_budget, max_microbatch_size)
+    `max_microbatch_size`: the largest micro-batch considered; `per_stage_microbatch`: give each
+    stage its own micro-batch size (`_graphpipe_refine`; off by default, as in the paper). Raises
+    PipelineInfeasibleError when no partition fits memory, PipelineError on bad arguments."""
+    _check_args("graphpipe_partition", graph, devices, memory_budget, max_microbatch_size, per_stage_microbatch)
     t0 = time.perf_counter()
     return _partition(graph, sp_decompose(graph), devices, hardware, memory_budget, max_microbatch_size,
-                      method="graphpipe", t0=t0)
+                      method="graphpipe", t0=t0, per_stage=per_stage_microbatch)
 
 
 # ---------------------------------------------------------------------------------------------
 # Arguments
 
 
-def _check_args(fn: str, graph: Any, devices: Any, budget: Any, max_mb: Any) -> None:
+def _check_args(fn: str, graph: Any, devices: Any, budget: Any, max_mb: Any, per_stage: Any = False) -> None:
+    if not isinstance(per_stage, bool):
+        raise PipelineError(f"{fn}: per_stage_microbatch={per_stage!r} must be True or False.")
     if not isinstance(graph, LayerGraph):
         raise PipelineError(f"{fn}: graph must be a pipeline.LayerGraph, got {type(graph).__name__}.")
     if isinstance(devices, bool) or not isinstance(devices, numbers.Integral) or devices < 1:
@@ -524,7 +527,7 @@ def _microbatch_sizes(batch: int, max_mb: int | None) -> list[int]:
 
 
 def _partition(graph: LayerGraph, tree: SPTree, devices: int, hardware: Any, budget: float | None,
-               max_mb: int | None, *, method: str, t0: float) -> GraphPipePlan:
+               max_mb: int | None, *, method: str, t0: float, per_stage: bool = False) -> GraphPipePlan:
     hw = get_hardware(hardware)
     budget_ = float(budget) if budget is not None else DEFAULT_MEMORY_FRACTION * hw.memory_bytes
     prob = _Problem(graph, tree)
@@ -551,12 +554,12 @@ def _partition(graph: LayerGraph, tree: SPTree, devices: int, hardware: Any, bud
         raise _infeasible(graph, prob, hw, D, B, budget_, max_mb, method)
     top = min(x.estimate for x in found)
     pick = max((x for x in found if x.estimate <= top * (1 + _TOLERANCE)), key=lambda x: x.b)
-    search_seconds = time.perf_counter() - t0
-    return _plan(graph, prob, pick, D, budget_, method, search_seconds, chain=(method == "spp"))
+    return _plan(graph, prob, pick, D, budget_, method, t0, chain=(method == "spp"), hw=hw,
+                 sizes=_microbatch_sizes(B, max_mb) if per_stage else None)
 
 
 def _plan(graph: LayerGraph, prob: _Problem, pick: _Best, D: int, budget: float, method: str,
-          search_seconds: float, *, chain: bool) -> GraphPipePlan:
+          t0: float, *, chain: bool, hw: HardwareSpec, sizes: list[int] | None) -> GraphPipePlan:
     owner: dict[int, int] = {}
     raw = pick.stages
     for s, (nodes, _, _) in enumerate(raw):
@@ -572,26 +575,39 @@ def _plan(graph: LayerGraph, prob: _Problem, pick: _Best, D: int, budget: float,
         edges = tuple((i, i + 1) for i in range(len(raw) - 1))
     else:
         edges = tuple(sorted((pos[u], pos[v]) for u, v in g.edges))
-    costs, b, M = pick.costs, pick.b, graph.batch_size // pick.b
+    B = graph.batch_size
     rows = [prob.single_index[prob.single_sig(nodes)] for nodes, _, _ in raw]
-    fwd = [float(costs.fwd[row, d]) for row, (_, d, _) in zip(rows, raw, strict=True)]
-    bwd = [float(costs.bwd[row, d]) for row, (_, d, _) in zip(rows, raw, strict=True)]
-    sched = schedule("graph-1f1b", num_stages=len(raw), num_microbatches=[M] * len(raw), edges=edges)
-    sim = simulate(sched, forward=fwd, backward=bwd, transfer=0.0)
-    stages = []
-    for i, (row, (nodes, d, _)) in enumerate(zip(rows, raw, strict=True)):
-        mem = float(costs.m0[row, d] + costs.m1[row, d] * sim.peak_inflight[i])
-        if mem > budget * (1 + 1e-9):
-            raise PipelineError(
-                f"pipeline: {method} stage {i} needs {mem:.4g} bytes with the schedule's "
-                f"{sim.peak_inflight[i]} in-flight micro-batches, over the budget {budget:.4g} the search "
-                "checked; please report.")
-        stages.append(GraphStage(i, tuple(nodes), d, b, M, fwd[i], bwd[i], mem))
+    devs = [d for _, d, _ in raw]
+    by_b = {pick.b: pick.costs}
+
+    def costs_at(b: int) -> _Costs:
+        if b not in by_b:
+            by_b[b] = _Costs(prob, hw, D, b, B, budget)
+        return by_b[b]
+
+    def stage_costs(i: int, b: int) -> tuple[float, float, float, float]:
+        c, row, d = costs_at(b), rows[i], devs[i]
+        return float(c.fwd[row, d]), float(c.bwd[row, d]), float(c.m0[row, d]), float(c.m1[row, d])
+
+    # the DP checked memory with 1 + depth below in flight; the schedule's own counts decide here
+    res = evaluate([pick.b] * len(raw), stage_costs, B, edges, INF)
+    over = [i for i, m in enumerate(res.memory) if m > budget * (1 + 1e-9)]
+    if over:
+        i = over[0]
+        raise PipelineError(
+            f"pipeline: {method} stage {i} needs {res.memory[i]:.4g} bytes with the schedule's "
+            f"{res.sim.peak_inflight[i]} in-flight micro-batches, over the budget {budget:.4g} the search "
+            "checked; please report.")
+    if sizes is not None:
+        allowed = [[b for b in sizes if b >= d] for d in devs]
+        res = refine_sizes(res, allowed, stage_costs, B, edges, budget)
+    stages = tuple(GraphStage(i, tuple(nodes), devs[i], res.sizes[i], B // res.sizes[i], res.forward[i],
+                              res.backward[i], res.memory[i]) for i, (nodes, _, _) in enumerate(raw))
     depth = int(nx.dag_longest_path_length(nx.DiGraph(list(edges)))) + 1 if edges else 1
-    step = float(sim.makespan)
-    return GraphPipePlan(method, tuple(stages), edges, depth, max(float(costs.tps[r, d]) for r, (_, d, _) in
-                                                                  zip(rows, raw, strict=True)),
-                         step, graph.batch_size / step, sched, search_seconds, D, graph.batch_size)
+    step = float(res.sim.makespan)
+    tps = max(float(costs_at(b).tps[r, d]) for r, d, b in zip(rows, devs, res.sizes, strict=True))
+    return GraphPipePlan(method, stages, edges, depth, tps, step, B / step, res.schedule,
+                         time.perf_counter() - t0, D, B)
 
 
 def _fmt(nbytes: float) -> str:

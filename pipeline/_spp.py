@@ -26,10 +26,11 @@ def linear_tree(graph: LayerGraph) -> SPTree:
 
 
 def spp_partition(graph: LayerGraph, devices: int, hardware: Any = "v100-sxm", *,
-                  memory_budget: float | None = None, max_microbatch_size: int | None = None) -> GraphPipePlan:
+                  memory_budget: float | None = None, max_microbatch_size: int | None = None,
+                  per_stage_microbatch: bool = False) -> GraphPipePlan:
     """The best sequential pipeline of `graph` on `devices` devices (method "spp"); arguments and
     errors as `graphpipe_partition`."""
-    _check_args("spp_partition", graph, devices, memory_budget, max_microbatch_size)
+    _check_args("spp_partition", graph, devices, memory_budget, max_microbatch_size, per_stage_microbatch)
     t0 = time.perf_counter()
     return _partition(graph, linear_tree(graph), devices, hardware, memory_budget, max_microbatch_size,
-                      method="spp", t0=t0)
+                      method="spp", t0=t0, per_stage=per_stage_microbatch)

@@ -301,3 +301,14 @@ def test_cli_schedule_auto(capsys):
                  "--hardware", "v100-sxm"]) == 0
     out = capsys.readouterr().out
     assert "pipeline='auto' chose" in out and "rank 0 |" in out
+
+
+def test_graphpipe_per_stage_microbatch_option(mmt):
+    m, args = mmt
+    kw = dict(mesh={"data": 8}, hardware="v100-sxm", pipeline="graphpipe")
+    base = autoshard.plan(m.train_step, *args, **kw)
+    per = autoshard.plan(m.train_step, *args, pipeline_options={"per_stage_microbatch": True}, **kw)
+    assert per.predicted["step_time"] <= base.predicted["step_time"] * (1 + 1e-12)
+    assert per.provenance["options"]["per_stage_microbatch"] is True
+    with pytest.raises(autoshard.AutoshardError, match="per_stage_microbatch=1 must be True or False"):
+        autoshard.plan(m.train_step, *args, pipeline_options={"per_stage_microbatch": 1}, **kw)

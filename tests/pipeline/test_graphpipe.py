@@ -352,3 +352,44 @@ def test_light_join_shares_a_stage_with_a_branch_end():
     prob = _Problem(g, sp_decompose(g), variants=False)
     assert prob.R < _Problem(g, sp_decompose(g)).R   # the variants' moved tails deepen the tree
     assert plan.throughput >= spp_partition(g, 16).throughput * (1 - 1e-9)
+
+
+# --- per-stage micro-batch sizes (opt-in) ------------------------------------------------------
+
+def saturating_node(name: str, sat: int, f: float = 1 * MS) -> LayerNode:
+    """Efficient only from `sat` samples per micro-batch on: seconds = f x max(b, sat); weights so
+    large that every node needs a device of its own (the budget below holds one)."""
+    fc = tuple(f * max(2 ** i, sat) for i in range(6))
+    return LayerNode(name, f, 2 * f, 4e9, 8e9, 1e5, 0.0, forward_curve=fc, backward_curve=tuple(2 * x for x in fc))
+
+
+@pytest.mark.parametrize("sats, want", [((1, 1, 8), (1, 1, 8)), ((4, 1, 1), (4, 1, 1)), ((1, 2, 4), (2, 2, 4))])
+def test_per_stage_microbatch_sizes_shorten_the_fill(sats, want):
+    # Fig. 5: stages efficient at different micro-batch sizes. One size for all (the default) pays
+    # the largest stage's size in fill and drain everywhere; per-stage sizes let the others run
+    # small micro-batches, so the step is shorter (Table 2 schedules the unequal sizes).
+    g = chain_graph([saturating_node(f"s{i}", s) for i, s in enumerate(sats)], 16, "fig5")
+    budget = 30e9
+    uniform = graphpipe_partition(g, 3, memory_budget=budget)
+    per = graphpipe_partition(g, 3, memory_budget=budget, per_stage_microbatch=True)
+    check_plan(g, uniform, budget)
+    check_plan(g, per, budget)
+    assert len({s.microbatch_size for s in uniform.stages}) == 1
+    assert tuple(s.microbatch_size for s in per.stages) == want
+    assert [s.nodes for s in per.stages] == [s.nodes for s in uniform.stages]     # same stages and devices
+    assert per.step_time < uniform.step_time * 0.95
+    assert list(per.schedule.num_microbatches) == [16 // b for b in want]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_per_stage_microbatch_never_slower(seed):
+    rng = np.random.default_rng(seed)
+    g = branchy(int(rng.integers(2, 4)), int(rng.integers(1, 4)), 64, join_f=float(rng.uniform(0.5, 3)) * MS)
+    g = LayerGraph(tuple(ff_node(n.name, f=n.forward, w=float(rng.uniform(1, 20)) * MS) for n in g.nodes),
+                   g.edges, g.batch_size, g.name)
+    for fn in (graphpipe_partition, spp_partition):
+        base, per = fn(g, 6), fn(g, 6, per_stage_microbatch=True)
+        check_plan(g, per)
+        assert per.step_time <= base.step_time * (1 + 1e-12)
+    with pytest.raises(PipelineError, match="per_stage_microbatch='yes' must be True or False"):
+        graphpipe_partition(g, 6, per_stage_microbatch="yes")
