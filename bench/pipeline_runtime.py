@@ -1,0 +1,167 @@
+"""What the shard_map pipeline runtime compiles to, next to plain data parallelism.
+
+An MLP of `stages` x `layers_per_stage` Dense(width) + tanh layers (mean-squared-error head in the
+last stage) on 8 simulated CPU devices. Variants, all compiled with `jit(...).lower(...).compile()`:
+- `pipe=8` GPipe and 1F1B: one stage per device (pipeline.runtime, `num_microbatches` micro-batches);
+- `pipe=4 x data=2` 1F1B: two data-parallel replicas inside each stage;
+- data parallel: `jax.value_and_grad` of the whole model, parameters replicated, batch split 8 ways.
+Reported per device: parameter (argument) bytes and temp bytes from `memory_analysis()`, flops from
+`cost_analysis()`, collectives from the compiled HLO (kind, launches per step counting loop trips,
+bytes per step), the program's tick count and activation slots, and whether loss and gradients
+equal single-device `jax.value_and_grad` (max abs difference). Step time is the median of
+interleaved runs; on 2 shared cores it measures total work, not parallel speed.
+
+    python bench/pipeline_runtime.py [--width 512] [--batch 64] [--microbatches 16] [--rounds 5]
+"""
+
+from __future__ import annotations
+
+import jax
+
+jax.config.update("jax_num_cpu_devices", 8)  # before any backend use
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from _common import ROOT, machine  # noqa: E402
+from jax.sharding import AxisType, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+from autoshard._hlo import collectives, summarize  # noqa: E402
+from pipeline.runtime import pipeline_value_and_grad  # noqa: E402
+
+STAGES, LAYERS_PER_STAGE = 8, 2
+
+
+def make_problem(width: int, batch: int, stages: int):
+    keys = jax.random.split(jax.random.key(0), stages * LAYERS_PER_STAGE + 2)
+    params = [[{"w": jax.random.normal(keys[s * LAYERS_PER_STAGE + i], (width, width)) / np.sqrt(width),
+                "b": jnp.zeros((width,))} for i in range(LAYERS_PER_STAGE)] for s in range(stages)]
+    data = {"x": jax.random.normal(keys[-2], (batch, width)), "y": jax.random.normal(keys[-1], (batch, width))}
+
+    def body(p, x):
+        for layer in p:
+            x = jnp.tanh(x @ layer["w"] + layer["b"])
+        return x
+
+    def first(p, b):
+        return body(p, b["x"])
+
+    def middle(p, b, x):
+        return body(p, x)
+
+    def last(p, b, x):
+        return jnp.mean((body(p, x) - b["y"]) ** 2)
+
+    fns = [first] + [middle] * (stages - 2) + [last]
+
+    def full_loss(ps, b):
+        x = b["x"]
+        for p in ps:
+            x = body(p, x)
+        return jnp.mean((x - b["y"]) ** 2)
+
+    return fns, params, data, full_loss
+
+
+def mesh(shape, names):
+    return jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(names))
+
+
+def describe(compiled, mesh_obj) -> dict:
+    mem = compiled.memory_analysis()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    colls = summarize(collectives(compiled.as_text(), list(mesh_obj.axis_names), list(mesh_obj.shape.values())))
+    return {"argument_bytes": int(mem.argument_size_in_bytes), "temp_bytes": int(mem.temp_size_in_bytes),
+            "output_bytes": int(mem.output_size_in_bytes), "flops": float(cost.get("flops", 0.0)),
+            "collectives": {k: {"count": int(v["count"]), "bytes": int(v["bytes"])} for k, v in colls.items()}}
+
+
+def max_diff(a, b) -> float:
+    return max(float(jnp.max(jnp.abs(jnp.asarray(x, jnp.float32) - jnp.asarray(y, jnp.float32))))
+               for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--width", type=int, default=512)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--microbatches", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--out", default=str(ROOT / "bench/results/pipeline_runtime.json"))
+    opts = ap.parse_args()
+    M = opts.microbatches
+    fns8, params8, data, full8 = make_problem(opts.width, opts.batch, STAGES)
+    want_loss, want_grads = jax.jit(jax.value_and_grad(full8))(params8, data)
+    # 4-stage variant: the same 16 layers, 4 per stage
+    params4 = [params8[2 * s] + params8[2 * s + 1] for s in range(4)]
+    fns4 = [fns8[0], fns8[1], fns8[1], fns8[-1]]
+    want4 = [want_grads[2 * s] + want_grads[2 * s + 1] for s in range(4)]
+
+    rows, runners = [], {}
+    for name, shape, names, sched, fns, params, want in [
+        ("pipe=8 gpipe", (8,), ("pipe",), "gpipe", fns8, params8, want_grads),
+        ("pipe=8 1f1b", (8,), ("pipe",), "1f1b", fns8, params8, want_grads),
+        ("pipe=4 x data=2 1f1b", (4, 2), ("pipe", "data"), "1f1b", fns4, params4, want4),
+    ]:
+        m = mesh(shape, names)
+        prog = pipeline_value_and_grad(fns, m, num_microbatches=M, schedule=sched)
+        stacked = prog.stack(params)
+        loss, grads = prog(stacked, data)
+        compiled = prog.lower(stacked, data).compile()
+        row = {"variant": name, "ticks": prog.ticks, "slots": list(prog.slots),
+               "loss_diff": abs(float(loss) - float(want_loss)), "grad_max_diff": max_diff(prog.unstack(grads), want),
+               **describe(compiled, m)}
+        rows.append(row)
+        runners[name] = (lambda prog=prog, stacked=stacked: prog(stacked, data)[0].block_until_ready())
+
+    m = mesh((8,), ("data",))
+    repl, split = NamedSharding(m, P()), NamedSharding(m, P("data"))
+    dp = jax.jit(jax.value_and_grad(full8), in_shardings=(repl, split), out_shardings=(repl, repl))
+    p_dp, d_dp = jax.device_put(params8, repl), jax.device_put(data, split)
+    loss, grads = dp(p_dp, d_dp)
+    rows.append({"variant": "data=8 (replicated params)", "ticks": None, "slots": None,
+                 "loss_diff": abs(float(loss) - float(want_loss)), "grad_max_diff": max_diff(grads, want_grads),
+                 **describe(dp.lower(p_dp, d_dp).compile(), m)})
+    runners["data=8 (replicated params)"] = lambda: dp(p_dp, d_dp)[0].block_until_ready()
+
+    times = {k: [] for k in runners}
+    for _ in range(opts.rounds):
+        for k, run in runners.items():
+            t0 = time.perf_counter()
+            run()
+            times[k].append(time.perf_counter() - t0)
+    for row in rows:
+        row["step_s_median"] = statistics.median(times[row["variant"]])
+
+    param_bytes = sum(x.nbytes for x in jax.tree.leaves(params8))
+    result = {"machine": machine(), "width": opts.width, "batch": opts.batch, "microbatches": M,
+              "layers": STAGES * LAYERS_PER_STAGE, "model_param_bytes": param_bytes, "rows": rows}
+    Path(opts.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(opts.out).write_text(json.dumps(result, indent=1))
+    lines = [f"# Pipeline runtime vs data parallel ({STAGES * LAYERS_PER_STAGE} x Dense({opts.width}) + tanh, "
+             f"batch {opts.batch}, {M} micro-batches, 8 simulated CPU devices)", "",
+             f"Model parameters: {param_bytes / 2**20:.1f} MiB. Bytes are per device.", "",
+             "| variant | param (argument) MiB | temp MiB | ticks | slots in/grad | collectives per step | "
+             "collective MiB per step | loss diff | grad max diff | step s (median) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        coll = ", ".join(f"{k} x{v['count']}" for k, v in r["collectives"].items()) or "none"
+        cbytes = sum(v["bytes"] for v in r["collectives"].values()) / 2**20
+        lines.append(f"| {r['variant']} | {r['argument_bytes'] / 2**20:.2f} | {r['temp_bytes'] / 2**20:.2f} | "
+                     f"{r['ticks'] if r['ticks'] is not None else '-'} | "
+                     f"{'/'.join(map(str, r['slots'])) if r['slots'] else '-'} | {coll} | {cbytes:.2f} | "
+                     f"{r['loss_diff']:.1e} | {r['grad_max_diff']:.1e} | {r['step_s_median']:.3f} |")
+    text = "\n".join(lines) + "\n"
+    Path(opts.out).with_suffix(".md").write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
