@@ -25,6 +25,10 @@ from ._group import group as group
 from ._hardware import HardwareSpec as HardwareSpec
 from ._hardware import get_hardware as get_hardware
 from ._mesh import MeshSpec as MeshSpec
+from ._pipelined import Pipelined as Pipelined
+from ._pipelined import PipelineSplitError as PipelineSplitError
+from ._pipelined import StageInfo as StageInfo
+from ._pipelined import pipelined as pipelined
 from ._plan import Plan as Plan
 from ._planner import expert_plan as expert_plan
 from ._planner import plan as plan

@@ -5,7 +5,8 @@ Everything here is small and tested, so that a jax upgrade breaks one file, loud
 
 from __future__ import annotations
 
-from typing import Any
+import itertools
+from typing import Any, NamedTuple
 
 import jax
 from jax.extend import core as jex_core
@@ -75,12 +76,24 @@ def nested_eqn_count(params: dict) -> int:
     return total
 
 
-def eval_jaxpr_with(closed: Any, args: list, after_eqn: Any) -> list:
-    """Evaluate a ClosedJaxpr like `jax.core.eval_jaxpr`, calling `after_eqn(index, outs)` on the
-    outputs of every top-level eqn (it returns the outputs to use, e.g. sharding-constrained).
-    Name stacks and source info are kept so the compiled program's op metadata is unchanged."""
+def bind_eqn(eqn: Any, invals: list) -> list:
+    """Run one eqn on concrete or traced values, as `jax.core.eval_jaxpr` does; its name stack and
+    source info are kept so the compiled program's op metadata is unchanged."""
     from jax._src import source_info_util
 
+    bind_params = eqn.primitive.get_bind_params(eqn.params)
+    subfuns: list = []
+    if isinstance(bind_params, tuple):  # older jax returned (subfuns, params)
+        subfuns, bind_params = bind_params
+    name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+    with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
+        ans = eqn.primitive.bind(*subfuns, *invals, **bind_params)
+    return list(ans) if eqn.primitive.multiple_results else [ans]
+
+
+def eval_jaxpr_with(closed: Any, args: list, after_eqn: Any) -> list:
+    """Evaluate a ClosedJaxpr like `jax.core.eval_jaxpr`, calling `after_eqn(index, outs)` on the
+    outputs of every top-level eqn (it returns the outputs to use, e.g. sharding-constrained)."""
     jaxpr = closed.jaxpr
     env: dict = {}
 
@@ -92,16 +105,67 @@ def eval_jaxpr_with(closed: Any, args: list, after_eqn: Any) -> list:
     for var, val in zip(jaxpr.invars, args, strict=True):
         env[var] = val
     for k, eqn in enumerate(jaxpr.eqns):
-        bind_params = eqn.primitive.get_bind_params(eqn.params)
-        subfuns: list = []
-        if isinstance(bind_params, tuple):  # older jax returned (subfuns, params)
-            subfuns, bind_params = bind_params
-        name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
-        with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack), \
-                eqn.ctx.manager:
-            ans = eqn.primitive.bind(*subfuns, *map(read, eqn.invars), **bind_params)
-        outs = list(ans) if eqn.primitive.multiple_results else [ans]
-        outs = after_eqn(k, outs)
+        outs = after_eqn(k, bind_eqn(eqn, [read(v) for v in eqn.invars]))
         for var, val in zip(eqn.outvars, outs, strict=True):
             env[var] = val
     return [read(v) for v in jaxpr.outvars]
+
+
+CALL_PRIMITIVES = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr"}
+
+
+class FlatEqn(NamedTuple):
+    """An eqn of a jaxpr with its plain call wrappers (jit, closed_call) inlined: inputs are value
+    keys (ints) or Literals, outputs fresh keys; `scope` is the joined name stack."""
+
+    eqn: Any
+    inputs: tuple
+    outputs: tuple[int, ...]
+    scope: str
+
+
+class FlatProgram(NamedTuple):
+    eqns: list[FlatEqn]
+    consts: dict[int, Any]        # key -> constant value (closed-over arrays)
+    inputs: tuple[int, ...]       # keys of the flat arguments
+    outputs: tuple                # keys (or Literals) of the flat results
+
+
+def flatten_calls(closed: Any) -> FlatProgram:
+    """Inline jit / closed_call wrappers so a program can be cut between any two remaining eqns.
+    Control flow (scan, while, cond), custom derivatives and remat stay whole: cutting them would
+    change what they compute or how they differentiate."""
+    keys = itertools.count()
+    consts: dict[int, Any] = {}
+    out: list[FlatEqn] = []
+
+    def bind_vars(variables: list, values: list, env: dict) -> None:
+        for var, val in zip(variables, values, strict=True):
+            env[var] = val
+
+    def walk(jaxpr: Any, const_vals: list, in_keys: list, scope: str) -> list:
+        env: dict = {}
+        for var, val in zip(jaxpr.constvars, const_vals, strict=True):
+            env[var] = k = next(keys)
+            consts[k] = val
+        bind_vars(jaxpr.invars, in_keys, env)
+
+        def read(a):
+            return a if isinstance(a, Literal) else env[a]
+
+        for eqn in jaxpr.eqns:
+            inner = name_stack(eqn)
+            sc = f"{scope}/{inner}" if scope and inner else (scope or inner)
+            ins = [read(a) for a in eqn.invars]
+            sub = as_open_jaxpr(eqn.params.get(CALL_PRIMITIVES.get(eqn.primitive.name, ""), None))
+            if sub is not None and len(sub[0].invars) == len(ins) and len(sub[0].outvars) == len(eqn.outvars):
+                bind_vars(eqn.outvars, walk(sub[0], sub[1], ins, sc), env)
+                continue
+            outs = tuple(next(keys) for _ in eqn.outvars)
+            out.append(FlatEqn(eqn, tuple(ins), outs, sc))
+            bind_vars(eqn.outvars, list(outs), env)
+        return [read(a) for a in jaxpr.outvars]
+
+    in_keys = [next(keys) for _ in closed.jaxpr.invars]
+    results = walk(closed.jaxpr, list(closed.consts), in_keys, "")
+    return FlatProgram(out, consts, tuple(in_keys), tuple(results))

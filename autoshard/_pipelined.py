@@ -1,0 +1,354 @@
+"""autoshard.pipelined: cut a loss function into pipeline stages and run them with `pipeline.runtime`.
+
+    run = autoshard.pipelined(m.loss, params, batch, mesh={"pipe": 4, "data": 2}, num_microbatches=8)
+    loss, grads = run.value_and_grad(params, batch)      # == jax.value_and_grad(m.loss)(params, batch)
+    state = run.stack(params); loss, g = run(state, batch)   # keep parameters stage-sharded
+
+The loss is traced at the micro-batch shape and its jaxpr flattened (jit wrappers inlined; control
+flow, custom derivatives and remat kept whole). Every eqn that depends on a parameter gets a stage:
+by default the eqn sequence is cut where the cumulative flops cross k/S of the total; with
+`plan=` (a pipeline Plan) each eqn starts at the stage owning the parameters it reads. An eqn
+never runs before the stages of its inputs, so the cut is always a valid chain. Eqns that only
+read the batch (labels, masks, position ids) are recomputed by every stage that needs them instead
+of being sent. Values computed in stage s and used in a later stage travel down the chain; a
+parameter used by several stages (tied embeddings) lives on the first and travels like an
+activation, so its gradients from every use sum in its owner's gradient.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType, Mesh
+
+from . import _jax_compat as jc
+from ._errors import PlanError
+from ._flops import estimate_flops
+from ._graph_attribution import parse_scope
+from ._trace import _simple_params
+
+
+class PipelineSplitError(PlanError):
+    """A loss function that cannot be cut into the requested pipeline stages."""
+
+
+@dataclasses.dataclass(frozen=True)
+class StageInfo:
+    """What one stage of a `Pipelined` loss runs and holds."""
+
+    index: int
+    eqns: int                        # eqns it runs (recomputed batch-only eqns not counted)
+    flops: float                     # per micro-batch, forward
+    modules: tuple[str, ...]         # module paths of its eqns, in order of first appearance
+    params: tuple[str, ...]          # keypaths of the parameters it owns
+    receives: int                    # values it gets from the previous stage
+    receive_bytes: int               # their bytes per micro-batch (per data-parallel replica)
+    borrows: tuple[str, ...] = ()    # parameters of earlier stages it reads (tied weights), received
+
+
+def _mesh(mesh: Any) -> Mesh:
+    if isinstance(mesh, Mesh):
+        return mesh
+    if isinstance(mesh, Mapping) and mesh and all(isinstance(v, int) and v > 0 for v in mesh.values()):
+        n = math.prod(mesh.values())
+        if n > len(jax.devices()):
+            raise PipelineSplitError(
+                f"autoshard.pipelined: mesh {dict(mesh)} needs {n} devices, {len(jax.devices())} are available.")
+        return jax.make_mesh(tuple(mesh.values()), tuple(mesh), axis_types=(AxisType.Auto,) * len(mesh),
+                             devices=jax.devices()[:n])
+    raise PipelineSplitError(f"autoshard.pipelined: mesh must be a jax Mesh or a dict axis -> size, got {mesh!r}.")
+
+
+class Pipelined:
+    """A loss function cut into stages: `value_and_grad` on parameter trees, or `stack` once and call
+    with the stage-sharded `StackedParams` (what a training loop keeps between steps)."""
+
+    def __init__(self, program: Any, stages: tuple[StageInfo, ...], treedef: Any, keys: tuple[str, ...],
+                 owner: tuple[int, ...]):
+        self.program = program
+        self.stages = stages
+        self._treedef, self._keys, self._owner = treedef, keys, owner
+
+    @property
+    def mesh(self) -> Mesh:
+        return self.program.mesh
+
+    def stack(self, params: Any) -> Any:
+        leaves, treedef = jax.tree.flatten(params)
+        if treedef != self._treedef:
+            raise PipelineSplitError(
+                f"autoshard.pipelined: the parameters' structure differs from the one the loss was cut for "
+                f"({treedef.num_leaves} vs {self._treedef.num_leaves} leaves); pass the same parameter tree.")
+        per_stage: list[dict[str, Any]] = [{} for _ in self.stages]
+        for key, s, leaf in zip(self._keys, self._owner, leaves, strict=True):
+            per_stage[s][key] = leaf
+        return self.program.stack(per_stage)
+
+    def unstack(self, stacked: Any) -> Any:
+        per_stage = self.program.unstack(stacked)
+        return jax.tree.unflatten(self._treedef, [per_stage[s][k] for k, s in zip(self._keys, self._owner,
+                                                                                   strict=True)])
+
+    def __call__(self, stacked: Any, batch: Any) -> tuple[jax.Array, Any]:
+        return self.program(stacked, batch)
+
+    def value_and_grad(self, params: Any, batch: Any) -> tuple[jax.Array, Any]:
+        loss, grads = self.program(self.stack(params), batch)
+        return loss, self.unstack(grads)
+
+    def describe(self) -> str:
+        rows = [f"{len(self.stages)} stages, {self.program.num_microbatches} micro-batches, schedule "
+                f"{self.program.schedule.name!r}, mesh {dict(self.mesh.shape)}",
+                "| stage | eqns | GFLOP/micro-batch | params | receives (MiB) | modules |", "|---|---|---|---|---|---|"]
+        for st in self.stages:
+            mods = ", ".join(st.modules[:4]) + (" ..." if len(st.modules) > 4 else "")
+            rows.append(f"| {st.index} | {st.eqns} | {st.flops / 1e9:.3g} | {len(st.params)} | "
+                        f"{st.receives} ({st.receive_bytes / 2**20:.3g}) | {mods} |")
+        return "\n".join(rows)
+
+
+def pipelined(loss_fn: Callable, params: Any, batch: Any, *, mesh: Any, num_microbatches: int,
+              schedule: str = "1f1b", plan: Any = None, pipe_axis: str = "pipe",
+              data_axes: tuple[str, ...] | None = None, check_loss: bool = True) -> Pipelined:
+    """Cut `loss_fn(params, batch) -> scalar mean loss` into one stage per `pipe_axis` rank and build
+    the shard_map pipeline program (see the module docstring). `plan`: a pipeline Plan from
+    `autoshard.plan(..., pipeline="rannc")` whose stage count matches; its parameter placement
+    guides the cut. `data_axes`: mesh axes splitting each micro-batch (default: all but pipe).
+
+    The pipelined loss is the mean of `loss_fn` over the chunks each replica computes per
+    micro-batch (B / (num_microbatches x replicas) consecutive samples). That is the full-batch loss
+    when `loss_fn` averages over samples, but not for ratios such as sum(ce * mask) / sum(mask).
+    `check_loss` (with concrete example arguments) compares the two on the example batch once and
+    raises if they differ; pass False to accept the per-chunk normalisation."""
+    from pipeline.runtime import pipeline_value_and_grad
+
+    if not callable(loss_fn):
+        raise PipelineSplitError(f"autoshard.pipelined: loss_fn must be callable, got {type(loss_fn).__name__}.")
+    mesh = _mesh(mesh)
+    if pipe_axis not in mesh.axis_names:
+        raise PipelineSplitError(
+            f"autoshard.pipelined: the mesh {dict(mesh.shape)} has no {pipe_axis!r} axis; its size is the stage count.")
+    S = mesh.shape[pipe_axis]
+    axes = tuple(a for a in mesh.axis_names if a != pipe_axis) if data_axes is None else tuple(data_axes)
+    dp = math.prod(mesh.shape[a] for a in axes if a in mesh.shape)
+    if isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int) or num_microbatches < 1:
+        raise PipelineSplitError(
+            f"autoshard.pipelined: num_microbatches must be a positive int, got {num_microbatches!r}.")
+    sizes = {x.shape[0] for x in jax.tree.leaves(batch) if getattr(x, "shape", ())}
+    if len(sizes) != 1:
+        raise PipelineSplitError(
+            f"autoshard.pipelined: every batch leaf needs the same leading (batch) dimension; got {sorted(sizes)}.")
+    B = sizes.pop()
+    if B % (num_microbatches * dp):
+        raise PipelineSplitError(
+            f"autoshard.pipelined: batch size {B} does not split into {num_microbatches} micro-batches x {dp} "
+            f"data-parallel replicas (mesh {dict(mesh.shape)}); use a multiple of {num_microbatches * dp}.")
+    mb = B // (num_microbatches * dp)
+
+    p_leaves_kp, treedef = jax.tree_util.tree_flatten_with_path(params)
+    keys = tuple(jc.keystr(kp) for kp, _ in p_leaves_kp)
+    p_struct = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+    b_struct = jax.tree.map(lambda x: jax.ShapeDtypeStruct((mb, *x.shape[1:]), x.dtype), batch)
+    try:
+        closed = jax.make_jaxpr(loss_fn)(p_struct, b_struct)
+    except Exception as e:
+        raise PipelineSplitError(
+            f"autoshard.pipelined: tracing loss_fn at the micro-batch size {mb} failed: {type(e).__name__}: {e}") from e
+    prog = jc.flatten_calls(closed)
+    if len(prog.outputs) != 1 or closed.out_avals[0].shape != () or \
+            not jnp.issubdtype(closed.out_avals[0].dtype, jnp.floating):
+        raise PipelineSplitError(
+            f"autoshard.pipelined: loss_fn must return one scalar float loss (the micro-batch mean); it returns "
+            f"{[(a.shape, str(a.dtype)) for a in closed.out_avals]}.")
+    if check_loss:
+        _check_chunk_mean(loss_fn, params, batch, B // mb, mb, mesh)
+    n_params = len(keys)
+    param_key = {k: i for i, k in enumerate(prog.inputs[:n_params])}   # value key -> leaf index
+    batch_keys = set(prog.inputs[n_params:])
+
+    eqns = prog.eqns
+    producer: dict[int, int] = {k: e for e, fe in enumerate(eqns) for k in fe.outputs}
+    key_ins = [[a for a in fe.inputs if not jc.is_literal(a)] for fe in eqns]
+    # batch-only eqns (no parameter upstream) are recomputed where needed, never sent
+    batch_only = [False] * len(eqns)
+    for e, ins in enumerate(key_ins):
+        batch_only[e] = all(k in batch_keys or k in prog.consts or (k in producer and batch_only[producer[k]])
+                            for k in ins)
+    flops = [estimate_flops(fe.eqn.primitive.name, [jc.aval_shape_dtype(a)[0] for a in fe.eqn.invars],
+                            [jc.aval_shape_dtype(a)[0] for a in fe.eqn.outvars],
+                            _simple_params(fe.eqn.primitive.name, fe.eqn.params)) for fe in eqns]
+
+    modules = [parse_scope(fe.scope)[0] for fe in eqns]
+    anchor = _anchors(plan, S, keys, key_ins, param_key, batch_only, flops, modules)
+    stage = [-1] * len(eqns)
+    for e in range(len(eqns)):
+        if batch_only[e]:
+            continue
+        ins = [stage[producer[k]] for k in key_ins[e] if k in producer and not batch_only[producer[k]]]
+        stage[e] = max([anchor[e], *ins])
+
+    # owners: a parameter lives on the first stage reading it (unread ones on stage 0: zero grads)
+    owner = [S] * n_params
+    for e, ins in enumerate(key_ins):
+        for k in ins:
+            if k in param_key and not batch_only[e]:
+                owner[param_key[k]] = min(owner[param_key[k]], stage[e])
+    owner = [0 if o == S else o for o in owner]
+
+    loss_key = prog.outputs[0]
+    made_at: dict[int, int] = {k: stage[producer[k]] for k in producer if not batch_only[producer[k]]}
+    made_at.update({k: owner[i] for k, i in param_key.items()})
+    last_use: dict[int, int] = {}
+    for e, ins in enumerate(key_ins):
+        if not batch_only[e]:
+            for k in ins:
+                if k in made_at:
+                    last_use[k] = max(last_use.get(k, -1), stage[e])
+    if not jc.is_literal(loss_key) and loss_key in made_at:
+        last_use[loss_key] = S - 1
+    crossing = [[k for k in sorted(made_at) if made_at[k] <= s < last_use.get(k, -1)] for s in range(S - 1)]
+    avals = _avals(prog, closed)
+    for ks in crossing:
+        bad = [k for k in ks if not jnp.issubdtype(avals[k].dtype, jnp.floating)]
+        if bad:
+            k = bad[0]
+            where = f"eqn '{eqns[producer[k]].eqn.primitive.name}' in {eqns[producer[k]].scope or 'the top level'}" \
+                if k in producer else "an input"
+            raise PipelineSplitError(
+                f"autoshard.pipelined: a {avals[k].dtype}{list(avals[k].shape)} value made by {where} in stage "
+                f"{made_at[k]} is used in stage {last_use[k]}; stages exchange only floating-point values. Compute it "
+                f"from the batch alone (then every stage recomputes it) or keep its producer and users together.")
+
+    # per stage: the batch-only eqns it must recompute, then its own eqns, in program order
+    needs_batch_only: list[list[int]] = []
+    for s in range(S):
+        want = {k for e in range(len(eqns)) if stage[e] == s for k in key_ins[e]}
+        if s == S - 1 and not jc.is_literal(loss_key):
+            want.add(loss_key)
+        chosen: set[int] = set()
+        for e in range(len(eqns) - 1, -1, -1):
+            if batch_only[e] and (any(k in want for k in eqns[e].outputs)):
+                chosen.add(e)
+                want.update(key_ins[e])
+        needs_batch_only.append(sorted(chosen))
+
+    fns = [_stage_fn(s, S, prog, stage, needs_batch_only[s], crossing, keys, owner, param_key, loss_key)
+           for s in range(S)]
+    program = pipeline_value_and_grad(fns, mesh, num_microbatches=num_microbatches, schedule=schedule,
+                                      pipe_axis=pipe_axis, data_axes=axes)
+    infos = []
+    for s in range(S):
+        mine = [e for e in range(len(eqns)) if stage[e] == s]
+        mods = list(dict.fromkeys(modules[e] for e in mine))
+        recv = crossing[s - 1] if s else []
+        used = {k for e in mine for k in key_ins[e]}
+        infos.append(StageInfo(s, len(mine), float(sum(flops[e] for e in mine)), tuple(m for m in mods if m),
+                               tuple(k for k, o in zip(keys, owner, strict=True) if o == s), len(recv),
+                               int(sum(np.prod(avals[k].shape) * jnp.dtype(avals[k].dtype).itemsize for k in recv)),
+                               tuple(keys[param_key[k]] for k in recv if k in param_key and k in used)))
+    return Pipelined(program, tuple(infos), treedef, keys, tuple(owner))
+
+
+def _check_chunk_mean(loss_fn: Callable, params: Any, batch: Any, chunks: int, mb: int, mesh: Mesh) -> None:
+    leaves = jax.tree.leaves((params, batch))
+    if not all(isinstance(x, jax.Array | np.ndarray) for x in leaves):
+        return   # abstract example arguments: nothing to evaluate
+    f = jax.jit(loss_fn)
+    full = float(f(params, batch))
+    parts = [float(f(params, jax.tree.map(lambda x, i=i: x[i * mb:(i + 1) * mb], batch))) for i in range(chunks)]
+    mean = float(np.mean(parts))
+    if not math.isclose(full, mean, rel_tol=1e-4, abs_tol=1e-6):
+        raise PipelineSplitError(
+            f"autoshard.pipelined: on the example batch, loss_fn over all {chunks * mb} samples is {full:.6g} but the "
+            f"mean of loss_fn over the {chunks} chunks of {mb} samples the pipeline computes (micro-batches x "
+            f"data-parallel replicas, mesh {dict(mesh.shape)}) is {mean:.6g}: the loss is not a mean over samples "
+            f"(e.g. sum(ce * mask) / sum(mask)), so pipelining would change it. Fix: normalise by a per-sample or "
+            f"constant count, or pass check_loss=False to train on the chunk-mean loss.")
+
+
+def _anchors(plan: Any, S: int, keys: tuple[str, ...], key_ins: list, param_key: dict, batch_only: list,
+             flops: list, modules: list[str]) -> list[int]:
+    """The earliest stage of every eqn before data dependencies push it later."""
+    n = len(key_ins)
+    if plan is None:   # equal forward flops per stage along the program order
+        work = np.array([0.0 if batch_only[e] else flops[e] for e in range(n)])
+        total = float(work.sum())
+        if total <= 0:
+            work = np.array([0.0 if batch_only[e] else 1.0 for e in range(n)])
+            total = float(work.sum()) or 1.0
+        mid = np.cumsum(work) - work / 2
+        return [min(S - 1, int(m / total * S)) for m in mid]
+    stages = getattr(plan, "stages", None)
+    if not stages:
+        raise PipelineSplitError("autoshard.pipelined: plan= takes a pipeline Plan (autoshard.plan(..., pipeline="
+                                 "'rannc')); this plan has no stages.")
+    if len(stages) != S:
+        raise PipelineSplitError(
+            f"autoshard.pipelined: the plan has {len(stages)} stages but the mesh's pipe axis has {S} ranks; plan "
+            f"with a 'pipe' axis of the same size (mesh={{'pipe': {S}, ...}}).")
+    plan_owner: dict[str, int] = {}
+    for st in stages:
+        for kp in st.params:
+            plan_owner[kp] = st.index
+    stage_of_leaf = []
+    for k in keys:
+        hits = {s for kp, s in plan_owner.items() if kp.endswith(k) and kp[:-len(k)].startswith("[")
+                and kp[:-len(k)].endswith("]") and kp[:-len(k)].count("[") == 1}
+        if len(hits) != 1:
+            raise PipelineSplitError(
+                f"autoshard.pipelined: parameter {k} is {'not in' if not hits else 'ambiguous in'} the plan's stage "
+                f"parameters; the plan must come from a train step taking these parameters as one argument.")
+        stage_of_leaf.append(hits.pop())
+    # A parameter read in several modules (tied embeddings) has one plan stage but uses at both ends
+    # of the model; it anchors nothing, its uses follow their other inputs.
+    readers: dict[int, set[str]] = {}
+    for e, ins in enumerate(key_ins):
+        for k in ins:
+            if k in param_key and not batch_only[e]:
+                readers.setdefault(k, set()).add(modules[e])
+    return [max([0, *(stage_of_leaf[param_key[k]] for k in ins if k in param_key and len(readers[k]) == 1)])
+            for ins in key_ins]
+
+
+def _avals(prog: Any, closed: Any) -> dict[int, Any]:
+    out: dict[int, Any] = {}
+    for k, v in zip(prog.inputs, closed.in_avals, strict=True):
+        out[k] = v
+    for fe in prog.eqns:
+        for k, var in zip(fe.outputs, fe.eqn.outvars, strict=True):
+            out[k] = var.aval
+    return out
+
+
+def _stage_fn(s: int, S: int, prog: Any, stage: list[int], batch_only_eqns: list[int], crossing: list,
+              keys: tuple[str, ...], owner: list[int], param_key: dict, loss_key: Any) -> Callable:
+    own = sorted(set(batch_only_eqns) | {e for e, st in enumerate(stage) if st == s})
+    recv = crossing[s - 1] if s else []
+    send = crossing[s] if s < S - 1 else None
+    n_params = len(keys)
+    my_params = [(prog.inputs[i], keys[i]) for i in range(n_params) if owner[i] == s]
+    batch_in = prog.inputs[n_params:]
+
+    def read(env, a):
+        return a.val if jc.is_literal(a) else env[a]
+
+    def fn(params: dict, batch: Any, *inputs: Any) -> Any:
+        env: dict = dict(prog.consts)
+        env.update(zip(batch_in, jax.tree.leaves(batch), strict=True))
+        env.update({k: params[name] for k, name in my_params})
+        if s:
+            env.update(zip(recv, inputs[0], strict=True))
+        for e in own:
+            fe = prog.eqns[e]
+            env.update(zip(fe.outputs, jc.bind_eqn(fe.eqn, [read(env, a) for a in fe.inputs]), strict=True))
+        if send is None:
+            return read(env, loss_key)
+        return tuple(env[k] for k in send)
+
+    return fn

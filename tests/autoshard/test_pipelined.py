@@ -1,0 +1,142 @@
+"""autoshard.pipelined cuts a model's loss into pipeline stages and runs them with the shard_map
+runtime: loss and gradients equal single-device jax.value_and_grad (balanced and plan-guided cuts,
+tied embeddings, remat and nnx models), training on the stage-sharded parameters equals the
+model's own train step, and what cannot be cut gets a typed error."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import autoshard
+import models
+from autoshard import PipelineSplitError
+
+
+def assert_close(got, want, tol=1e-5):
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=tol, atol=tol)
+
+
+def model_args(name, **overrides):
+    m = models.get(name, "debug", **overrides)
+    return m, m.init(jax.random.key(0)), m.batch()
+
+
+@pytest.mark.parametrize("name,overrides,mesh,microbatches,schedule", [
+    ("mlp", {}, {"pipe": 4, "data": 2}, 2, "1f1b"),
+    ("gpt", {}, {"pipe": 4, "data": 2}, 2, "1f1b"),
+    ("gpt", {"remat": True}, {"pipe": 2, "data": 2}, 2, "gpipe"),
+    ("gpt_nnx", {}, {"pipe": 4}, 4, "1f1b"),
+])
+def test_matches_single_device(name, overrides, mesh, microbatches, schedule):
+    m, params, batch = model_args(name, **overrides)
+    run = autoshard.pipelined(m.loss, params, batch, mesh=mesh, num_microbatches=microbatches, schedule=schedule)
+    assert len(run.stages) == mesh["pipe"]
+    assert all(st.eqns > 0 for st in run.stages)
+    loss, grads = run.value_and_grad(params, batch)
+    want_loss, want_grads = jax.value_and_grad(m.loss)(params, batch)
+    np.testing.assert_allclose(float(loss), float(want_loss), rtol=1e-5)
+    assert_close(grads, want_grads)
+    # every parameter is owned by exactly one stage
+    owned = [k for st in run.stages for k in st.params]
+    paths = jax.tree_util.tree_flatten_with_path(params)[0]
+    assert sorted(owned) == sorted(jax.tree_util.keystr(kp) for kp, _ in paths)
+
+
+def test_tied_embedding_lives_on_first_stage_and_travels():
+    m, params, batch = model_args("gpt")
+    run = autoshard.pipelined(m.loss, params, batch, mesh={"pipe": 4}, num_microbatches=2)
+    wte = [k for k in run.stages[0].params if "wte" in k]
+    assert wte, run.describe()
+    assert "GPT/wte.attend" in run.stages[-1].modules   # the head reads wte three stages later
+    # the head's stage receives the embedding with the activations; its gradient from both uses
+    # sums in stage 0's gradient row
+    assert run.stages[-1].borrows == ("['wte']['embedding']",)
+    assert all(not st.borrows for st in run.stages[:-1])
+    assert run.stages[-1].receive_bytes >= params["wte"]["embedding"].nbytes
+    loss, grads = run.value_and_grad(params, batch)
+    assert_close(grads["wte"], jax.grad(m.loss)(params, batch)["wte"])
+
+
+def test_plan_guides_the_cut():
+    m, params, batch = model_args("gpt")
+    opt = m.optimizer.init(params)
+    plan = autoshard.plan(m.train_step, params, opt, batch, mesh={"pipe": 4, "data": 2}, hardware="cpu-sim",
+                          pipeline="rannc")
+    run = autoshard.pipelined(m.loss, params, batch, mesh={"pipe": 4, "data": 2}, num_microbatches=2, plan=plan)
+    plan_stage = {kp[len("[0]"):]: st.index for st in plan.stages for kp in st.params}
+    for st in run.stages:
+        for k in st.params:
+            if "wte" not in k:     # the tied embedding follows its first use instead
+                assert plan_stage[k] == st.index, (k, plan_stage[k], st.index)
+    balanced = autoshard.pipelined(m.loss, params, batch, mesh={"pipe": 4, "data": 2}, num_microbatches=2)
+    assert [st.params for st in run.stages] != [st.params for st in balanced.stages]
+    assert_close(run.value_and_grad(params, batch), jax.value_and_grad(m.loss)(params, batch))
+
+
+def test_training_on_stacked_params_matches_train_step():
+    m, params, batch = model_args("gpt")
+    run = autoshard.pipelined(m.loss, params, batch, mesh={"pipe": 2, "data": 4}, num_microbatches=1)
+    opt = m.optimizer   # adamw: elementwise, so it updates the flat stage buffer exactly
+    state = run.stack(params)
+    opt_state = opt.init(state)
+    ref_params, ref_opt = params, opt.init(params)
+    step = jax.jit(m.train_step)
+    for _ in range(3):
+        loss, grads = run(state, batch)
+        updates, opt_state = opt.update(grads, opt_state, state)
+        state = optax.apply_updates(state, updates)
+        ref_params, ref_opt, ref_loss = step(ref_params, ref_opt, batch)
+        np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
+    assert_close(run.unstack(state), ref_params)
+
+
+def test_ratio_loss_is_refused_unless_accepted():
+    m, params, batch = model_args("bert")    # sum(ce * weights) / sum(weights): not a per-sample mean
+    with pytest.raises(PipelineSplitError, match="not a mean over samples"):
+        autoshard.pipelined(m.loss, params, batch, mesh={"pipe": 2, "data": 2}, num_microbatches=2)
+    run = autoshard.pipelined(m.loss, params, batch, mesh={"pipe": 2, "data": 2}, num_microbatches=2,
+                              check_loss=False)
+    loss, grads = run.value_and_grad(params, batch)
+    chunks = [jax.tree.map(lambda x, i=i: x[i:i + 1], batch) for i in range(4)]
+    parts = [jax.value_and_grad(m.loss)(params, c) for c in chunks]
+    np.testing.assert_allclose(float(loss), np.mean([float(p[0]) for p in parts]), rtol=1e-5)
+    assert_close(grads, jax.tree.map(lambda *g: sum(g) / 4, *[p[1] for p in parts]))
+
+
+def test_errors():
+    m, params, batch = model_args("mlp")
+    with pytest.raises(PipelineSplitError, match="no 'pipe' axis"):
+        autoshard.pipelined(m.loss, params, batch, mesh={"data": 8}, num_microbatches=2)
+    with pytest.raises(PipelineSplitError, match="batch size 8 does not split into 3 micro-batches x 2"):
+        autoshard.pipelined(m.loss, params, batch, mesh={"pipe": 4, "data": 2}, num_microbatches=3)
+    with pytest.raises(PipelineSplitError, match="one scalar float loss"):
+        autoshard.pipelined(lambda p, b: (m.loss(p, b), 0.0), params, batch, mesh={"pipe": 2}, num_microbatches=2)
+    opt = m.optimizer.init(params)
+    plan = autoshard.plan(m.train_step, params, opt, batch, mesh={"pipe": 2, "data": 4}, hardware="cpu-sim",
+                          pipeline="rannc")
+    with pytest.raises(PipelineSplitError, match="the plan has 2 stages but the mesh's pipe axis has 4"):
+        autoshard.pipelined(m.loss, params, batch, mesh={"pipe": 4, "data": 2}, num_microbatches=2, plan=plan)
+    tensor_plan = autoshard.plan(m.train_step, params, opt, batch, mesh={"data": 8}, hardware="cpu-sim")
+    with pytest.raises(PipelineSplitError, match="has no stages"):
+        autoshard.pipelined(m.loss, params, batch, mesh={"pipe": 2}, num_microbatches=2, plan=tensor_plan)
+
+
+def test_integer_value_between_stages_is_refused():
+    keys = jax.random.split(jax.random.key(1), 3)
+    params = {"a": jax.random.normal(keys[0], (8, 64)), "b": jax.random.normal(keys[1], (64, 64)),
+              "c": jax.random.normal(keys[2], (64, 64))}
+    batch = {"x": jnp.ones((4, 8))}
+
+    def loss(p, b):
+        h = jnp.tanh(b["x"] @ p["a"])
+        idx = jnp.argmax(h, axis=-1)                 # integer, computed from stage-0 activations
+        h = jnp.tanh(jnp.tanh(h @ p["b"]) @ p["c"])
+        return jnp.mean(h * idx[:, None].astype(h.dtype))
+
+    with pytest.raises(PipelineSplitError, match="int32.*stages exchange only floating-point values"):
+        autoshard.pipelined(loss, params, batch, mesh={"pipe": 2}, num_microbatches=1)
