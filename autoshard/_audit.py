@@ -191,9 +191,10 @@ def audit(plan: Plan, step: Callable, *args: Any, mesh: Mesh | None = None) -> A
                         "Fix: pass the result of autoshard.plan(...) or an expert plan.")
     if plan.stages:
         raise PlanError(f"autoshard.audit: this is a pipeline plan ({len(plan.stages)} stages, "
-                        f"{plan.predicted['pipeline']['method']}); compiling pipeline stages needs the pipeline "
-                        "runtime, which autoshard does not have yet. Fix: audit a tensor sharding plan "
-                        "(autoshard.plan without pipeline=...).")
+                        f"{plan.predicted['pipeline']['method']}); audit compiles one jit program of the step. "
+                        "Fix: build the pipeline with autoshard.pipelined(loss_fn, params, batch, mesh=..., "
+                        "num_microbatches=..., plan=plan) and inspect run.program.lower(...).compile(), or audit "
+                        "a tensor sharding plan (autoshard.plan without pipeline=...).")
     abstract = _abstract(args)
     if plan._treedef is None:
         plan = plan.bind(*abstract)

@@ -106,8 +106,9 @@ def jit_step(step: Callable, plan: Plan, mesh: Mesh, args: tuple, donate: bool =
     raises ShapesChanged (before anything runs or is donated)."""
     if plan.stages:
         raise PlanError(f"autoshard: a pipeline plan ({len(plan.stages)} stages) cannot be run as one jit "
-                        "program: that would silently drop its stages. The pipeline runtime is not built yet; "
-                        "run a tensor sharding plan (autoshard.plan without pipeline=...).")
+                        "program: that would silently drop its stages, and the decorator does not run pipelines "
+                        "yet. Fix: run the loss with autoshard.pipelined(loss_fn, params, batch, mesh=..., "
+                        "num_microbatches=..., plan=plan), or use a tensor sharding plan (no pipeline=...).")
     ins, outs = shardings(plan, mesh)
     fn = constrained(step, plan, mesh, args)
     if guard:

@@ -10,9 +10,10 @@ by default the eqn sequence is cut where the cumulative flops cross k/S of the t
 `plan=` (a pipeline Plan) each eqn starts at the stage owning the parameters it reads. An eqn
 never runs before the stages of its inputs, so the cut is always a valid chain. Eqns that only
 read the batch (labels, masks, position ids) are recomputed by every stage that needs them instead
-of being sent. Values computed in stage s and used in a later stage travel down the chain; a
-parameter used by several stages (tied embeddings) lives on the first and travels like an
-activation, so its gradients from every use sum in its owner's gradient.
+of being sent. Values computed in stage s and used in a later stage travel down the chain. A
+parameter read by several stages (tied embeddings) has a copy on each; the runtime sums the copies'
+gradients once per step, so an elementwise optimizer keeps them equal and the weight never
+travels with the micro-batches.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ class StageInfo:
     params: tuple[str, ...]          # keypaths of the parameters it owns
     receives: int                    # values it gets from the previous stage
     receive_bytes: int               # their bytes per micro-batch (per data-parallel replica)
-    borrows: tuple[str, ...] = ()    # parameters of earlier stages it reads (tied weights), received
+    borrows: tuple[str, ...] = ()    # copies of earlier stages' parameters it reads (tied weights)
 
 
 def _mesh(mesh: Any) -> Mesh:
@@ -70,10 +71,10 @@ class Pipelined:
     with the stage-sharded `StackedParams` (what a training loop keeps between steps)."""
 
     def __init__(self, program: Any, stages: tuple[StageInfo, ...], treedef: Any, keys: tuple[str, ...],
-                 owner: tuple[int, ...]):
+                 owner: tuple[int, ...], holders: tuple[tuple[int, ...], ...]):
         self.program = program
         self.stages = stages
-        self._treedef, self._keys, self._owner = treedef, keys, owner
+        self._treedef, self._keys, self._owner, self._holders = treedef, keys, owner, holders
 
     @property
     def mesh(self) -> Mesh:
@@ -86,8 +87,9 @@ class Pipelined:
                 f"autoshard.pipelined: the parameters' structure differs from the one the loss was cut for "
                 f"({treedef.num_leaves} vs {self._treedef.num_leaves} leaves); pass the same parameter tree.")
         per_stage: list[dict[str, Any]] = [{} for _ in self.stages]
-        for key, s, leaf in zip(self._keys, self._owner, leaves, strict=True):
-            per_stage[s][key] = leaf
+        for key, held_by, leaf in zip(self._keys, self._holders, leaves, strict=True):
+            for s in held_by:
+                per_stage[s][key] = leaf
         return self.program.stack(per_stage)
 
     def unstack(self, stacked: Any) -> Any:
@@ -193,17 +195,18 @@ def pipelined(loss_fn: Callable, params: Any, batch: Any, *, mesh: Any, num_micr
         ins = [stage[producer[k]] for k in key_ins[e] if k in producer and not batch_only[producer[k]]]
         stage[e] = max([anchor[e], *ins])
 
-    # owners: a parameter lives on the first stage reading it (unread ones on stage 0: zero grads)
-    owner = [S] * n_params
+    # holders: every stage reading a parameter keeps a copy (tied embeddings: the first and the last
+    # stage), the runtime sums the copies' gradients once per step; unread ones live on stage 0
+    holders: list[set[int]] = [set() for _ in range(n_params)]
     for e, ins in enumerate(key_ins):
         for k in ins:
             if k in param_key and not batch_only[e]:
-                owner[param_key[k]] = min(owner[param_key[k]], stage[e])
-    owner = [0 if o == S else o for o in owner]
+                holders[param_key[k]].add(stage[e])
+    holders = [h or {0} for h in holders]
+    owner = [min(h) for h in holders]
 
     loss_key = prog.outputs[0]
     made_at: dict[int, int] = {k: stage[producer[k]] for k in producer if not batch_only[producer[k]]}
-    made_at.update({k: owner[i] for k, i in param_key.items()})
     last_use: dict[int, int] = {}
     for e, ins in enumerate(key_ins):
         if not batch_only[e]:
@@ -238,21 +241,21 @@ def pipelined(loss_fn: Callable, params: Any, batch: Any, *, mesh: Any, num_micr
                 want.update(key_ins[e])
         needs_batch_only.append(sorted(chosen))
 
-    fns = [_stage_fn(s, S, prog, stage, needs_batch_only[s], crossing, keys, owner, param_key, loss_key)
+    fns = [_stage_fn(s, S, prog, stage, needs_batch_only[s], crossing, keys, holders, loss_key)
            for s in range(S)]
+    tied = [[(h, _dict_path(keys[i])) for h in sorted(holders[i])] for i in range(n_params) if len(holders[i]) > 1]
     program = pipeline_value_and_grad(fns, mesh, num_microbatches=num_microbatches, schedule=schedule,
-                                      pipe_axis=pipe_axis, data_axes=axes)
+                                      pipe_axis=pipe_axis, data_axes=axes, tied=tied)
     infos = []
     for s in range(S):
         mine = [e for e in range(len(eqns)) if stage[e] == s]
         mods = list(dict.fromkeys(modules[e] for e in mine))
         recv = crossing[s - 1] if s else []
-        used = {k for e in mine for k in key_ins[e]}
         infos.append(StageInfo(s, len(mine), float(sum(flops[e] for e in mine)), tuple(m for m in mods if m),
                                tuple(k for k, o in zip(keys, owner, strict=True) if o == s), len(recv),
                                int(sum(np.prod(avals[k].shape) * jnp.dtype(avals[k].dtype).itemsize for k in recv)),
-                               tuple(keys[param_key[k]] for k in recv if k in param_key and k in used)))
-    return Pipelined(program, tuple(infos), treedef, keys, tuple(owner))
+                               tuple(k for k, h, o in zip(keys, holders, owner, strict=True) if s in h and o != s)))
+    return Pipelined(program, tuple(infos), treedef, keys, tuple(owner), tuple(map(tuple, holders)))
 
 
 def _check_chunk_mean(loss_fn: Callable, params: Any, batch: Any, chunks: int, mb: int, mesh: Mesh) -> None:
@@ -326,13 +329,17 @@ def _avals(prog: Any, closed: Any) -> dict[int, Any]:
     return out
 
 
+def _dict_path(key: str) -> str:
+    return jax.tree_util.keystr((jax.tree_util.DictKey(key),))
+
+
 def _stage_fn(s: int, S: int, prog: Any, stage: list[int], batch_only_eqns: list[int], crossing: list,
-              keys: tuple[str, ...], owner: list[int], param_key: dict, loss_key: Any) -> Callable:
+              keys: tuple[str, ...], holders: list[set[int]], loss_key: Any) -> Callable:
     own = sorted(set(batch_only_eqns) | {e for e, st in enumerate(stage) if st == s})
     recv = crossing[s - 1] if s else []
     send = crossing[s] if s < S - 1 else None
     n_params = len(keys)
-    my_params = [(prog.inputs[i], keys[i]) for i in range(n_params) if owner[i] == s]
+    my_params = [(prog.inputs[i], keys[i]) for i in range(n_params) if s in holders[i]]
     batch_in = prog.inputs[n_params:]
 
     def read(env, a):

@@ -62,6 +62,7 @@ class Layout:
     dtypes: tuple[str, ...]
     offsets: tuple[int, ...]
     size: int
+    paths: tuple[str, ...] = ()     # jax.tree_util.keystr of every leaf
 
     def pack(self, tree: Any, width: int, dtype: Any) -> jax.Array:
         leaves = jax.tree.leaves(tree)
@@ -77,7 +78,8 @@ class Layout:
 
 
 def _layout(tree: Any, what: str) -> Layout:
-    leaves, treedef = jax.tree.flatten(tree)
+    with_paths, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    leaves = [x for _, x in with_paths]
     bad = [(i, x) for i, x in enumerate(leaves) if not jnp.issubdtype(x.dtype, jnp.floating)]
     if bad:
         i, x = bad[0]
@@ -88,7 +90,8 @@ def _layout(tree: Any, what: str) -> Layout:
     shapes = tuple(tuple(int(d) for d in x.shape) for x in leaves)
     sizes = [math.prod(s) for s in shapes]
     offsets = tuple(int(o) for o in np.cumsum([0, *sizes[:-1]])) if sizes else ()
-    return Layout(treedef, shapes, tuple(str(x.dtype) for x in leaves), offsets, int(sum(sizes)))
+    return Layout(treedef, shapes, tuple(str(x.dtype) for x in leaves), offsets, int(sum(sizes)),
+                  tuple(jax.tree_util.keystr(kp) for kp, _ in with_paths))
 
 
 def _buffer_dtype(layouts: Sequence[Layout]) -> Any:
@@ -198,8 +201,9 @@ class PipelineProgram:
     """`prog(stacked_params, batch) -> (loss, grads)`: one jitted SPMD program per batch shape."""
 
     def __init__(self, stage_fns: Sequence[Callable], mesh: Mesh, sched: Schedule, pipe_axis: str,
-                 data_axes: tuple[str, ...]):
+                 data_axes: tuple[str, ...], tied: tuple[tuple[tuple[int, str], ...], ...] = ()):
         self.stage_fns = tuple(stage_fns)
+        self.tied = tied
         self.mesh = mesh
         self.schedule = sched
         self.pipe_axis = pipe_axis
@@ -275,6 +279,25 @@ class PipelineProgram:
         """Per-stage parameter trees in, per-stage gradient trees out (stacks and unstacks)."""
         loss, grads = self(self.stack(params), batch)
         return loss, self.unstack(grads)
+
+    def _tie_offsets(self, group: tuple[tuple[int, str], ...], layouts: tuple[Layout, ...]):
+        """(member stages, flat offset per rank (0 off the group), leaf size) of one tied parameter."""
+        offsets = np.zeros(self.num_stages, np.int32)
+        shapes = set()
+        for s, path in group:
+            lay = layouts[s]
+            if path not in lay.paths:
+                raise PipelineRuntimeError(
+                    f"pipeline runtime: tied parameter {path} is not in stage {s}'s parameters "
+                    f"(it has {list(lay.paths)[:6]}{' ...' if len(lay.paths) > 6 else ''}).")
+            i = lay.paths.index(path)
+            offsets[s] = lay.offsets[i]
+            shapes.add((lay.shapes[i], lay.dtypes[i]))
+        if len(shapes) != 1:
+            raise PipelineRuntimeError(
+                f"pipeline runtime: tied copies {list(group)} differ in shape or dtype: {sorted(shapes)}.")
+        (shape, _), = shapes
+        return tuple(s for s, _ in group), offsets, math.prod(shape)
 
     def _batch_size(self, batch: Any) -> int:
         leaves = jax.tree.leaves(batch)
@@ -383,6 +406,7 @@ class PipelineProgram:
 
         tables = [(pairs, lookup(pairs, "fwd"), lookup(pairs, "bwd")) for pairs in groups]
         pipe, data_axes = self.pipe_axis, self.data_axes
+        ties = [self._tie_offsets(group, params.layouts) for group in self.tied]
 
         def body(flat, batch_mb):
             r = lax.axis_index(pipe)
@@ -415,6 +439,15 @@ class PipelineProgram:
                      jnp.zeros((n_out_max, st.num_out_slots, A), act_dtype),
                      jnp.zeros((P_width,), p_dtype), jnp.zeros((), jnp.float32))
             _, _, gacc, loss = lax.fori_loop(0, st.kind.shape[0], tick, carry)
+            for members, offsets, n in ties:    # copies of one parameter: every copy gets the sum
+                off = jnp.asarray(offsets)[r]
+                mine = lax.dynamic_slice_in_dim(gacc, off, n)
+                total = mine
+                for j in range(1, len(members)):
+                    perm = [(members[i], members[(i + j) % len(members)]) for i in range(len(members))]
+                    total = total + lax.ppermute(mine, pipe, perm=perm)
+                member = jnp.isin(r, jnp.asarray(members))
+                gacc = lax.dynamic_update_slice_in_dim(gacc, jnp.where(member, total, mine), off, 0)
             loss = lax.psum(loss, pipe)
             if data_axes:
                 loss, gacc = lax.pmean(loss, data_axes), lax.pmean(gacc, data_axes)
@@ -450,12 +483,16 @@ def _topological(n: int, edges: Sequence[tuple[int, int]]) -> list[int]:
 
 def pipeline_value_and_grad(stage_fns: Sequence[Callable], mesh: Mesh, *, num_microbatches: int | None = None,
                             schedule: str | Schedule = "1f1b", edges: Sequence[tuple[int, int]] | None = None,
-                            pipe_axis: str = "pipe", data_axes: Sequence[str] | None = None) -> PipelineProgram:
+                            pipe_axis: str = "pipe", data_axes: Sequence[str] | None = None,
+                            tied: Sequence[Sequence[tuple[int, str]]] = ()) -> PipelineProgram:
     """Build the SPMD pipeline program for `stage_fns` on `mesh` (see the module docstring).
 
     `schedule`: a registered name ("gpipe", "1f1b", "graph-1f1b") built with `num_microbatches` and
     `edges` (default: a chain), or a `pipeline.Schedule` (then its own stage DAG and counts are used).
-    `data_axes`: mesh axes splitting each micro-batch; default every axis but `pipe_axis`."""
+    `data_axes`: mesh axes splitting each micro-batch; default every axis but `pipe_axis`.
+    `tied`: groups of (stage, keystr path in that stage's parameters) holding copies of one parameter
+    (tied embeddings): each copy's gradient becomes the group's sum once per step, so copies updated
+    by an elementwise optimizer stay equal, and the weight never travels with the micro-batches."""
     if not isinstance(mesh, Mesh):
         raise PipelineRuntimeError(f"pipeline runtime: mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}.")
     fns = tuple(stage_fns) if isinstance(stage_fns, (list, tuple)) else None
@@ -508,4 +545,10 @@ def pipeline_value_and_grad(stage_fns: Sequence[Callable], mesh: Mesh, *, num_mi
         raise PipelineRuntimeError(
             f"pipeline runtime: per-stage micro-batch counts {list(sched.num_microbatches)} are not supported yet; "
             f"the runtime needs one count for every stage (GraphPipe plans with per_stage_microbatch=False).")
-    return PipelineProgram(fns, mesh, sched, pipe_axis, axes)
+    groups = tuple(tuple((int(st), str(path)) for st, path in group) for group in tied)
+    for group in groups:
+        stages = [st for st, _ in group]
+        if len(group) < 2 or len(set(stages)) != len(stages) or not all(0 <= st < S for st in stages):
+            raise PipelineRuntimeError(
+                f"pipeline runtime: tied group {list(group)} must name two or more distinct stages 0..{S - 1}.")
+    return PipelineProgram(fns, mesh, sched, pipe_axis, axes, groups)

@@ -163,6 +163,40 @@ def test_fan_out_sums_gradients():
     assert_close(prog.value_and_grad(params, data), jax.value_and_grad(full)(params, data))
 
 
+def test_tied_copies_get_the_summed_gradient():
+    # one matrix E used by stage 0 (embed) and stage 2 (project back): each stage holds a copy and
+    # both copies' gradients equal d loss / d E over both uses
+    m = mesh((3, 2), ("pipe", "data"))
+    keys = jax.random.split(jax.random.key(7), 4)
+    E = jax.random.normal(keys[0], (5, 4))
+    mid_p = dense(keys[1], 4, 4)
+    data = {"x": jax.random.normal(keys[2], (8, 5)), "y": jax.random.normal(keys[3], (8, 5))}
+
+    def embed(p, b):
+        return b["x"] @ p["E"]
+
+    def unembed(p, b, x):
+        return jnp.mean((x @ p["E"].T + p["bias"] - b["y"]) ** 2)
+
+    def full(e, mp, bias, b):
+        return unembed({"E": e, "bias": bias}, b, hidden(mp, b, embed({"E": e}, b)))
+
+    bias = jnp.zeros((5,))
+    prog = pipeline_value_and_grad([embed, hidden, unembed], m, num_microbatches=2,
+                                   tied=[[(0, "['E']"), (2, "['E']")]])
+    loss, grads = prog.value_and_grad([{"E": E}, mid_p, {"E": E, "bias": bias}], data)
+    want_loss, (gE, gmid, gbias) = jax.value_and_grad(full, argnums=(0, 1, 2))(E, mid_p, bias, data)
+    np.testing.assert_allclose(float(loss), float(want_loss), rtol=1e-5)
+    assert_close([grads[0]["E"], grads[2]["E"], grads[1], grads[2]["bias"]], [gE, gE, gmid, gbias])
+
+    with pytest.raises(PipelineRuntimeError, match="two or more distinct stages"):
+        pipeline_value_and_grad([embed, hidden, unembed], m, num_microbatches=2, tied=[[(0, "['E']")]])
+    wrong = pipeline_value_and_grad([embed, hidden, unembed], m, num_microbatches=2,
+                                    tied=[[(0, "['E']"), (2, "['F']")]])
+    with pytest.raises(PipelineRuntimeError, match=r"tied parameter \['F'\] is not in stage 2"):
+        wrong.value_and_grad([{"E": E}, mid_p, {"E": E, "bias": bias}], data)
+
+
 def test_optax_step_on_stacked_params_matches_per_stage_update():
     m = mesh((4, 2), ("pipe", "data"))
     fns, params, data, full_loss = chain_problem(4)
