@@ -29,6 +29,7 @@ from ._pipelined import Pipelined as Pipelined
 from ._pipelined import PipelineSplitError as PipelineSplitError
 from ._pipelined import StageInfo as StageInfo
 from ._pipelined import pipelined as pipelined
+from ._pipelined_step import value_and_grad as value_and_grad
 from ._plan import Plan as Plan
 from ._planner import expert_plan as expert_plan
 from ._planner import plan as plan

@@ -192,9 +192,10 @@ def audit(plan: Plan, step: Callable, *args: Any, mesh: Mesh | None = None) -> A
     if plan.stages:
         raise PlanError(f"autoshard.audit: this is a pipeline plan ({len(plan.stages)} stages, "
                         f"{plan.predicted['pipeline']['method']}); audit compiles one jit program of the step. "
-                        "Fix: build the pipeline with autoshard.pipelined(loss_fn, params, batch, mesh=..., "
-                        "num_microbatches=..., plan=plan) and inspect run.program.lower(...).compile(), or audit "
-                        "a tensor sharding plan (autoshard.plan without pipeline=...).")
+                        "Fix: run it with @autoshard(..., pipeline=...) and inspect step.lower(*args).compile(), "
+                        "or with autoshard.pipelined(loss_fn, params, batch, mesh=..., num_microbatches=..., "
+                        "plan=plan) and inspect run.program.lower(...).compile(); or audit a tensor sharding plan "
+                        "(autoshard.plan without pipeline=...).")
     abstract = _abstract(args)
     if plan._treedef is None:
         plan = plan.bind(*abstract)

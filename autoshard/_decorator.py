@@ -12,8 +12,9 @@ from typing import Any
 
 import jax
 
-from ._emit import ShapesChanged, jit_step, make_mesh, shardings
+from ._emit import ShapesChanged, _signature, donated_argnums, jit_step, make_mesh, shardings
 from ._errors import AutoshardError, PlanError
+from ._pipelined_step import pipelined_step
 from ._plan import Plan
 from ._planner import fingerprint
 from ._planner import plan as make_plan
@@ -25,13 +26,15 @@ class ConfigError(AutoshardError, ValueError):
     """An autoshard config file or option is invalid."""
 
 
-_CONFIG_KEYS = {"mesh", "hardware", "memory_budget", "options", "cache_dir"}
+_CONFIG_KEYS = {"mesh", "hardware", "memory_budget", "options", "cache_dir", "pipeline", "schedule",
+                "num_microbatches", "pipeline_options"}
 _OPTION_KEYS = {"storage_modes", "max_plans", "overlap", "bucket_bytes"}
 _PLAN_CACHE: dict[tuple, Plan] = {}
 
 
 def load_config(path: str | os.PathLike) -> dict[str, Any]:
-    """Read an autoshard TOML config (mesh, hardware, memory_budget, options, cache_dir)."""
+    """Read an autoshard TOML config (mesh, hardware, memory_budget, options, cache_dir, and for
+    pipelines pipeline, schedule, num_microbatches, pipeline_options)."""
     p = Path(path)
     try:
         data = tomllib.loads(p.read_text())
@@ -73,8 +76,17 @@ class Autosharded:
     def __init__(self, fn: Callable, *, mesh: Any = None, hardware: Any = None,
                  memory_budget: float | None = None, config: str | os.PathLike | None = None,
                  plan: Plan | str | os.PathLike | None = None, donate: bool = True,
-                 cache_dir: str | os.PathLike | None = None, options: SearchOptions | None = None):
+                 cache_dir: str | os.PathLike | None = None, options: SearchOptions | None = None,
+                 pipeline: str | None = None, schedule: str | None = None, num_microbatches: int | None = None,
+                 pipeline_options: dict | None = None):
         cfg = load_config(config) if config is not None else {}
+        self.pipeline = pipeline if pipeline is not None else cfg.get("pipeline")
+        self.schedule = schedule if schedule is not None else cfg.get("schedule", "1f1b")
+        self.num_microbatches = num_microbatches if num_microbatches is not None else cfg.get("num_microbatches")
+        self.pipeline_options = pipeline_options if pipeline_options is not None else cfg.get("pipeline_options")
+        if self.pipeline is None and (schedule, num_microbatches, pipeline_options) != (None, None, None):
+            raise ConfigError("autoshard: schedule, num_microbatches and pipeline_options apply to pipeline "
+                              "plans only; pass pipeline='rannc' (or 'auto') with a 'pipe' mesh axis, or drop them.")
         self.fn = fn
         self.mesh_arg = mesh if mesh is not None else cfg.get("mesh")
         if self.mesh_arg is None:
@@ -90,12 +102,14 @@ class Autosharded:
         self._plan: Plan | None = None
         self._jitted = None
         self._mesh = None
+        self._pipelined = None
         functools.update_wrapper(self, fn)
 
     # --- planning -------------------------------------------------------------------------
     def _key(self, fp: str) -> tuple:
         return (fp, repr(self.mesh_arg if not hasattr(self.mesh_arg, "shape") else dict(self.mesh_arg.shape)),
-                repr(self.hardware), self.memory_budget, repr(self.options))
+                repr(self.hardware), self.memory_budget, repr(self.options), self.pipeline, self.schedule,
+                repr(self.pipeline_options))
 
     def _load_given(self, args: tuple) -> Plan:
         given = self._given_plan
@@ -126,8 +140,10 @@ class Autosharded:
                 if p.provenance.get("fingerprint") == fp:
                     _PLAN_CACHE[key] = p
                     return p.bind(*args)
-        p = make_plan(self.fn, *abstract, mesh=self.mesh_arg, hardware=hw,
-                      memory_budget=self.memory_budget, devices=len(jax.devices()), options=self.options)
+        pipe_kw = {} if self.pipeline is None else dict(pipeline=self.pipeline, schedule=self.schedule,
+                                                         pipeline_options=self.pipeline_options)
+        p = make_plan(self.fn, *abstract, mesh=self.mesh_arg, hardware=hw, memory_budget=self.memory_budget,
+                      devices=len(jax.devices()), options=self.options, **pipe_kw)
         _PLAN_CACHE[key] = p
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -137,8 +153,27 @@ class Autosharded:
     def _prepare(self, args: tuple) -> None:
         self._plan = self._make_plan(args)
         self._mesh = make_mesh(self._plan)
+        if self._plan.stages:
+            self._prepare_pipeline(args)
+            return
         self._jitted = jit_step(self.fn, self._plan, self._mesh, _abstract(args), donate=self.donate, guard=True)
         self._in_shardings, _ = shardings(self._plan, self._mesh)
+
+    def _prepare_pipeline(self, args: tuple) -> None:
+        # the step's state stays the user's pytrees, stored ZeRO-style between steps; only the
+        # loss's value_and_grad runs as stages inside (see _pipelined_step)
+        hw = self.hardware if self.hardware is not None else default_hardware()
+        step, self._pipelined, self._in_shardings, outs = pipelined_step(
+            self.fn, self._plan, self._mesh, args, num_microbatches=self.num_microbatches, hardware=hw)
+        planned = _signature(args)
+
+        def guarded(*call_args):
+            if _signature(call_args) != planned:
+                raise ShapesChanged()
+            return step(*call_args)
+
+        self._jitted = jax.jit(guarded, in_shardings=self._in_shardings, out_shardings=outs,
+                               donate_argnums=donated_argnums(self._plan, len(args)) if self.donate else ())
 
     # --- public ---------------------------------------------------------------------------
     def __call__(self, *args):
@@ -169,7 +204,15 @@ class Autosharded:
             return self._jitted.lower(*args)
 
     def explain(self) -> str:
-        return self.plan.explain()
+        text = self.plan.explain()
+        if self._pipelined is not None:
+            text += "\n\nRuntime cut of the loss (autoshard.pipelined):\n" + self._pipelined.describe()
+        return text
+
+    @property
+    def pipelined(self):
+        """The `autoshard.Pipelined` a pipeline plan's step runs its loss with (None for tensor plans)."""
+        return self._pipelined
 
     def place(self, *args):
         """Put arguments on the mesh with the planned shardings (done on the first call)."""

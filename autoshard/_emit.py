@@ -106,9 +106,10 @@ def jit_step(step: Callable, plan: Plan, mesh: Mesh, args: tuple, donate: bool =
     raises ShapesChanged (before anything runs or is donated)."""
     if plan.stages:
         raise PlanError(f"autoshard: a pipeline plan ({len(plan.stages)} stages) cannot be run as one jit "
-                        "program: that would silently drop its stages, and the decorator does not run pipelines "
-                        "yet. Fix: run the loss with autoshard.pipelined(loss_fn, params, batch, mesh=..., "
-                        "num_microbatches=..., plan=plan), or use a tensor sharding plan (no pipeline=...).")
+                        "program: that would silently drop its stages. Fix: run the step with "
+                        "@autoshard(..., plan=plan) computing its gradients with autoshard.value_and_grad, or the "
+                        "loss with autoshard.pipelined(loss_fn, params, batch, mesh=..., num_microbatches=..., "
+                        "plan=plan), or use a tensor sharding plan (no pipeline=...).")
     ins, outs = shardings(plan, mesh)
     fn = constrained(step, plan, mesh, args)
     if guard:

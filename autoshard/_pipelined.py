@@ -6,8 +6,10 @@
 
 The loss is traced at the micro-batch shape and its jaxpr flattened (jit wrappers inlined; control
 flow, custom derivatives and remat kept whole). Every eqn that depends on a parameter gets a stage:
-by default the eqn sequence is cut where the cumulative flops cross k/S of the total; with
-`plan=` (a pipeline Plan) each eqn starts at the stage owning the parameters it reads. An eqn
+by default the eqn sequence is cut into S pieces minimising an estimated pipeline tick (the
+largest stage's flops and the largest boundary's bytes on `hardware`); with `plan=` (a pipeline
+Plan) each eqn starts at the stage owning the parameters it reads and each cut takes the cheapest
+boundary between them. An eqn
 never runs before the stages of its inputs, so the cut is always a valid chain. Eqns that only
 read the batch (labels, masks, position ids) are recomputed by every stage that needs them instead
 of being sent. Values computed in stage s and used in a later stage travel down the chain. A
@@ -32,6 +34,7 @@ from . import _jax_compat as jc
 from ._errors import PlanError
 from ._flops import estimate_flops
 from ._graph_attribution import parse_scope
+from ._hardware import get_hardware
 from ._trace import _simple_params
 
 
@@ -51,6 +54,7 @@ class StageInfo:
     receives: int                    # values it gets from the previous stage
     receive_bytes: int               # their bytes per micro-batch (per data-parallel replica)
     borrows: tuple[str, ...] = ()    # copies of earlier stages' parameters it reads (tied weights)
+    receive_shapes: tuple[tuple[int, ...], ...] = ()   # shapes of the values it receives
 
 
 def _mesh(mesh: Any) -> Mesh:
@@ -117,11 +121,14 @@ class Pipelined:
 
 def pipelined(loss_fn: Callable, params: Any, batch: Any, *, mesh: Any, num_microbatches: int,
               schedule: str = "1f1b", plan: Any = None, pipe_axis: str = "pipe",
-              data_axes: tuple[str, ...] | None = None, check_loss: bool = True) -> Pipelined:
+              data_axes: tuple[str, ...] | None = None, check_loss: bool = True,
+              hardware: Any = "cpu-sim") -> Pipelined:
     """Cut `loss_fn(params, batch) -> scalar mean loss` into one stage per `pipe_axis` rank and build
     the shard_map pipeline program (see the module docstring). `plan`: a pipeline Plan from
     `autoshard.plan(..., pipeline="rannc")` whose stage count matches; its parameter placement
     guides the cut. `data_axes`: mesh axes splitting each micro-batch (default: all but pipe).
+    `hardware` (a preset name, HardwareSpec or dict, as in `autoshard.plan`): its flop rate and link
+    bandwidth weigh stage flops against boundary bytes when there is no plan.
 
     The pipelined loss is the mean of `loss_fn` over the chunks each replica computes per
     micro-batch (B / (num_microbatches x replicas) consecutive samples). That is the full-batch loss
@@ -187,7 +194,14 @@ def pipelined(loss_fn: Callable, params: Any, batch: Any, *, mesh: Any, num_micr
                             _simple_params(fe.eqn.primitive.name, fe.eqn.params)) for fe in eqns]
 
     modules = [parse_scope(fe.scope)[0] for fe in eqns]
-    anchor = _anchors(plan, S, keys, key_ins, param_key, batch_only, flops, modules)
+    avals = _avals(prog, closed)
+    nbytes = {k: int(np.prod(a.shape)) * jnp.dtype(a.dtype).itemsize for k, a in avals.items()}
+    live = _live_bytes(key_ins, producer, batch_only, nbytes, prog.outputs[0])
+    hw = get_hardware(hardware)
+    biggest = max(p_leaves_kp, key=lambda kv: kv[1].size)[1] if p_leaves_kp else None
+    rate = hw.peak_flops(biggest.dtype if biggest is not None else jnp.float32) * hw.compute_efficiency
+    anchor = _anchors(plan, S, keys, key_ins, param_key, batch_only, flops, modules, live, rate,
+                      hw.intra_node_bandwidth)
     stage = [-1] * len(eqns)
     for e in range(len(eqns)):
         if batch_only[e]:
@@ -216,7 +230,6 @@ def pipelined(loss_fn: Callable, params: Any, batch: Any, *, mesh: Any, num_micr
     if not jc.is_literal(loss_key) and loss_key in made_at:
         last_use[loss_key] = S - 1
     crossing = [[k for k in sorted(made_at) if made_at[k] <= s < last_use.get(k, -1)] for s in range(S - 1)]
-    avals = _avals(prog, closed)
     for ks in crossing:
         bad = [k for k in ks if not jnp.issubdtype(avals[k].dtype, jnp.floating)]
         if bad:
@@ -253,8 +266,9 @@ def pipelined(loss_fn: Callable, params: Any, batch: Any, *, mesh: Any, num_micr
         recv = crossing[s - 1] if s else []
         infos.append(StageInfo(s, len(mine), float(sum(flops[e] for e in mine)), tuple(m for m in mods if m),
                                tuple(k for k, o in zip(keys, owner, strict=True) if o == s), len(recv),
-                               int(sum(np.prod(avals[k].shape) * jnp.dtype(avals[k].dtype).itemsize for k in recv)),
-                               tuple(k for k, h, o in zip(keys, holders, owner, strict=True) if s in h and o != s)))
+                               int(sum(nbytes[k] for k in recv)),
+                               tuple(k for k, h, o in zip(keys, holders, owner, strict=True) if s in h and o != s),
+                               tuple(tuple(int(d) for d in avals[k].shape) for k in recv)))
     return Pipelined(program, tuple(infos), treedef, keys, tuple(owner), tuple(map(tuple, holders)))
 
 
@@ -275,18 +289,141 @@ def _check_chunk_mean(loss_fn: Callable, params: Any, batch: Any, chunks: int, m
             f"constant count, or pass check_loss=False to train on the chunk-mean loss.")
 
 
-def _anchors(plan: Any, S: int, keys: tuple[str, ...], key_ins: list, param_key: dict, batch_only: list,
-             flops: list, modules: list[str]) -> list[int]:
-    """The earliest stage of every eqn before data dependencies push it later."""
+def _live_bytes(key_ins: list, producer: dict, batch_only: list, nbytes: dict, loss_key: Any) -> np.ndarray:
+    """live[i]: bytes of the values made before eqn i and used at or after it, i.e. what a cut just
+    before eqn i sends per micro-batch (batch-only values are recomputed, parameters are held)."""
     n = len(key_ins)
-    if plan is None:   # equal forward flops per stage along the program order
-        work = np.array([0.0 if batch_only[e] else flops[e] for e in range(n)])
-        total = float(work.sum())
-        if total <= 0:
-            work = np.array([0.0 if batch_only[e] else 1.0 for e in range(n)])
-            total = float(work.sum()) or 1.0
-        mid = np.cumsum(work) - work / 2
-        return [min(S - 1, int(m / total * S)) for m in mid]
+    last: dict[Any, int] = {}
+    for e, ins in enumerate(key_ins):
+        if not batch_only[e]:
+            for k in ins:
+                if k in producer and not batch_only[producer[k]]:
+                    last[k] = max(last.get(k, -1), e)
+    if not jc.is_literal(loss_key) and loss_key in producer and not batch_only[producer[loss_key]]:
+        last[loss_key] = n                        # the loss leaves from the last stage
+    diff = np.zeros(n + 2)
+    for k, q in last.items():
+        p = producer[k]
+        if q > p:
+            diff[p + 1] += nbytes[k]
+            diff[q + 1] -= nbytes[k]
+    return np.cumsum(diff)[:n]
+
+
+def _balanced_cuts(S: int, before: np.ndarray, total: float, live: np.ndarray, movable: list[bool],
+                   flop_rate: float, link_bandwidth: float) -> list[int]:
+    """S-1 cut positions minimising the runtime's tick estimate: a forward and a recomputing backward
+    (4x the stage's forward flops) plus the two transfers the lock step makes every tick, each the
+    size of the largest boundary. For each bound L on boundary bytes (ascending), the smallest
+    achievable largest-stage flops T over cuts where live <= L is found by bisection with a greedy
+    packing; the (T, L) pair with the lowest estimate wins."""
+    n = len(live)
+    positions = np.array([i for i in range(1, n) if movable[i]], dtype=int)
+    if len(positions) < S - 1:
+        raise PipelineSplitError(
+            f"autoshard.pipelined: the loss has {len(positions)} places to cut but the pipe axis asks for {S} stages; "
+            f"use a smaller pipe axis.")
+
+    def pack(allowed: np.ndarray, limit: float) -> list[int] | None:
+        cum = before[allowed]
+        cuts: list[int] = []
+        start = 0.0
+        prev = 0
+        for _ in range(S - 1):
+            j = int(np.searchsorted(cum, start + limit, "right")) - 1
+            if j < 0 or allowed[j] <= prev:
+                break
+            cuts.append(int(allowed[j]))
+            prev, start = int(allowed[j]), float(cum[j])
+        if total - start > limit * (1 + 1e-9):
+            return None
+        if len(cuts) == S - 1:
+            return cuts
+        taken = set(cuts)    # stages to spare: any further cuts only shrink stages
+        spare = [int(a) for a in allowed if int(a) not in taken][:S - 1 - len(cuts)]
+        return sorted(cuts + spare) if len(cuts) + len(spare) == S - 1 else None
+
+    def tick(t: float, bytes_: float) -> float:
+        return 4 * t / flop_rate + 2 * bytes_ / link_bandwidth
+
+    best: tuple[float, float, list[int]] | None = None
+    for bound in np.unique(live[positions]):
+        if best is not None and tick(total / S, bound) >= best[0]:
+            break
+        allowed = positions[live[positions] <= bound]
+        if len(allowed) < S - 1 or pack(allowed, total) is None:
+            continue
+        lo, hi = total / S, total
+        for _ in range(40):
+            mid = (lo + hi) / 2
+            if pack(allowed, mid) is None:
+                lo = mid
+            else:
+                hi = mid
+        cuts = pack(allowed, hi)
+        bounds = np.diff([0.0, *before[cuts], total])
+        est = tick(float(bounds.max()), float(live[cuts].max()))
+        if best is None or est < best[0] * (1 - 1e-9):
+            best = (est, float(bounds.max()), cuts)
+    assert best is not None    # the largest bound allows every position
+    return best[2]
+
+
+def _choose_cuts(S: int, windows: list[tuple[int, int]], targets: list[float], before: np.ndarray,
+                 live: np.ndarray, movable: list[bool]) -> list[int]:
+    """Per boundary k (1..S-1), the eqn index the cut goes before: inside windows[k-1], the fewest
+    live bytes (within 5 %), then the closest to the flops target; cuts strictly increase."""
+    cuts: list[int] = []
+    prev = 0
+    n = len(live)
+    for (lo, hi), target in zip(windows, targets, strict=True):
+        cand = [i for i in range(max(lo, prev + 1 if cuts else prev), min(hi, n - 1) + 1) if movable[i]]
+        if not cand:   # nothing movable in the window: the first position at or past the target
+            later = [i for i in range(prev + 1 if cuts else prev, n) if movable[i] and before[i] >= target]
+            cand = later[:1] or [min(n - 1, max(prev + 1, lo))]
+        floor = min(live[i] for i in cand)
+        best = min(cand, key=lambda i: (live[i] > 1.05 * floor, abs(before[i] - target), i))
+        cuts.append(best)
+        prev = best
+    return cuts
+
+
+def _anchors(plan: Any, S: int, keys: tuple[str, ...], key_ins: list, param_key: dict, batch_only: list,
+             flops: list, modules: list[str], live: np.ndarray, flop_rate: float, link_bandwidth: float) -> list[int]:
+    """The earliest stage of every eqn before data dependencies push it later: S-1 cuts in program
+    order. Without a plan they balance the estimated tick (largest stage's flops and largest boundary's
+    bytes); with one, each cut crosses the fewest bytes between the parameters the plan gives the
+    stages on either side."""
+    n = len(key_ins)
+    movable = [not b for b in batch_only]
+    work = np.array([0.0 if batch_only[e] else flops[e] for e in range(n)])
+    if work.sum() <= 0:
+        work = np.array([0.0 if batch_only[e] else 1.0 for e in range(n)])
+    total = float(work.sum()) or 1.0
+    before = np.cumsum(work) - work
+    if plan is None:
+        cuts = _balanced_cuts(S, before, total, live, movable, flop_rate, link_bandwidth)
+        return [int(np.searchsorted(cuts, e, "right")) for e in range(n)]
+    plan_anchor = _plan_anchors(plan, S, keys, key_ins, param_key, batch_only, modules)
+    # the cut between stages k-1 and k lies after every eqn the plan anchors before k and at or
+    # before the first it anchors at k or later; a plan that does not follow program order keeps
+    # its anchors and data dependencies alone
+    first, last = [n] * S, [-1] * S
+    for e, a in enumerate(plan_anchor):
+        if a is not None:
+            first[a], last[a] = min(first[a], e), max(last[a], e)
+    windows = [(max(last[:k]) + 1, min(first[k:])) for k in range(1, S)]
+    if any(lo > hi for lo, hi in windows) or any(w1[0] > w2[1] for w1, w2 in zip(windows, windows[1:], strict=False)):
+        return [a or 0 for a in plan_anchor]
+    fwd = np.array([max(float(st.predicted_forward), 0.0) for st in plan.stages])
+    share = np.cumsum(fwd) / fwd.sum() if fwd.sum() > 0 else np.arange(1, S + 1) / S
+    cuts = _choose_cuts(S, windows, [float(share[k - 1]) * total for k in range(1, S)], before, live, movable)
+    return [max(int(np.searchsorted(cuts, e, "right")), a or 0) for e, a in enumerate(plan_anchor)]
+
+
+def _plan_anchors(plan: Any, S: int, keys: tuple[str, ...], key_ins: list, param_key: dict, batch_only: list,
+                  modules: list[str]) -> list[int | None]:
+    """The plan's stage of every eqn reading a parameter (None: no parameter, or only tied ones)."""
     stages = getattr(plan, "stages", None)
     if not stages:
         raise PipelineSplitError("autoshard.pipelined: plan= takes a pipeline Plan (autoshard.plan(..., pipeline="
@@ -315,8 +452,11 @@ def _anchors(plan: Any, S: int, keys: tuple[str, ...], key_ins: list, param_key:
         for k in ins:
             if k in param_key and not batch_only[e]:
                 readers.setdefault(k, set()).add(modules[e])
-    return [max([0, *(stage_of_leaf[param_key[k]] for k in ins if k in param_key and len(readers[k]) == 1)])
-            for ins in key_ins]
+    out: list[int | None] = []
+    for e, ins in enumerate(key_ins):
+        got = [stage_of_leaf[param_key[k]] for k in ins if k in param_key and len(readers[k]) == 1]
+        out.append(max(got) if got and not batch_only[e] else None)
+    return out
 
 
 def _avals(prog: Any, closed: Any) -> dict[int, Any]:

@@ -57,8 +57,8 @@ def test_tied_embedding_is_copied_and_its_gradients_summed():
     # both copies' gradients are the sum over both uses
     assert run.stages[-1].borrows == ("['wte']['embedding']",)
     assert all(not st.borrows for st in run.stages[:-1])
-    # only activations cross into the head's stage: no more bytes than cross the middle boundaries
-    assert run.stages[-1].receive_bytes <= max(st.receive_bytes for st in run.stages[1:-1])
+    # only activations cross into the head's stage, never the embedding
+    assert run.stages[-1].receive_shapes and all(len(shp) == 3 for shp in run.stages[-1].receive_shapes)
     want = jax.grad(m.loss)(params, batch)["wte"]["embedding"]
     _, grads = run(run.stack(params), batch)
     rows = run.program.unstack(grads)
@@ -145,3 +145,22 @@ def test_integer_value_between_stages_is_refused():
 
     with pytest.raises(PipelineSplitError, match="int32.*stages exchange only floating-point values"):
         autoshard.pipelined(loss, params, batch, mesh={"pipe": 2}, num_microbatches=1)
+
+
+def test_balanced_cuts_trade_stage_flops_against_boundary_bytes():
+    from autoshard._pipelined import _balanced_cuts
+
+    # 12 unit-flop eqns; cutting before eqn i sends live[i] bytes: cheap only before 3, 7 and 10
+    before = np.arange(12, dtype=float)
+    live = np.full(12, 1000.0)
+    live[[3, 7, 10]] = 10.0
+    movable = [True] * 12
+    # bytes nearly free: equal thirds (cuts at 4 and 8), whatever they send
+    assert _balanced_cuts(3, before, 12.0, live, movable, flop_rate=1.0, link_bandwidth=1e9) == [4, 8]
+    # bytes dear: the cheap boundaries, the stage flops only as balanced as they allow
+    assert _balanced_cuts(3, before, 12.0, live, movable, flop_rate=1.0, link_bandwidth=1.0) == [3, 7]
+    # batch-only eqns (not movable) are never a cut
+    movable[7] = False
+    assert 7 not in _balanced_cuts(3, before, 12.0, live, movable, flop_rate=1.0, link_bandwidth=1.0)
+    with pytest.raises(PipelineSplitError, match="places to cut"):
+        _balanced_cuts(13, before, 12.0, live, [True] * 12, flop_rate=1.0, link_bandwidth=1.0)
