@@ -165,6 +165,7 @@ class Autosharded:
         hw = self.hardware if self.hardware is not None else default_hardware()
         step, self._pipelined, self._in_shardings, outs = pipelined_step(
             self.fn, self._plan, self._mesh, args, num_microbatches=self.num_microbatches, hardware=hw)
+        self._mesh = self._pipelined.mesh          # GraphPipe: the (pipe, data) mesh its stages run on
         planned = _signature(args)
 
         def guarded(*call_args):
@@ -179,14 +180,14 @@ class Autosharded:
     def __call__(self, *args):
         if self._jitted is None:
             self._prepare(args)
-            args = jax.device_put(args, self._in_shardings)
+            args = self._placed(args)
         try:
             return self._jitted(*args)
         except ShapesChanged:
             # a new structure, shape or dtype is a new program: plan it (the plan cache makes a
             # return to earlier shapes cheap) rather than run shardings planned for other shapes
             self._prepare(args)
-            return self._jitted(*jax.device_put(args, self._in_shardings))
+            return self._jitted(*self._placed(args))
 
     @property
     def plan(self) -> Plan:
@@ -218,7 +219,29 @@ class Autosharded:
         """Put arguments on the mesh with the planned shardings (done on the first call)."""
         if self._jitted is None:
             self._prepare(args)
-        return jax.device_put(args, self._in_shardings)
+        return self._placed(args)
+
+    def _placed(self, args: tuple) -> tuple:
+        # the step donates its state arguments; a placement sharing a buffer with the caller's array
+        # (jax reuses a single-device array's buffer for its shard of a replicated sharding, even
+        # with may_alias=False) would delete the caller's array, so those leaves are copied first
+        placed = jax.device_put(args, self._in_shardings)
+        if not self.donate:
+            return placed
+
+        def own(orig, new, sharding):
+            if isinstance(orig, jax.Array) and _buffers(orig) & _buffers(new):
+                return jax.device_put(orig.copy(), sharding)
+            return new
+
+        return jax.tree.map(own, args, placed, self._in_shardings)
+
+
+def _buffers(x: Any) -> set[int]:
+    try:
+        return {sh.data.unsafe_buffer_pointer() for sh in x.addressable_shards}
+    except Exception:   # a deleted or non-addressable array: nothing of the caller's to protect
+        return set()
 
 
 def autoshard(fn: Callable | None = None, **kwargs) -> Any:

@@ -35,6 +35,8 @@ from ._errors import PlanError
 from ._flops import estimate_flops
 from ._graph_attribution import parse_scope
 from ._hardware import get_hardware
+from ._pipelined_dag import assign as dag_assign
+from ._pipelined_dag import plan_edges
 from ._trace import _simple_params
 
 
@@ -55,6 +57,7 @@ class StageInfo:
     receive_bytes: int               # their bytes per micro-batch (per data-parallel replica)
     borrows: tuple[str, ...] = ()    # copies of earlier stages' parameters it reads (tied weights)
     receive_shapes: tuple[tuple[int, ...], ...] = ()   # shapes of the values it receives
+    after: tuple[int, ...] = ()      # the stages it receives from
 
 
 def _mesh(mesh: Any) -> Mesh:
@@ -200,14 +203,45 @@ def pipelined(loss_fn: Callable, params: Any, batch: Any, *, mesh: Any, num_micr
     hw = get_hardware(hardware)
     biggest = max(p_leaves_kp, key=lambda kv: kv[1].size)[1] if p_leaves_kp else None
     rate = hw.peak_flops(biggest.dtype if biggest is not None else jnp.float32) * hw.compute_efficiency
-    anchor = _anchors(plan, S, keys, key_ins, param_key, batch_only, flops, modules, live, rate,
-                      hw.intra_node_bandwidth)
-    stage = [-1] * len(eqns)
-    for e in range(len(eqns)):
-        if batch_only[e]:
-            continue
-        ins = [stage[producer[k]] for k in key_ins[e] if k in producer and not batch_only[producer[k]]]
-        stage[e] = max([anchor[e], *ins])
+    loss_key = prog.outputs[0]
+    dag = plan_edges(_plan_stages(plan, S)) if plan is not None else None
+    if dag is None:     # a chain: stage s sends s+1 everything made so far that is used later
+        anchor = _anchors(plan, S, keys, key_ins, param_key, batch_only, flops, modules, live, rate,
+                          hw.intra_node_bandwidth)
+        stage = [-1] * len(eqns)
+        for e in range(len(eqns)):
+            if batch_only[e]:
+                continue
+            ins = [stage[producer[k]] for k in key_ins[e] if k in producer and not batch_only[producer[k]]]
+            stage[e] = max([anchor[e], *ins])
+        sink, edges = S - 1, None
+        made_at = {k: stage[producer[k]] for k in producer if not batch_only[producer[k]]}
+        last_use: dict[int, int] = {}
+        for e, ins in enumerate(key_ins):
+            if not batch_only[e]:
+                for k in ins:
+                    if k in made_at:
+                        last_use[k] = max(last_use.get(k, -1), stage[e])
+        if not jc.is_literal(loss_key) and loss_key in made_at:
+            last_use[loss_key] = S - 1
+        sends = {s: [k for k in sorted(made_at) if made_at[k] <= s < last_use.get(k, -1)] for s in range(S - 1)}
+        preds: list[list[int]] = [[s - 1] if s else [] for s in range(S)]
+    else:               # a DAG (GraphPipe): each value goes straight to the stages using it
+        plan_anchor = _plan_anchors(plan, S, keys, key_ins, param_key, batch_only, modules)
+        stage, edges, sends, sink = dag_assign(S, dag, plan_anchor, key_ins, [fe.outputs for fe in eqns],
+                                               batch_only, None if jc.is_literal(loss_key) else loss_key)
+        preds = [[u for u, v in edges if v == s] for s in range(S)]
+        if schedule == "1f1b":
+            schedule = "graph-1f1b"     # 1F1B generalised to a DAG of stages
+    for a, ks in sends.items():
+        bad = [k for k in ks if not jnp.issubdtype(avals[k].dtype, jnp.floating)]
+        if bad:
+            k = bad[0]
+            where = f"eqn '{eqns[producer[k]].eqn.primitive.name}' in {eqns[producer[k]].scope or 'the top level'}"
+            raise PipelineSplitError(
+                f"autoshard.pipelined: a {avals[k].dtype}{list(avals[k].shape)} value made by {where} in stage {a} "
+                f"is used in a later stage; stages exchange only floating-point values. Compute it from the batch "
+                f"alone (then every stage recomputes it) or keep its producer and users together.")
 
     # holders: every stage reading a parameter keeps a copy (tied embeddings: the first and the last
     # stage), the runtime sums the copies' gradients once per step; unread ones live on stage 0
@@ -219,33 +253,11 @@ def pipelined(loss_fn: Callable, params: Any, batch: Any, *, mesh: Any, num_micr
     holders = [h or {0} for h in holders]
     owner = [min(h) for h in holders]
 
-    loss_key = prog.outputs[0]
-    made_at: dict[int, int] = {k: stage[producer[k]] for k in producer if not batch_only[producer[k]]}
-    last_use: dict[int, int] = {}
-    for e, ins in enumerate(key_ins):
-        if not batch_only[e]:
-            for k in ins:
-                if k in made_at:
-                    last_use[k] = max(last_use.get(k, -1), stage[e])
-    if not jc.is_literal(loss_key) and loss_key in made_at:
-        last_use[loss_key] = S - 1
-    crossing = [[k for k in sorted(made_at) if made_at[k] <= s < last_use.get(k, -1)] for s in range(S - 1)]
-    for ks in crossing:
-        bad = [k for k in ks if not jnp.issubdtype(avals[k].dtype, jnp.floating)]
-        if bad:
-            k = bad[0]
-            where = f"eqn '{eqns[producer[k]].eqn.primitive.name}' in {eqns[producer[k]].scope or 'the top level'}" \
-                if k in producer else "an input"
-            raise PipelineSplitError(
-                f"autoshard.pipelined: a {avals[k].dtype}{list(avals[k].shape)} value made by {where} in stage "
-                f"{made_at[k]} is used in stage {last_use[k]}; stages exchange only floating-point values. Compute it "
-                f"from the batch alone (then every stage recomputes it) or keep its producer and users together.")
-
     # per stage: the batch-only eqns it must recompute, then its own eqns, in program order
     needs_batch_only: list[list[int]] = []
     for s in range(S):
         want = {k for e in range(len(eqns)) if stage[e] == s for k in key_ins[e]}
-        if s == S - 1 and not jc.is_literal(loss_key):
+        if s == sink and not jc.is_literal(loss_key):
             want.add(loss_key)
         chosen: set[int] = set()
         for e in range(len(eqns) - 1, -1, -1):
@@ -254,21 +266,21 @@ def pipelined(loss_fn: Callable, params: Any, batch: Any, *, mesh: Any, num_micr
                 want.update(key_ins[e])
         needs_batch_only.append(sorted(chosen))
 
-    fns = [_stage_fn(s, S, prog, stage, needs_batch_only[s], crossing, keys, holders, loss_key)
-           for s in range(S)]
+    recv = [[k for u in preds[s] for k in sends[u]] for s in range(S)]
+    fns = [_stage_fn(s, prog, stage, needs_batch_only[s], [sends[u] for u in preds[s]],
+                     None if s == sink else sends[s], keys, holders, loss_key) for s in range(S)]
     tied = [[(h, _dict_path(keys[i])) for h in sorted(holders[i])] for i in range(n_params) if len(holders[i]) > 1]
     program = pipeline_value_and_grad(fns, mesh, num_microbatches=num_microbatches, schedule=schedule,
-                                      pipe_axis=pipe_axis, data_axes=axes, tied=tied)
+                                      edges=edges, pipe_axis=pipe_axis, data_axes=axes, tied=tied)
     infos = []
     for s in range(S):
         mine = [e for e in range(len(eqns)) if stage[e] == s]
         mods = list(dict.fromkeys(modules[e] for e in mine))
-        recv = crossing[s - 1] if s else []
         infos.append(StageInfo(s, len(mine), float(sum(flops[e] for e in mine)), tuple(m for m in mods if m),
-                               tuple(k for k, o in zip(keys, owner, strict=True) if o == s), len(recv),
-                               int(sum(nbytes[k] for k in recv)),
+                               tuple(k for k, o in zip(keys, owner, strict=True) if o == s), len(recv[s]),
+                               int(sum(nbytes[k] for k in recv[s])),
                                tuple(k for k, h, o in zip(keys, holders, owner, strict=True) if s in h and o != s),
-                               tuple(tuple(int(d) for d in avals[k].shape) for k in recv)))
+                               tuple(tuple(int(d) for d in avals[k].shape) for k in recv[s]), tuple(preds[s])))
     return Pipelined(program, tuple(infos), treedef, keys, tuple(owner), tuple(map(tuple, holders)))
 
 
@@ -421,17 +433,22 @@ def _anchors(plan: Any, S: int, keys: tuple[str, ...], key_ins: list, param_key:
     return [max(int(np.searchsorted(cuts, e, "right")), a or 0) for e, a in enumerate(plan_anchor)]
 
 
-def _plan_anchors(plan: Any, S: int, keys: tuple[str, ...], key_ins: list, param_key: dict, batch_only: list,
-                  modules: list[str]) -> list[int | None]:
-    """The plan's stage of every eqn reading a parameter (None: no parameter, or only tied ones)."""
+def _plan_stages(plan: Any, S: int) -> tuple:
     stages = getattr(plan, "stages", None)
     if not stages:
         raise PipelineSplitError("autoshard.pipelined: plan= takes a pipeline Plan (autoshard.plan(..., pipeline="
-                                 "'rannc')); this plan has no stages.")
+                                 "'rannc' or 'graphpipe')); this plan has no stages.")
     if len(stages) != S:
         raise PipelineSplitError(
-            f"autoshard.pipelined: the plan has {len(stages)} stages but the mesh's pipe axis has {S} ranks; plan "
-            f"with a 'pipe' axis of the same size (mesh={{'pipe': {S}, ...}}).")
+            f"autoshard.pipelined: the plan has {len(stages)} stages but the mesh's pipe axis has {S} ranks; use a "
+            f"mesh with a 'pipe' axis of the plan's stage count (mesh={{'pipe': {len(stages)}, ...}}).")
+    return tuple(stages)
+
+
+def _plan_anchors(plan: Any, S: int, keys: tuple[str, ...], key_ins: list, param_key: dict, batch_only: list,
+                  modules: list[str]) -> list[int | None]:
+    """The plan's stage of every eqn reading a parameter (None: no parameter, or only tied ones)."""
+    stages = _plan_stages(plan, S)
     plan_owner: dict[str, int] = {}
     for st in stages:
         for kp in st.params:
@@ -473,11 +490,11 @@ def _dict_path(key: str) -> str:
     return jax.tree_util.keystr((jax.tree_util.DictKey(key),))
 
 
-def _stage_fn(s: int, S: int, prog: Any, stage: list[int], batch_only_eqns: list[int], crossing: list,
-              keys: tuple[str, ...], holders: list[set[int]], loss_key: Any) -> Callable:
+def _stage_fn(s: int, prog: Any, stage: list[int], batch_only_eqns: list[int], recv: list[list],
+              send: list | None, keys: tuple[str, ...], holders: list[set[int]], loss_key: Any) -> Callable:
+    """Stage s: receives one tuple of values per predecessor (`recv`, in the runtime's order), runs
+    its eqns and sends `send` (None: the last stage, returns the loss)."""
     own = sorted(set(batch_only_eqns) | {e for e, st in enumerate(stage) if st == s})
-    recv = crossing[s - 1] if s else []
-    send = crossing[s] if s < S - 1 else None
     n_params = len(keys)
     my_params = [(prog.inputs[i], keys[i]) for i in range(n_params) if s in holders[i]]
     batch_in = prog.inputs[n_params:]
@@ -489,8 +506,8 @@ def _stage_fn(s: int, S: int, prog: Any, stage: list[int], batch_only_eqns: list
         env: dict = dict(prog.consts)
         env.update(zip(batch_in, jax.tree.leaves(batch), strict=True))
         env.update({k: params[name] for k, name in my_params})
-        if s:
-            env.update(zip(recv, inputs[0], strict=True))
+        for ks, values in zip(recv, inputs, strict=True):
+            env.update(zip(ks, values, strict=True))
         for e in own:
             fe = prog.eqns[e]
             env.update(zip(fe.outputs, jc.bind_eqn(fe.eqn, [read(env, a) for a in fe.inputs]), strict=True))

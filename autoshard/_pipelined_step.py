@@ -139,6 +139,29 @@ def batch_sharding(mesh: Any, shape: tuple[int, ...]) -> Any:
     return NamedSharding(mesh, PartitionSpec())
 
 
+def _graph_mesh(plan: Plan, mesh: Any) -> Any:
+    """A GraphPipe plan has no 'pipe' axis: its DAG's S stages run on a (pipe=S, data=r) mesh of
+    the first S*r devices, r the plan's replicas per stage (the runtime needs one count for all)."""
+    from jax.sharding import AxisType
+
+    S = len(plan.stages)
+    counts = sorted({s.replicas for s in plan.stages})
+    r = counts[0]
+    if len({s.microbatches for s in plan.stages}) > 1:
+        raise PlanError(
+            f"autoshard: the GraphPipe plan gives its stages different micro-batch counts "
+            f"{[s.microbatches for s in plan.stages]}; the runtime runs one count for every stage. Fix: plan with "
+            "pipeline_options={'per_stage_microbatch': False} (the default).")
+    if S * r > mesh.size:
+        raise PlanError(f"autoshard: the GraphPipe plan's {S} stages x {r} replicas need {S * r} devices; the mesh "
+                        f"{dict(mesh.shape)} has {mesh.size}.")
+    if S * r < mesh.size:
+        warnings.warn(f"autoshard: the GraphPipe plan's {S} stages x {r} replica(s) use {S * r} of the mesh's "
+                      f"{mesh.size} devices (see the plan's warnings); the step runs on those", stacklevel=4)
+    devices = list(mesh.devices.flat)[:S * r]
+    return jax.make_mesh((S, r), ("pipe", "data"), axis_types=(AxisType.Auto,) * 2, devices=devices)
+
+
 def pipelined_step(fn: Callable, plan: Plan, mesh: Any, args: tuple, *, num_microbatches: int | None,
                    hardware: Any) -> tuple[Callable, Any, Any, Any]:
     """(step, the Pipelined it runs, in_shardings, out_shardings) for a pipeline `plan` on `mesh`:
@@ -146,13 +169,9 @@ def pipelined_step(fn: Callable, plan: Plan, mesh: Any, args: tuple, *, num_micr
     loss receives as its batch, split over the data axes (`batch_sharding`)."""
     from ._pipelined import pipelined
 
-    if "pipe" not in mesh.axis_names:
-        raise PlanError(
-            f"autoshard: the pipeline plan's mesh {dict(mesh.shape)} has no 'pipe' axis: it is a GraphPipe plan "
-            f"(a DAG of {len(plan.stages)} stages with their own device counts), which the shard_map runtime "
-            "cannot run yet. Fix: give the mesh a 'pipe' axis (pipeline='rannc' or 'auto' then cut a chain of "
-            "that many stages), or run the plan's stages yourself with pipeline.runtime.")
     replicas = [s.replicas for s in plan.stages]
+    if "pipe" not in mesh.axis_names:
+        mesh = _graph_mesh(plan, mesh)
     dp = mesh.size // mesh.shape["pipe"]
     if any(r != dp for r in replicas):
         warnings.warn(f"autoshard: the plan gives its stages {replicas} replicas; the runtime runs every stage on "

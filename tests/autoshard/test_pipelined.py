@@ -164,3 +164,52 @@ def test_balanced_cuts_trade_stage_flops_against_boundary_bytes():
     assert 7 not in _balanced_cuts(3, before, 12.0, live, movable, flop_rate=1.0, link_bandwidth=1.0)
     with pytest.raises(PipelineSplitError, match="places to cut"):
         _balanced_cuts(13, before, 12.0, live, [True] * 12, flop_rate=1.0, link_bandwidth=1.0)
+
+
+@pytest.mark.parametrize("name", ["mmt", "dlrm"])
+def test_graphpipe_dag_plan_matches_single_device(name):
+    # GraphPipe's plan: branch stages with no predecessors feeding one join stage; the cut follows
+    # the plan's parameter placement and each value goes straight to the stage using it
+    m, params, batch = model_args(name)
+    opt = m.optimizer.init(params)
+    plan = autoshard.plan(m.train_step, params, opt, batch, mesh={"data": 4}, hardware="v100-sxm",
+                          pipeline="graphpipe")
+    S = len(plan.stages)
+    run = autoshard.pipelined(m.loss, params, batch, mesh={"pipe": S}, num_microbatches=plan.microbatches,
+                              plan=plan)
+    assert [st.after for st in run.stages] == [tuple(s.after) for s in plan.stages]
+    assert run.program.schedule.name == "graph-1f1b"
+    plan_stage = {kp[len("[0]"):]: st.index for st in plan.stages for kp in st.params}
+    for st in run.stages:
+        assert all(plan_stage[k] == st.index for k in st.params)
+    assert_close(run.value_and_grad(params, batch), jax.value_and_grad(m.loss)(params, batch))
+
+
+def test_dag_assignment_rules():
+    from autoshard._pipelined_dag import DagCutError, assign, plan_edges
+
+    # values 0, 1 (params of stages 0, 1) -> eqn0 on 0 makes 10, eqn1 on 1 makes 11; eqn2 reads both
+    # (no parameter: the join 2); eqn3 reads only a tied param (floating: the stage of its user);
+    # eqn4 (stage 2's parameter) makes the loss
+    key_ins = [[0], [1], [10, 11], [5], [12, 13, 2]]
+    outputs = [[10], [11], [12], [13], [14]]
+    anchor = [0, 1, None, None, 2]
+    stage, edges, sends, sink = assign(3, [(0, 2), (1, 2)], anchor, key_ins, outputs, [False] * 5, 14)
+    assert stage == [0, 1, 2, 2, 2] and edges == [(0, 2), (1, 2)] and sink == 2
+    assert sends == {0: [10], 1: [11], 2: []}
+    # on a chain, a value stage 2's parameters need from stage 0 goes straight there, not through 1
+    stage, edges, sends, sink = assign(3, [(0, 1), (1, 2)], [0, 1, 2, None, 2], key_ins, outputs,
+                                       [False] * 5, 14)
+    assert stage == [0, 1, 2, 2, 2] and edges == [(0, 2), (1, 2)] and sends[0] == [10]
+    with pytest.raises(DagCutError, match="sinks"):
+        assign(3, [(0, 1)], anchor, key_ins, outputs, [False] * 5, 14)
+    with pytest.raises(DagCutError, match="compute nothing"):      # stage 1 gets no eqn at all
+        assign(3, [(0, 2), (1, 2)], [0, 0, None, None, 2], key_ins, outputs, [False] * 5, 14)
+
+    class St:
+        def __init__(self, index, after):
+            self.index, self.after = index, after
+
+    assert plan_edges([St(0, ()), St(1, (0,)), St(2, (1,))]) is None
+    assert plan_edges([St(0, ()), St(1, ()), St(2, (0, 1))]) == [(0, 2), (1, 2)]
+

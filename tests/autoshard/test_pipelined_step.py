@@ -113,9 +113,22 @@ def test_pipelined_decorator_errors():
         autoshard.autoshard(make_step(m, ratio), **kw)(params, opt_state, batch)
 
 
-def test_graphpipe_plan_is_refused_by_the_decorator():
-    m = models.get("gpt", "debug")
+def test_graphpipe_dag_plan_trains_like_one_device():
+    # CANDLE-Uno's feature branches become concurrent stages feeding the join stage (graph-1F1B)
+    m = models.get("candle_uno", "debug")
     params, batch = m.init(jax.random.key(0)), m.batch()
-    fast = autoshard.autoshard(make_step(m), mesh={"data": 8}, pipeline="graphpipe", hardware="cpu-sim")
-    with pytest.raises(PlanError, match="no 'pipe' axis"):
-        fast(params, m.optimizer.init(params), batch)
+    step = make_step(m)
+    fast = autoshard.autoshard(step, mesh={"data": 8}, pipeline="graphpipe", hardware="v100-sxm")
+    ref = jax.jit(step)
+    p1, o1 = params, m.optimizer.init(params)
+    p2, o2 = params, m.optimizer.init(params)
+    for _ in range(2):
+        p1, o1, l1 = fast(p1, o1, batch)
+        p2, o2, l2 = ref(p2, o2, batch)
+        np.testing.assert_allclose(float(l1), float(l2), rtol=1e-5)
+    assert_close(p1, p2)
+    stages = fast.pipelined.stages
+    assert len(stages) == len(fast.plan.stages) > 2
+    joins = [st for st in stages if len(st.after) > 1]
+    assert len(joins) == 1 and fast.pipelined.program.schedule.name == "graph-1f1b"
+    assert fast.pipelined.mesh.shape["pipe"] == len(stages)

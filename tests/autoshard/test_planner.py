@@ -173,6 +173,18 @@ def test_decorator_caches_the_plan_and_does_not_replan(tmp_path):
     assert "sharding" in text  # the lowered program carries the planned shardings
 
 
+def test_first_call_leaves_the_callers_arrays_alive():
+    # data parallel replicates the parameters; placing a single-device array on a replicated
+    # sharding reuses its buffer, and the step donates: the caller's arrays must survive anyway
+    m = models.get("mlp", "debug")
+    step = autoshard.autoshard(m.train_step, mesh={"data": 8}, hardware="cpu-sim")
+    params = m.init(jax.random.key(0))
+    opt = m.init_opt_state(params)
+    step(params, opt, m.batch())
+    assert not any(x.is_deleted() for x in jax.tree.leaves((params, opt)))
+    jax.jit(m.train_step)(params, opt, m.batch())
+
+
 def test_decorator_replans_when_shapes_change():
     m = models.get("mlp", "debug", batch_size=16)
     # donate=False: the same arguments are used twice (donated state is consumed, as with jax.jit)
