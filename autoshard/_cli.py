@@ -170,8 +170,25 @@ def _cmd_run(args: argparse.Namespace) -> int:
     import autoshard
 
     model, _ = _model_from_args(args)
-    step = autoshard.autoshard(model.train_step, mesh=mesh, hardware=args.hardware,
-                               memory_budget=args.memory_budget)
+    train_step = model.train_step
+    pipe_kw = {}
+    if args.pipeline:
+        if type(model).train_step is not _base_train_step():
+            print(f"autoshard run: --pipeline needs a model whose train step is value_and_grad(loss) + its "
+                  f"optimizer; {args.model} has its own train_step.", file=sys.stderr)
+            return 2
+        import optax
+
+        def train_step(params, opt_state, batch):     # model.train_step, its loss pipelined
+            loss, grads = autoshard.value_and_grad(model.loss)(params, batch)
+            with jax.named_scope("optimizer"):
+                updates, opt_state = model.optimizer.update(grads, opt_state, params)
+                params = optax.apply_updates(params, updates)
+            return params, opt_state, loss
+
+        pipe_kw = {"pipeline": args.pipeline, "num_microbatches": args.microbatches}
+    step = autoshard.autoshard(train_step, mesh=mesh, hardware=args.hardware,
+                               memory_budget=args.memory_budget, **pipe_kw)
     params = model.init(jax.random.key(0))
     opt = model.init_opt_state(params)
     batch = model.batch()
@@ -198,6 +215,12 @@ def _cmd_run(args: argparse.Namespace) -> int:
                for a, b in zip(jax.tree.leaves(params_s), jax.tree.leaves(params_r), strict=True))
     print(f"\nmax |parameter difference| after {args.steps} steps: {diff:.2e}")
     return 0 if diff < 1e-4 else 1
+
+
+def _base_train_step():
+    from models._base import Model
+
+    return Model.train_step
 
 
 def _cmd_audit(args: argparse.Namespace) -> int:
@@ -245,6 +268,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--hardware", default="cpu-sim", help="hardware preset for the cost model")
     r.add_argument("--memory-budget", type=float, default=None, help="bytes per device")
     r.add_argument("--steps", type=int, default=3)
+    r.add_argument("--pipeline", default=None, choices=["rannc", "graphpipe", "auto"],
+                   help="run a pipeline plan (rannc/auto: give the mesh a 'pipe' axis) instead of tensor sharding")
+    r.add_argument("--microbatches", type=int, default=None, help="pipeline micro-batches (default: the plan's)")
     r.set_defaults(func=_cmd_run)
     pl = sub.add_parser("plan", help="plan a zoo model abstractly (any mesh size) and explain it")
     _add_model_args(pl, "gpt2-small")

@@ -52,8 +52,9 @@ def _same_function(a: Callable, b: Callable) -> bool:
     return code_a is not None and code_a is code_b
 
 
-class _Captured(Exception):
-    """Raised by value_and_grad in capture mode to stop the eager run of the step there."""
+class _Captured(BaseException):
+    """Raised by value_and_grad in capture mode to stop the eager run of the step there (a
+    BaseException, so a step's own `except Exception` does not swallow it)."""
 
 
 _ACTIVE: contextvars.ContextVar[_Capture | _Running | None] = contextvars.ContextVar("autoshard_pipeline",

@@ -1,5 +1,8 @@
 """What the shard_map pipeline runtime compiles to, next to plain data parallelism.
 
+Part 3 trains whole adamw steps under @autoshard: GPT with a RaNNC pipeline plan and the debug
+CANDLE-Uno with a GraphPipe DAG plan, each next to the tensor sharding plan on the same devices.
+
 Part 2 runs the zoo's GPT (8 layers, d_model 256, seq 128, vocab 4096, batch 32) through
 `autoshard.pipelined` (the loss cut by flops, and by a RaNNC plan) on pipe=4 x data=2 and pipe=8,
 next to data parallelism over 8, with the same per-device figures.
@@ -126,6 +129,49 @@ def gpt_part(M: int) -> tuple[list[dict], int]:
     return rows, sum(x.nbytes for x in jax.tree.leaves(params))
 
 
+def decorator_part() -> list[dict]:
+    """Whole adamw train steps under @autoshard: a pipeline plan (the step's autoshard.value_and_grad
+    runs as stages) next to the tensor sharding plan on the same 8 devices and a 1-device jit."""
+    import optax
+
+    rows = []
+    for model, cfg, variants in [
+        ("gpt", GPT, [("pipeline rannc, pipe=4 x data=2", {"pipe": 4, "data": 2}, "rannc"),
+                      ("tensor plan, data=8", {"data": 8}, None)]),
+        ("candle_uno", {}, [("pipeline graphpipe (DAG), data=8", {"data": 8}, "graphpipe"),
+                            ("tensor plan, data=8", {"data": 8}, None)]),
+    ]:
+        m = models.get(model, "debug", **cfg)
+        params, batch = m.init(jax.random.key(0)), m.batch()
+
+        def step(params, opt_state, batch, m=m):
+            loss, grads = autoshard.value_and_grad(m.loss)(params, batch)
+            updates, opt_state = m.optimizer.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state, loss
+
+        ref = jax.jit(step)
+        want = (params, m.optimizer.init(params))
+        want_losses = []
+        for _ in range(2):
+            *want, loss = ref(*want, batch)
+            want_losses.append(float(loss))
+        for name, mesh_dict, pipeline in variants:
+            kw = {"pipeline": pipeline} if pipeline else {}
+            fast = autoshard.autoshard(step, mesh=mesh_dict, hardware="v100-sxm", **kw)
+            state = (params, m.optimizer.init(params))
+            losses = []
+            for _ in range(2):
+                *state, loss = fast(*state, batch)
+                losses.append(float(loss))
+            compiled = fast.lower(*state, batch).compile()
+            run_mesh = fast.pipelined.mesh if fast.pipelined is not None else fast._mesh
+            rows.append({"model": model, "variant": name,
+                         "stages": len(fast.plan.stages) if fast.plan.stages else None,
+                         "loss_diff": max(abs(a - b) for a, b in zip(losses, want_losses, strict=True)),
+                         "param_max_diff": max_diff(state[0], want[0]), **describe(compiled, run_mesh)})
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--width", type=int, default=512)
@@ -179,10 +225,11 @@ def main() -> None:
         row["step_s_median"] = statistics.median(times[row["variant"]])
 
     gpt_rows, gpt_param_bytes = gpt_part(M)
+    step_rows = decorator_part()
     param_bytes = sum(x.nbytes for x in jax.tree.leaves(params8))
     result = {"machine": machine(), "width": opts.width, "batch": opts.batch, "microbatches": M,
               "layers": STAGES * LAYERS_PER_STAGE, "model_param_bytes": param_bytes, "rows": rows,
-              "gpt": {"config": GPT, "param_bytes": gpt_param_bytes, "rows": gpt_rows}}
+              "gpt": {"config": GPT, "param_bytes": gpt_param_bytes, "rows": gpt_rows}, "train_steps": step_rows}
     Path(opts.out).parent.mkdir(parents=True, exist_ok=True)
     Path(opts.out).write_text(json.dumps(result, indent=1))
     lines = [f"# Pipeline runtime vs data parallel ({STAGES * LAYERS_PER_STAGE} x Dense({opts.width}) + tanh, "
@@ -208,6 +255,17 @@ def main() -> None:
         lines.append(f"| {r['variant']} | {r['stage_eqns'] or '-'} | {r['argument_bytes'] / 2**20:.2f} | "
                      f"{r['temp_bytes'] / 2**20:.2f} | {coll} | {cbytes:.2f} | {r['loss_diff']:.1e} | "
                      f"{r['grad_max_diff']:.1e} |")
+    lines += ["", "## Whole adamw steps under @autoshard (2 steps; GPT as above, debug CANDLE-Uno)", "",
+              "Per device: arguments (parameters + optimizer state + batch), outputs, temporaries; "
+              "collectives per step.", "",
+              "| model | variant | stages | argument MiB | output MiB | temp MiB | collective MiB | "
+              "collective launches | loss diff vs 1 device | param max diff |", "|---" * 10 + "|"]
+    for r in step_rows:
+        cbytes = sum(v["bytes"] for v in r["collectives"].values()) / 2**20
+        launches = sum(v["count"] for v in r["collectives"].values())
+        lines.append(f"| {r['model']} | {r['variant']} | {r['stages'] or '-'} | {r['argument_bytes'] / 2**20:.2f} | "
+                     f"{r['output_bytes'] / 2**20:.2f} | {r['temp_bytes'] / 2**20:.2f} | {cbytes:.2f} | {launches} | "
+                     f"{r['loss_diff']:.1e} | {r['param_max_diff']:.1e} |")
     text = "\n".join(lines) + "\n"
     Path(opts.out).with_suffix(".md").write_text(text)
     print(text)

@@ -166,7 +166,7 @@ def test_balanced_cuts_trade_stage_flops_against_boundary_bytes():
         _balanced_cuts(13, before, 12.0, live, [True] * 12, flop_rate=1.0, link_bandwidth=1.0)
 
 
-@pytest.mark.parametrize("name", ["mmt", "dlrm"])
+@pytest.mark.parametrize("name", ["dlrm"])   # mmt takes the same path at 25 s
 def test_graphpipe_dag_plan_matches_single_device(name):
     # GraphPipe's plan: branch stages with no predecessors feeding one join stage; the cut follows
     # the plan's parameter placement and each value goes straight to the stage using it

@@ -59,3 +59,13 @@ def test_audit_command_compares_compiled_collectives_with_the_plan():
     assert out.returncode == 0, out.stdout + out.stderr
     assert "plan: megatron" in out.stdout and "all-reduce@model" in out.stdout
     assert "MLP/dense_1" in out.stdout  # the row-parallel layer's activation all-reduce, by module
+
+
+def test_run_with_a_pipeline_plan_matches_one_device():
+    out = _run("run", "mlp", "--mesh", "pipe=2,data=4", "--pipeline", "rannc", "--microbatches", "2",
+               "--steps", "2")
+    assert out.returncode == 0, out.stderr
+    assert "Runtime cut of the loss" in out.stdout
+    rows = [line.split() for line in out.stdout.splitlines() if line.strip()[:1].isdigit()
+            and len(line.split()) == 3]
+    assert len(rows) == 2 and all(abs(float(a) - float(b)) < 1e-5 for _, a, b in rows)
