@@ -325,10 +325,11 @@ def _live_bytes(key_ins: list, producer: dict, batch_only: list, nbytes: dict, l
 def _balanced_cuts(S: int, before: np.ndarray, total: float, live: np.ndarray, movable: list[bool],
                    flop_rate: float, link_bandwidth: float) -> list[int]:
     """S-1 cut positions minimising the runtime's tick estimate: a forward and a recomputing backward
-    (4x the stage's forward flops) plus the two transfers the lock step makes every tick, each the
-    size of the largest boundary. For each bound L on boundary bytes (ascending), the smallest
-    achievable largest-stage flops T over cuts where live <= L is found by bisection with a greedy
-    packing; the (T, L) pair with the lowest estimate wins."""
+    (4x the stage's forward flops) plus the two transfers the lock step makes every tick, each as
+    long as the largest boundary's message (the ticks run in lock step). For each bound L on
+    boundary bytes (ascending), the smallest achievable largest-stage flops T over cuts where
+    live <= L is found by bisection with a greedy packing; the (T, L) pair with the lowest estimate
+    wins."""
     n = len(live)
     positions = np.array([i for i in range(1, n) if movable[i]], dtype=int)
     if len(positions) < S - 1:
@@ -381,8 +382,8 @@ def _balanced_cuts(S: int, before: np.ndarray, total: float, live: np.ndarray, m
     return best[2]
 
 
-def _choose_cuts(S: int, windows: list[tuple[int, int]], targets: list[float], before: np.ndarray,
-                 live: np.ndarray, movable: list[bool]) -> list[int]:
+def _choose_cuts(windows: list[tuple[int, int]], targets: list[float], before: np.ndarray, live: np.ndarray,
+                 movable: list[bool]) -> list[int]:
     """Per boundary k (1..S-1), the eqn index the cut goes before: inside windows[k-1], the fewest
     live bytes (within 5 %), then the closest to the flops target; cuts strictly increase."""
     cuts: list[int] = []
@@ -429,7 +430,7 @@ def _anchors(plan: Any, S: int, keys: tuple[str, ...], key_ins: list, param_key:
         return [a or 0 for a in plan_anchor]
     fwd = np.array([max(float(st.predicted_forward), 0.0) for st in plan.stages])
     share = np.cumsum(fwd) / fwd.sum() if fwd.sum() > 0 else np.arange(1, S + 1) / S
-    cuts = _choose_cuts(S, windows, [float(share[k - 1]) * total for k in range(1, S)], before, live, movable)
+    cuts = _choose_cuts(windows, [float(share[k - 1]) * total for k in range(1, S)], before, live, movable)
     return [max(int(np.searchsorted(cuts, e, "right")), a or 0) for e, a in enumerate(plan_anchor)]
 
 

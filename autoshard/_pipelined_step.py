@@ -178,6 +178,12 @@ def pipelined_step(fn: Callable, plan: Plan, mesh: Any, args: tuple, *, num_micr
         warnings.warn(f"autoshard: the plan gives its stages {replicas} replicas; the runtime runs every stage on "
                       f"the {dp} devices of the non-pipe axes (same results; step time differs from the plan's "
                       "prediction)", stacklevel=3)
+    abstract = [x for x in jax.tree.leaves(args) if isinstance(x, jax.ShapeDtypeStruct)]
+    if abstract:
+        raise PlanError(
+            f"autoshard: a pipeline plan's step needs concrete example arguments on its first call or lower() "
+            f"(it runs the step up to autoshard.value_and_grad and checks the loss on the real batch); got "
+            f"abstract {abstract[0]}. Fix: call or lower with arrays, or plan abstractly with autoshard.plan.")
     cap = capture(fn, args)
     M = num_microbatches if num_microbatches is not None else plan.microbatches
     schedule = plan.provenance.get("options", {}).get("schedule", "1f1b")

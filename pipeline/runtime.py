@@ -135,20 +135,6 @@ def _matchings(edges: Sequence[tuple[int, int]]) -> list[list[tuple[int, int]]]:
     return groups
 
 
-def _size_classes(groups: list[list[tuple[int, int]]], size: Callable[[int], int]) -> list[tuple[list, int]]:
-    """Each matching split by message size (the sender's output, in buffer elements) into classes
-    within a factor of two: (pairs, width) per ppermute. Every edge sends its own class's width
-    rather than the largest stage output, at the price of one more ppermute per extra class."""
-    out: list[tuple[list, int]] = []
-    for pairs in groups:
-        by_class: dict[int, list[tuple[int, int]]] = {}
-        for a, b in pairs:
-            by_class.setdefault(max(1, size(a)).bit_length(), []).append((a, b))
-        for _, members in sorted(by_class.items()):
-            out.append((members, max(1, max(size(a) for a, _ in members))))
-    return out
-
-
 def _slots(intervals: dict[int, tuple[int, int]]) -> tuple[dict[int, int], int]:
     """Greedy interval colouring (optimal for intervals): micro-batch -> slot, slots used. Values are
     stored at the end of a tick, after its task read its inputs, so a slot last read at tick t can
@@ -418,8 +404,7 @@ class PipelineProgram:
                     k_in[b] = preds[b].index(a)      # which input-gradient row rank b sends
             return jnp.asarray(src), jnp.asarray(k_in), jnp.asarray(k_out)
 
-        sized = _size_classes(groups, lambda a: out_lay[a].size)
-        tables = [(pairs, width, lookup(pairs, "fwd"), lookup(pairs, "bwd")) for pairs, width in sized]
+        tables = [(pairs, lookup(pairs, "fwd"), lookup(pairs, "bwd")) for pairs in groups]
         pipe, data_axes = self.pipe_axis, self.data_axes
         ties = [self._tie_offsets(group, params.layouts) for group in self.tied]
 
@@ -433,21 +418,21 @@ class PipelineProgram:
                 idx = jnp.where(k == FORWARD, r, jnp.where(k == BACKWARD, S + r, 2 * S))
                 batch_m = jax.tree.map(lambda x: lax.dynamic_index_in_dim(x, m, 0, keepdims=False), batch_mb)
                 act_out, grads_out, dparam, dloss = lax.switch(idx, branches, flat_p, act_buf, grad_buf, batch_m, m)
-                for pairs, W, (f_src, f_kin, _), (b_src, b_kin, b_kout) in tables:
-                    recv = lax.ppermute(act_out[:W], pipe, perm=pairs)
+                for pairs, (f_src, f_kin, _), (b_src, b_kin, b_kout) in tables:
+                    recv = lax.ppermute(act_out, pipe, perm=pairs)
                     src = f_src[r]
                     valid = (src >= 0) & (kind_t[t, jnp.maximum(src, 0)] == FORWARD)
                     mm = mb_t[t, jnp.maximum(src, 0)]
                     slot = st_in_slot[r, f_kin[r], mm]
-                    cur = act_buf[f_kin[r], slot, :W]
-                    act_buf = act_buf.at[f_kin[r], slot, :W].set(jnp.where(valid, recv, cur))
-                    recv = lax.ppermute(grads_out[b_kin[r], :W], pipe, perm=[(b, a) for a, b in pairs])
+                    cur = act_buf[f_kin[r], slot]
+                    act_buf = act_buf.at[f_kin[r], slot].set(jnp.where(valid, recv, cur))
+                    recv = lax.ppermute(grads_out[b_kin[r]], pipe, perm=[(b, a) for a, b in pairs])
                     src = b_src[r]
                     valid = (src >= 0) & (kind_t[t, jnp.maximum(src, 0)] == BACKWARD)
                     mm = mb_t[t, jnp.maximum(src, 0)]
                     slot = st_out_slot[r, b_kout[r], mm]
-                    cur = grad_buf[b_kout[r], slot, :W]
-                    grad_buf = grad_buf.at[b_kout[r], slot, :W].set(jnp.where(valid, recv, cur))
+                    cur = grad_buf[b_kout[r], slot]
+                    grad_buf = grad_buf.at[b_kout[r], slot].set(jnp.where(valid, recv, cur))
                 return act_buf, grad_buf, gacc + dparam, loss + dloss
 
             carry = (jnp.zeros((n_in_max, st.num_in_slots, A), act_dtype),

@@ -100,6 +100,9 @@ def test_pipelined_decorator_errors():
     with pytest.raises(PlanError, match="one loss, once per step"):
         autoshard.autoshard(twice, **kw)(params, opt_state, batch)
 
+    with pytest.raises(PlanError, match="needs concrete example arguments"):
+        autoshard.autoshard(make_step(m), **kw).lower(*m.abstract_state())
+
     with pytest.raises(ConfigError, match="pipeline plans only"):
         autoshard.autoshard(make_step(m), mesh={"data": 8}, num_microbatches=4)
 

@@ -269,15 +269,3 @@ def test_errors_name_the_problem():
     broken = pipeline_value_and_grad(fns[:3] + [lambda p, b, x: head(p, b, x[:, :2])], m, num_microbatches=2)
     with pytest.raises(PipelineRuntimeError, match="stage 3 failed on a micro-batch of 8 samples"):
         broken.value_and_grad(params, data)
-
-
-def test_messages_are_grouped_by_size_class():
-    from pipeline.runtime import _matchings, _size_classes
-
-    sizes = {0: 100, 1: 120, 2: 1000, 3: 1}
-    groups = _matchings([(0, 1), (1, 2), (2, 3)])
-    assert groups == [[(0, 1), (1, 2), (2, 3)]]             # a chain: one matching
-    classes = _size_classes(groups, sizes.__getitem__)
-    # 100 and 120 share a power-of-two class (width 120); 1000 gets its own; no edge sends more
-    # than twice its message
-    assert sorted(classes, key=lambda c: c[1]) == [([(0, 1), (1, 2)], 120), ([(2, 3)], 1000)]
