@@ -12,7 +12,7 @@ from typing import Any
 
 import jax
 
-from ._emit import ShapesChanged, _signature, donated_argnums, jit_step, make_mesh, shardings
+from ._emit import ShapesChanged, donated_argnums, jit_step, make_mesh, shape_guarded, shardings
 from ._errors import AutoshardError, PlanError
 from ._pipelined_step import pipelined_step
 from ._plan import Plan
@@ -166,14 +166,7 @@ class Autosharded:
         step, self._pipelined, self._in_shardings, outs = pipelined_step(
             self.fn, self._plan, self._mesh, args, num_microbatches=self.num_microbatches, hardware=hw)
         self._mesh = self._pipelined.mesh          # GraphPipe: the (pipe, data) mesh its stages run on
-        planned = _signature(args)
-
-        def guarded(*call_args):
-            if _signature(call_args) != planned:
-                raise ShapesChanged()
-            return step(*call_args)
-
-        self._jitted = jax.jit(guarded, in_shardings=self._in_shardings, out_shardings=outs,
+        self._jitted = jax.jit(shape_guarded(step, args), in_shardings=self._in_shardings, out_shardings=outs,
                                donate_argnums=donated_argnums(self._plan, len(args)) if self.donate else ())
 
     # --- public ---------------------------------------------------------------------------

@@ -100,6 +100,19 @@ def _signature(args: tuple) -> tuple:
     return treedef, tuple((tuple(x.shape), jax.numpy.dtype(x.dtype)) for x in leaves)
 
 
+def shape_guarded(fn: Callable, args: tuple) -> Callable:
+    """`fn` that raises ShapesChanged when traced for arguments unlike `args`."""
+    planned = _signature(args)
+
+    def guarded(*call_args):
+        if _signature(call_args) != planned:
+            raise ShapesChanged()
+        return fn(*call_args)
+
+    guarded.__name__ = getattr(fn, "__name__", "step")
+    return guarded
+
+
 def jit_step(step: Callable, plan: Plan, mesh: Mesh, args: tuple, donate: bool = True,
              guard: bool = False) -> Callable:
     """`jax.jit` of the constrained step; with `guard`, tracing it for arguments unlike `args`
@@ -113,14 +126,7 @@ def jit_step(step: Callable, plan: Plan, mesh: Mesh, args: tuple, donate: bool =
     ins, outs = shardings(plan, mesh)
     fn = constrained(step, plan, mesh, args)
     if guard:
-        planned, inner = _signature(args), fn
-
-        def fn(*call_args):
-            if _signature(call_args) != planned:
-                raise ShapesChanged()
-            return inner(*call_args)
-
-        fn.__name__ = inner.__name__
+        fn = shape_guarded(fn, args)
     out_tree = jax.tree_util.tree_structure(jax.eval_shape(step, *args))
     outs = jax.tree_util.tree_unflatten(out_tree, outs)
     return jax.jit(fn, in_shardings=ins, out_shardings=outs,

@@ -15,6 +15,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import networkx as nx
+
 from ._errors import PlanError
 
 
@@ -29,22 +31,12 @@ def plan_edges(stages: Sequence[Any]) -> list[tuple[int, int]] | None:
 
 
 def _order(S: int, edges: Sequence[tuple[int, int]]) -> list[int]:
-    indeg = [0] * S
-    for _, b in edges:
-        indeg[b] += 1
-    ready = [s for s in range(S) if not indeg[s]]
-    out: list[int] = []
-    while ready:
-        s = ready.pop(0)
-        out.append(s)
-        for a, b in edges:
-            if a == s:
-                indeg[b] -= 1
-                if not indeg[b]:
-                    ready.append(b)
-    if len(out) != S:
-        raise DagCutError(f"autoshard.pipelined: the plan's stage edges {list(edges)} have a cycle.")
-    return out
+    g = nx.DiGraph(list(edges))
+    g.add_nodes_from(range(S))
+    try:
+        return list(nx.lexicographical_topological_sort(g))
+    except nx.NetworkXUnfeasible:
+        raise DagCutError(f"autoshard.pipelined: the plan's stage edges {list(edges)} have a cycle.") from None
 
 
 def assign(S: int, edges: Sequence[tuple[int, int]], plan_anchor: Sequence[int | None],

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+from jax.sharding import NamedSharding, PartitionSpec
 
 from ._errors import PlanError
 from ._plan import Plan
@@ -118,8 +119,6 @@ def state_sharding(mesh: Any, shape: tuple[int, ...]) -> Any:
     """ZeRO-style storage between steps: the largest dimension dividing by the device count is split
     over every mesh axis (1/N of the leaf per device), else the leaf is replicated. A function of the
     shape only, so a step's new parameters and optimizer state come out laid out as they went in."""
-    from jax.sharding import NamedSharding, PartitionSpec
-
     dims = [d for d, n in enumerate(shape) if n % mesh.size == 0]
     if not dims:
         return NamedSharding(mesh, PartitionSpec())
@@ -131,8 +130,6 @@ def state_sharding(mesh: Any, shape: tuple[int, ...]) -> Any:
 
 def batch_sharding(mesh: Any, shape: tuple[int, ...]) -> Any:
     """The batch: split on its leading dimension over the non-pipe axes when it divides, else whole."""
-    from jax.sharding import NamedSharding, PartitionSpec
-
     data = tuple(a for a in mesh.axis_names if a != "pipe")
     n = mesh.size // mesh.shape["pipe"]
     if shape and data and shape[0] % n == 0:

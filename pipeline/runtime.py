@@ -33,6 +33,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import networkx as nx
 import numpy as np
 from jax import lax
 from jax.sharding import Mesh, NamedSharding
@@ -418,21 +419,17 @@ class PipelineProgram:
                 idx = jnp.where(k == FORWARD, r, jnp.where(k == BACKWARD, S + r, 2 * S))
                 batch_m = jax.tree.map(lambda x: lax.dynamic_index_in_dim(x, m, 0, keepdims=False), batch_mb)
                 act_out, grads_out, dparam, dloss = lax.switch(idx, branches, flat_p, act_buf, grad_buf, batch_m, m)
+                def deliver(buf, recv, src, row, slots, kind):
+                    # keep what arrived only if the sender ran that kind of task this tick
+                    valid = (src >= 0) & (kind_t[t, jnp.maximum(src, 0)] == kind)
+                    slot = slots[r, row, mb_t[t, jnp.maximum(src, 0)]]
+                    return buf.at[row, slot].set(jnp.where(valid, recv, buf[row, slot]))
+
                 for pairs, (f_src, f_kin, _), (b_src, b_kin, b_kout) in tables:
                     recv = lax.ppermute(act_out, pipe, perm=pairs)
-                    src = f_src[r]
-                    valid = (src >= 0) & (kind_t[t, jnp.maximum(src, 0)] == FORWARD)
-                    mm = mb_t[t, jnp.maximum(src, 0)]
-                    slot = st_in_slot[r, f_kin[r], mm]
-                    cur = act_buf[f_kin[r], slot]
-                    act_buf = act_buf.at[f_kin[r], slot].set(jnp.where(valid, recv, cur))
+                    act_buf = deliver(act_buf, recv, f_src[r], f_kin[r], st_in_slot, FORWARD)
                     recv = lax.ppermute(grads_out[b_kin[r]], pipe, perm=[(b, a) for a, b in pairs])
-                    src = b_src[r]
-                    valid = (src >= 0) & (kind_t[t, jnp.maximum(src, 0)] == BACKWARD)
-                    mm = mb_t[t, jnp.maximum(src, 0)]
-                    slot = st_out_slot[r, b_kout[r], mm]
-                    cur = grad_buf[b_kout[r], slot]
-                    grad_buf = grad_buf.at[b_kout[r], slot].set(jnp.where(valid, recv, cur))
+                    grad_buf = deliver(grad_buf, recv, b_src[r], b_kout[r], st_out_slot, BACKWARD)
                 return act_buf, grad_buf, gacc + dparam, loss + dloss
 
             carry = (jnp.zeros((n_in_max, st.num_in_slots, A), act_dtype),
@@ -466,19 +463,9 @@ class PipelineProgram:
 
 
 def _topological(n: int, edges: Sequence[tuple[int, int]]) -> list[int]:
-    indeg = [0] * n
-    for _, b in edges:
-        indeg[b] += 1
-    order, ready = [], [s for s in range(n) if indeg[s] == 0]
-    while ready:
-        s = ready.pop(0)
-        order.append(s)
-        for a, b in edges:
-            if a == s:
-                indeg[b] -= 1
-                if indeg[b] == 0:
-                    ready.append(b)
-    return order
+    g = nx.DiGraph(list(edges))
+    g.add_nodes_from(range(n))
+    return list(nx.lexicographical_topological_sort(g))
 
 
 def pipeline_value_and_grad(stage_fns: Sequence[Callable], mesh: Mesh, *, num_microbatches: int | None = None,

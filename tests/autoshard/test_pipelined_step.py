@@ -31,20 +31,26 @@ def make_step(m, loss=None):
     return step
 
 
+def train_like_one_device(fast, step, m, params, batch, steps=2):
+    """Run `fast` and jax.jit(step) side by side; losses and final parameters must agree."""
+    ref = jax.jit(step)
+    p1, o1 = params, m.optimizer.init(params)
+    p2, o2 = params, m.optimizer.init(params)
+    for _ in range(steps):
+        p1, o1, l1 = fast(p1, o1, batch)
+        p2, o2, l2 = ref(p2, o2, batch)
+        np.testing.assert_allclose(float(l1), float(l2), rtol=1e-5)
+    assert_close(p1, p2)
+    return p1, o1
+
+
 def test_pipelined_decorator_trains_like_one_device():
     m = models.get("gpt", "debug")
     params, batch = m.init(jax.random.key(0)), m.batch()
     step = make_step(m)
     fast = autoshard.autoshard(step, mesh={"pipe": 4, "data": 2}, pipeline="rannc", hardware="cpu-sim",
                                num_microbatches=2)
-    ref = jax.jit(step)
-    p1, o1 = params, m.optimizer.init(params)
-    p2, o2 = params, m.optimizer.init(params)
-    for _ in range(2):
-        p1, o1, l1 = fast(p1, o1, batch)
-        p2, o2, l2 = ref(p2, o2, batch)
-        np.testing.assert_allclose(float(l1), float(l2), rtol=1e-5)
-    assert_close(p1, p2)
+    p1, o1 = train_like_one_device(fast, step, m, params, batch)
     assert jax.tree.structure(p1) == jax.tree.structure(params)
     # the loss ran as the plan's 4 stages; the rest of the step around it
     assert len(fast.pipelined.stages) == 4 and len(fast.plan.stages) == 4
@@ -122,14 +128,7 @@ def test_graphpipe_dag_plan_trains_like_one_device():
     params, batch = m.init(jax.random.key(0)), m.batch()
     step = make_step(m)
     fast = autoshard.autoshard(step, mesh={"data": 8}, pipeline="graphpipe", hardware="v100-sxm")
-    ref = jax.jit(step)
-    p1, o1 = params, m.optimizer.init(params)
-    p2, o2 = params, m.optimizer.init(params)
-    for _ in range(2):
-        p1, o1, l1 = fast(p1, o1, batch)
-        p2, o2, l2 = ref(p2, o2, batch)
-        np.testing.assert_allclose(float(l1), float(l2), rtol=1e-5)
-    assert_close(p1, p2)
+    p1, o1 = train_like_one_device(fast, step, m, params, batch)
     stages = fast.pipelined.stages
     assert len(stages) == len(fast.plan.stages) > 2
     joins = [st for st in stages if len(st.after) > 1]
