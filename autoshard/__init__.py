@@ -1,39 +1,54 @@
-"""autoshard: automatic tensor and pipeline parallelism for JAX train steps."""
+"""autoshard: automatic tensor and pipeline parallelism for JAX train steps.
 
-from ._audit import Audit as Audit
-from ._audit import audit as audit
-from ._decorator import Autosharded as Autosharded
-from ._decorator import ConfigError as ConfigError
-from ._decorator import autoshard as autoshard
-from ._errors import AutoshardError as AutoshardError
-from ._errors import GroupingError as GroupingError
-from ._errors import InfeasiblePlanError as InfeasiblePlanError
-from ._errors import MeshError as MeshError
-from ._errors import NotCallableError as NotCallableError
-from ._errors import PlanError as PlanError
-from ._errors import TraceFailedError as TraceFailedError
-from ._errors import UnknownHardwareError as UnknownHardwareError
-from ._errors import UntraceableArgumentError as UntraceableArgumentError
-from ._experts import EXPERTS as EXPERTS
-from ._graph import Op as Op
-from ._graph import OpGraph as OpGraph
-from ._graph import Value as Value
-from ._group import BlockInstance as BlockInstance
-from ._group import BlockType as BlockType
-from ._group import Grouping as Grouping
-from ._group import group as group
-from ._hardware import HardwareSpec as HardwareSpec
-from ._hardware import get_hardware as get_hardware
-from ._mesh import MeshSpec as MeshSpec
-from ._pipelined import Pipelined as Pipelined
-from ._pipelined import PipelineSplitError as PipelineSplitError
-from ._pipelined import StageInfo as StageInfo
-from ._pipelined import pipelined as pipelined
-from ._pipelined_step import value_and_grad as value_and_grad
-from ._plan import Plan as Plan
-from ._planner import expert_plan as expert_plan
-from ._planner import plan as plan
-from ._search import SearchOptions as SearchOptions
-from ._trace import trace as trace
+The public face: every name below is defined in `autoshard/_src` (layers: core, tensor, pipeline,
+plan, bridge). Names from the jax bridge load on first use, so `import autoshard` itself needs no jax.
+"""
 
-__version__ = "0.1.0"
+from typing import TYPE_CHECKING
+
+from ._src.core.errors import AutoshardError as AutoshardError
+from ._src.core.errors import ConfigError as ConfigError
+from ._src.core.errors import GroupingError as GroupingError
+from ._src.core.errors import HardwareError as HardwareError
+from ._src.core.errors import InfeasiblePlanError as InfeasiblePlanError
+from ._src.core.errors import MeshError as MeshError
+from ._src.core.errors import NotCallableError as NotCallableError
+from ._src.core.errors import PipelineError as PipelineError
+from ._src.core.errors import PlanError as PlanError
+from ._src.core.errors import ScheduleError as ScheduleError
+from ._src.core.errors import TraceFailedError as TraceFailedError
+from ._src.core.errors import UntraceableArgumentError as UntraceableArgumentError
+from ._src.core.graph import OpGraph as OpGraph
+from ._src.core.grouping import Grouping as Grouping
+from ._src.core.grouping import group as group
+from ._src.core.hardware import HardwareSpec as HardwareSpec
+from ._src.core.hardware import get_hardware as get_hardware
+from ._src.core.version import VERSION as __version__
+from ._src.lazy import lazy_attributes
+from ._src.plan.plan import Plan as Plan
+from ._src.tensor.search import SearchOptions as SearchOptions
+
+if TYPE_CHECKING:   # the lazy names below, for type checkers and IDEs
+    from ._src.bridge.api import bind as bind
+    from ._src.bridge.api import expert_plan as expert_plan
+    from ._src.bridge.api import plan as plan
+    from ._src.bridge.audit import Audit as Audit
+    from ._src.bridge.audit import audit as audit
+    from ._src.bridge.cut import pipelined as pipelined
+    from ._src.bridge.decorator import autoshard as autoshard
+    from ._src.bridge.pipelined_step import value_and_grad as value_and_grad
+    from ._src.bridge.trace import trace as trace
+
+__getattr__, __dir__ = lazy_attributes(__name__, {
+    "autoshard": "autoshard._src.bridge.decorator",
+    "trace": "autoshard._src.bridge.trace",
+    "plan": "autoshard._src.bridge.api",
+    "expert_plan": "autoshard._src.bridge.api",
+    "bind": "autoshard._src.bridge.api",
+    "audit": "autoshard._src.bridge.audit",
+    "Audit": "autoshard._src.bridge.audit",
+    "value_and_grad": "autoshard._src.bridge.pipelined_step",
+    "pipelined": "autoshard._src.bridge.cut",
+}, eager=[n for n in dir() if not n.startswith("_") and n not in ("TYPE_CHECKING", "lazy_attributes")])
+
+del TYPE_CHECKING, lazy_attributes

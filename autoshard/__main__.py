@@ -1,3 +1,3 @@
-from ._cli import main
+from autoshard._src.cli import main
 
 raise SystemExit(main())

@@ -45,9 +45,9 @@ from _common import git_state, machine  # noqa: E402
 import autoshard  # noqa: E402
 import models  # noqa: E402
 from autoshard import get_hardware  # noqa: E402
-from autoshard._profile import measured_layer_costs  # noqa: E402
+from autoshard._src.bridge.profile import measured_layer_costs  # noqa: E402
+from autoshard._src.pipeline.graphpipe.partition import _tps_floor  # noqa: E402
 from pipeline import graphpipe_partition, layer_graph, spp_partition  # noqa: E402
-from pipeline._graphpipe import _tps_floor  # noqa: E402
 
 # Summit (GraphPipe §7): V100 SXM2 16 GB, 4 GPUs per node used, NVLink2 50 GB/s inside a node,
 # EDR InfiniBand 100 Gb/s between nodes; the v100-sxm preset has the links, not the 16 GB or 4/node.

@@ -47,7 +47,7 @@ from _common import git_state, machine  # noqa: E402
 
 import autoshard  # noqa: E402
 import models  # noqa: E402
-from autoshard._emit import donated_argnums, make_mesh, shardings  # noqa: E402
+from autoshard._src.bridge.emit import donated_argnums, make_mesh, shardings  # noqa: E402
 
 MESH = {"data": 2, "model": 4}
 HARDWARE = "cpu-sim"

@@ -41,8 +41,8 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import autoshard  # noqa: E402
 import models  # noqa: E402
-from autoshard._hlo import collectives, summarize  # noqa: E402
-from pipeline.runtime import pipeline_value_and_grad  # noqa: E402
+from autoshard._src.bridge.hlo import collectives, summarize  # noqa: E402
+from autoshard._src.bridge.runtime import pipeline_value_and_grad  # noqa: E402
 
 STAGES, LAYERS_PER_STAGE = 8, 2
 

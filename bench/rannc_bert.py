@@ -39,15 +39,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from autoshard import InfeasiblePlanError  # noqa: E402
 from bench._common import git_state, machine  # noqa: E402
-from pipeline import (  # noqa: E402
-    PipelineCosts,
-    PipelineInfeasibleError,
-    atomic_partition,
-    best_uniform,
-    partition_blocks,
-    plan_stages,
-)
+from pipeline import PipelineCosts, atomic_partition, best_uniform, partition_blocks, plan_stages  # noqa: E402
 
 HW = "v100-sxm"
 HIDDEN = (1024, 1536, 2048)
@@ -112,7 +106,7 @@ def rannc(graph, devices: int, batch: int, *, search: str = "all", stage_counts=
         try:
             cands.append((plan_stages(graph, devices, HW, batch_size=batch, recompute=rc, costs=costs,
                                       blocks=blocks, stage_counts=sc, search=search), rc))
-        except PipelineInfeasibleError:
+        except InfeasiblePlanError:
             continue
         if search == "stage":
             break

@@ -29,14 +29,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from pipeline import (  # noqa: E402
-    PipelineCosts,
-    PipelineInfeasibleError,
-    atomic_partition,
-    best_uniform,
-    partition_blocks,
-    plan_stages,
-)
+from autoshard import InfeasiblePlanError  # noqa: E402
+from pipeline import PipelineCosts, atomic_partition, best_uniform, partition_blocks, plan_stages  # noqa: E402
 from tests.autoshard._synthetic import model  # noqa: E402
 from tests.pipeline._rannc_graphs import random_step  # noqa: E402
 
@@ -109,7 +103,7 @@ def main() -> None:
             for name, extra in (("rannc", {}), ("rannc_published", {"search": "stage"})):
                 try:
                     row[name] = plan_summary(plan_stages(graph, devices, "v100-sxm", **kw, **extra))
-                except PipelineInfeasibleError as err:
+                except InfeasiblePlanError as err:
                     row[name] = {"infeasible": str(err)}
             row["uniform"] = plan_summary(best_uniform(costs, devices, grouping=grouping, batch_size=512,
                                                        recompute=True))

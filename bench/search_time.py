@@ -32,11 +32,11 @@ import statistics  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+import autoshard._planner as _planner  # noqa: E402  (timing wrappers only; nothing is changed)
 import numpy as np  # noqa: E402
 from _common import git_state, machine  # noqa: E402
 
 import autoshard  # noqa: E402
-import autoshard._planner as _planner  # noqa: E402  (timing wrappers only; nothing is changed)
 import models  # noqa: E402
 
 MESHES = {"8 (2x4)": {"data": 2, "model": 4}, "64 (8x8)": {"data": 8, "model": 8}}

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from autoshard._flops import estimate_flops
-from autoshard._graph import Loop, Op, OpGraph, Value, nbytes
-from autoshard._graph_attribution import parse_scope
-from autoshard._group import Grouping
+from autoshard._src.core.attribution import parse_scope
+from autoshard._src.core.flops import estimate_flops
+from autoshard._src.core.graph import Loop, Op, OpGraph, Value, nbytes
+from autoshard._src.core.grouping import Grouping
 
 B, D, F, V = 8, 16, 64, 32          # tokens, model dim, mlp hidden, vocab
 MATMUL = {"contracting": ((1,), (0,)), "batch": ((), ())}

@@ -8,6 +8,7 @@ from jax.sharding import AxisType
 
 import autoshard
 import models
+from autoshard._src.tensor.experts import EXPERTS
 
 
 def _mesh(shape, names, n=None):
@@ -62,7 +63,7 @@ def test_audit_rejects_a_mesh_that_differs_from_the_plan():
         autoshard.audit(plan, m.train_step, *args, mesh=_mesh((4, 2), ("data", "model")))
 
 
-@pytest.mark.parametrize("expert", autoshard.EXPERTS)
+@pytest.mark.parametrize("expert", EXPERTS)
 def test_expert_plans_are_plans_the_audit_confirms(expert):
     m = models.get("gpt", "debug", batch_size=8, num_heads=8)
     args = m.abstract_state()
@@ -88,7 +89,7 @@ def test_auto_plan_is_never_slower_than_an_expert_and_explain_says_why():
     args = m.abstract_state()
     plan = autoshard.plan(m.train_step, *args, mesh={"data": 2, "model": 4}, hardware="h100-sxm")
     experts = plan.predicted["experts"]
-    assert set(experts) == set(autoshard.EXPERTS)
+    assert set(experts) == set(EXPERTS)
     for name, e in experts.items():
         if "step_time" in e and e["feasible"]:
             assert plan.predicted["step_time"] <= e["step_time"] * (1 + 1e-9), name

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from autoshard._factors import analyze
-from autoshard._graph import nbytes
+from autoshard._src.core.graph import nbytes
+from autoshard._src.tensor.factors import analyze
 
 from ._synthetic import GraphBuilder
 

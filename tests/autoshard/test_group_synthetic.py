@@ -8,8 +8,8 @@ from hypothesis import given, settings
 
 import autoshard
 from autoshard import group
-from autoshard._graph import Loop
-from autoshard._graph_attribution import attribute_modules, infer_phases, join_modules, parse_scope
+from autoshard._src.core.attribution import attribute_modules, infer_phases, join_modules, parse_scope
+from autoshard._src.core.graph import Loop
 
 from ._synthetic import MATMUL, B, D, GraphBuilder, block, model
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from autoshard._hlo import array_bytes, collectives, group_axes, parse_replica_groups, source_of, summarize
+from autoshard._src.bridge.hlo import array_bytes, collectives, group_axes, parse_replica_groups, source_of, summarize
 
 MESH = (("data", "model"), (2, 4))
 

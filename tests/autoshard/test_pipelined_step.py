@@ -12,7 +12,7 @@ import pytest
 
 import autoshard
 import models
-from autoshard import ConfigError, PipelineSplitError, PlanError
+from autoshard import ConfigError, PipelineError, PlanError
 
 
 def assert_close(got, want, tol=1e-5):
@@ -118,7 +118,7 @@ def test_pipelined_decorator_errors():
         w = (batch["targets"][:, 0] % 3).astype(jnp.float32)
         return jnp.sum(per * w) / jnp.sum(w)
 
-    with pytest.raises(PipelineSplitError, match="not a mean over samples"):
+    with pytest.raises(PipelineError, match="not a mean over samples"):
         autoshard.autoshard(make_step(m, ratio), **kw)(params, opt_state, batch)
 
 

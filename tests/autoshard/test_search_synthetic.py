@@ -12,11 +12,11 @@ from __future__ import annotations
 import pytest
 
 from autoshard import group
-from autoshard._cost import AnalyticalCostModel
-from autoshard._graph import Loop, nbytes
-from autoshard._hardware import get_hardware
-from autoshard._mesh import mesh_spec
-from autoshard._search import SearchOptions, search
+from autoshard._src.core.cost import AnalyticalCostModel
+from autoshard._src.core.graph import Loop, nbytes
+from autoshard._src.core.hardware import get_hardware
+from autoshard._src.core.mesh import mesh_spec
+from autoshard._src.tensor.search import SearchOptions, search
 
 from ._synthetic import GraphBuilder, mlp_step, remainder_grouping
 

@@ -14,7 +14,7 @@ import random
 
 import networkx as nx
 
-from autoshard._graph import OpGraph
+from autoshard._src.core.graph import OpGraph
 
 from ..autoshard._synthetic import GraphBuilder
 

@@ -11,11 +11,12 @@ import numpy as np
 import pytest
 
 import pipeline
-from pipeline import GraphPipePlan, PipelineError, PipelineInfeasibleError, graphpipe_partition, spp_partition
-from pipeline._graphpipe import _Costs, _microbatch_sizes, _Problem, _search_b
-from pipeline._layer_graph import LayerGraph, LayerNode, chain_graph, curve_seconds
-from pipeline._sp import SPTree, sp_decompose
-from pipeline._spp import linear_tree
+from autoshard import InfeasiblePlanError, PipelineError, get_hardware
+from autoshard._src.pipeline.graphpipe.layer_graph import LayerGraph, LayerNode, chain_graph, curve_seconds
+from autoshard._src.pipeline.graphpipe.partition import _Costs, _microbatch_sizes, _Problem, _search_b
+from autoshard._src.pipeline.graphpipe.sp import SPTree, sp_decompose
+from autoshard._src.pipeline.graphpipe.spp import linear_tree
+from pipeline import GraphPipePlan, graphpipe_partition, spp_partition
 
 MS = 1e-3
 
@@ -127,7 +128,7 @@ def test_max_microbatch_size():
 
 def test_infeasible_names_graph_budget_and_best():
     g = branchy(2, 2, 16, join_f=1 * MS, name="tiny-mem")
-    with pytest.raises(PipelineInfeasibleError) as err:
+    with pytest.raises(InfeasiblePlanError) as err:
         graphpipe_partition(g, 2, memory_budget=1e6)
     e = err.value
     assert e.budget == 1e6 and e.min_memory > 1e6 and math.isfinite(e.min_memory)
@@ -162,7 +163,7 @@ def _brute_force(graph: LayerGraph, tree, devices: int, b: int, budget: float) -
     devices), with memory at 1 + depth below in the stage DAG of the tree's order (SPP: the chain)."""
     prob = _Problem(graph, tree, variants=False)
     order = _tree_order(tree)
-    costs = _Costs(prob, pipeline._graphpipe.get_hardware("v100-sxm"), devices, b, graph.batch_size, budget)
+    costs = _Costs(prob, get_hardware("v100-sxm"), devices, b, graph.batch_size, budget)
     pieces = {prob._collect_nodes(sig): row for sig, row in prob.single_index.items()}
     n, best = len(graph), math.inf
     for labels in _set_partitions(list(range(n))):
@@ -294,7 +295,7 @@ def test_dp_matches_brute_force(name, devices, curves):
         for budget in (math.inf, 60e6):
             prob = _Problem(g, tree)
             for b in _microbatch_sizes(8, None):
-                costs = _Costs(prob, pipeline._graphpipe.get_hardware("v100-sxm"), devices, b, 8, budget)
+                costs = _Costs(prob, get_hardware("v100-sxm"), devices, b, 8, budget)
                 res = _search_b(prob, costs, devices)
                 want = min(_brute_force(g, t, devices, b, budget) for t in trees)
                 got = math.inf if res is None else res[0]

@@ -6,8 +6,9 @@ import random
 
 import pytest
 
-from pipeline import PipelineError, SPTree, sp_decompose
-from pipeline._layer_graph import LayerGraph, LayerNode
+from autoshard import PipelineError
+from autoshard._src.pipeline.graphpipe.layer_graph import LayerGraph, LayerNode
+from autoshard._src.pipeline.graphpipe.sp import SPTree, sp_decompose
 
 
 def _node(i: int) -> LayerNode:

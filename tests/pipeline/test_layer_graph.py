@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pipeline import PipelineGraphError
-from pipeline._layer_graph import LayerGraph, LayerNode, chain_graph, curve_seconds
+from autoshard import PipelineError
+from autoshard._src.pipeline.graphpipe.layer_graph import LayerGraph, LayerNode, chain_graph, curve_seconds
 
 
 def test_curve_interpolates_and_extends_with_the_last_slope():
@@ -25,14 +25,14 @@ def test_curves_must_agree_and_not_decrease():
     a = LayerNode("a", 1, 2, 0, 0, 0, 0, forward_curve=(1, 2), backward_curve=(2, 4))
     b = LayerNode("b", 1, 2, 0, 0, 0, 0, forward_curve=(1, 2, 4), backward_curve=(2, 4, 8))
     assert chain_graph([a, a], 8).curve_sizes == 2
-    with pytest.raises(PipelineGraphError, match="same sizes"):
+    with pytest.raises(PipelineError, match="same sizes"):
         chain_graph([a, b], 8)
     bad = LayerNode("c", 1, 2, 0, 0, 0, 0, forward_curve=(2, 1), backward_curve=(2, 4))
-    with pytest.raises(PipelineGraphError, match="decreasing"):
+    with pytest.raises(PipelineError, match="decreasing"):
         chain_graph([bad], 8)
-    with pytest.raises(PipelineGraphError, match="forward=nan"):
+    with pytest.raises(PipelineError, match="forward=nan"):
         chain_graph([LayerNode("n", float("nan"), 2, 0, 0, 0, 0)], 8)
-    with pytest.raises(PipelineGraphError, match="batch_size=6.0"):
+    with pytest.raises(PipelineError, match="batch_size=6.0"):
         chain_graph([a], 6.0)
-    with pytest.raises(PipelineGraphError, match="not forward"):
+    with pytest.raises(PipelineError, match="not forward"):
         LayerGraph((a, a), ((1, 0),), 8)

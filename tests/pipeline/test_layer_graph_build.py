@@ -10,9 +10,9 @@ import pytest
 
 import autoshard
 import models
-from autoshard._cost import AnalyticalCostModel
-from pipeline import PipelineError, PipelineGraphError
-from pipeline._layer_graph_build import layer_graph
+from autoshard import PipelineError
+from autoshard._src.core.cost import AnalyticalCostModel
+from autoshard._src.pipeline.graphpipe.layer_graph_build import layer_graph
 
 
 def _trace(name: str, **overrides):
@@ -142,7 +142,7 @@ def test_errors_name_the_argument():
     _, _, graph = _trace("candle_uno")
     with pytest.raises(PipelineError, match="depth=0"):
         layer_graph(graph, depth=0)
-    with pytest.raises(PipelineGraphError, match="depth=9 is deeper"):
+    with pytest.raises(PipelineError, match="depth=9 is deeper"):
         layer_graph(graph, depth=9)
     with pytest.raises(PipelineError, match="batch_size=0"):
         layer_graph(graph, batch_size=0)
@@ -150,7 +150,7 @@ def test_errors_name_the_argument():
         layer_graph("not a graph")
     for op in graph.ops:            # no repeated modules: no layer level to cut at
         op.module = "CandleUno/x" if op.module else ""
-    with pytest.raises(PipelineGraphError, match="pass depth="):
+    with pytest.raises(PipelineError, match="pass depth="):
         layer_graph(graph)
 
 
@@ -196,7 +196,8 @@ def test_measured_op_curves_drive_the_micro_batch_size():
     """Given per-op seconds at each micro-batch size (profile="measured"), the node curves are their
     sums, and GraphPipe follows them: flat costs (a kernel costs the same at any size) want large
     micro-batches, linear costs (no per-micro-batch overhead) small ones (a shorter fill/drain)."""
-    from pipeline import curve_sizes, graphpipe_partition
+    from autoshard._src.pipeline.graphpipe.layer_graph_build import curve_sizes
+    from pipeline import graphpipe_partition
 
     m, _, graph = _trace("candle_uno")
     sizes = curve_sizes(m.config.batch_size)

@@ -7,9 +7,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from autoshard._errors import AutoshardError
-from pipeline._atomic import PipelineGraphError, atomic_partition
-from pipeline._costs import PipelineCosts
+from autoshard import AutoshardError, PipelineError
+from autoshard._src.pipeline.atomic import atomic_partition
+from autoshard._src.pipeline.costs import PipelineCosts
 
 from ..autoshard._synthetic import GraphBuilder, mlp_step
 from ._rannc_graphs import B, D, component_dag, convex, random_step
@@ -122,6 +122,6 @@ def test_graph_without_data_dependence_is_a_typed_error():
     g = GraphBuilder()
     w = g.param("M/fc", (D, D))
     g.output(g.op("reduce_sum", [g.op("tanh", [w], module="M/fc")], [()], params={"axes": (0, 1)}), (2,))
-    with pytest.raises(PipelineGraphError, match="no forward op") as err:
+    with pytest.raises(PipelineError, match="no forward op") as err:
         atomic_partition(g.build())
     assert isinstance(err.value, AutoshardError)

@@ -6,9 +6,9 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pipeline._atomic import atomic_partition
-from pipeline._blocks import partition_blocks
-from pipeline._costs import PipelineCosts
+from autoshard._src.pipeline.atomic import atomic_partition
+from autoshard._src.pipeline.costs import PipelineCosts
+from autoshard._src.pipeline.rannc.blocks import partition_blocks
 
 from ..autoshard._synthetic import model
 from ._rannc_graphs import component_dag, convex, random_step

@@ -6,11 +6,11 @@ import pytest
 
 import autoshard
 import models
-from pipeline._atomic import atomic_partition
-from pipeline._blocks import partition_blocks
-from pipeline._costs import PipelineCosts
-from pipeline._stages import plan_stages
-from pipeline._uniform import best_uniform
+from autoshard._src.pipeline.atomic import atomic_partition
+from autoshard._src.pipeline.costs import PipelineCosts
+from autoshard._src.pipeline.rannc.blocks import partition_blocks
+from autoshard._src.pipeline.rannc.stages import plan_stages
+from autoshard._src.pipeline.rannc.uniform import best_uniform
 
 from ._rannc_graphs import check_plan, component_dag, convex
 

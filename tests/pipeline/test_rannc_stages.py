@@ -10,20 +10,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from autoshard._errors import AutoshardError, InfeasiblePlanError
-from autoshard._group import group
-from pipeline._atomic import PipelineError, atomic_partition
-from pipeline._blocks import partition_blocks
-from pipeline._costs import PipelineCosts
-from pipeline._stages import (
-    PipelineInfeasibleError,
-    StageProblem,
-    form_stage,
-    form_stage_dp,
-    min_peak_memory,
-    plan_stages,
-)
-from pipeline._uniform import best_uniform, uniform_split
+from autoshard import AutoshardError, InfeasiblePlanError, PipelineError
+from autoshard._src.core.grouping import group
+from autoshard._src.pipeline.atomic import atomic_partition
+from autoshard._src.pipeline.costs import PipelineCosts
+from autoshard._src.pipeline.rannc.blocks import partition_blocks
+from autoshard._src.pipeline.rannc.stages import StageProblem, form_stage, form_stage_dp, min_peak_memory, plan_stages
+from autoshard._src.pipeline.rannc.uniform import best_uniform, uniform_split
 
 from ..autoshard._synthetic import model
 from ._rannc_graphs import check_plan, random_step
@@ -132,7 +125,7 @@ def test_plans_are_valid_partitions_that_fit(seed, n, k, devices, q, schedule, u
     try:
         plan = plan_stages(graph, devices, V100, k=k, batch_size=16, schedule=schedule, memory_budget=budget,
                            use_blocks=use_blocks, atomic=atomic)
-    except PipelineInfeasibleError as err:
+    except InfeasiblePlanError as err:
         assert err.min_memory > budget and err.budget == budget
         return
     check_plan(plan, atomic, budget)
@@ -176,7 +169,7 @@ def test_infeasible_is_a_typed_error_with_the_smallest_memory_found():
     graph = model([f"M/block_{i}" for i in range(4)])
     atomic = atomic_partition(graph)
     budget = float(PipelineCosts(atomic, V100).component_memory().max()) / 2
-    with pytest.raises(PipelineInfeasibleError, match="memory budget") as err:
+    with pytest.raises(InfeasiblePlanError, match="memory budget") as err:
         plan_stages(graph, 4, V100, k=6, atomic=atomic, memory_budget=budget)
     assert isinstance(err.value, InfeasiblePlanError) and isinstance(err.value, AutoshardError)
     assert err.value.min_memory > budget

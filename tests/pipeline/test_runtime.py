@@ -12,7 +12,8 @@ import pytest
 from jax.sharding import AxisType, PartitionSpec
 
 import pipeline
-from pipeline.runtime import PipelineRuntimeError, StackedParams, pipeline_value_and_grad
+from autoshard import PipelineError
+from autoshard._src.bridge.runtime import StackedParams, pipeline_value_and_grad
 
 
 def mesh(shape, names):
@@ -86,7 +87,7 @@ def test_parameters_live_on_their_stage_only():
     assert grads.flat.sharding.spec == PartitionSpec("pipe")
     # the compiled step never gathers parameters: per tick one activation and one gradient permute
     # along the chain, then the loss sum over pipe and the gradient mean over data
-    from autoshard._hlo import collectives, summarize
+    from autoshard._src.bridge.hlo import collectives, summarize
     hlo = prog.lower(stacked, data).compile().as_text()
     summary = summarize(collectives(hlo, ["pipe", "data"], [4, 2]))
     assert set(summary) == {"collective-permute@pipe", "all-reduce@pipe", "all-reduce@data"}
@@ -189,11 +190,11 @@ def test_tied_copies_get_the_summed_gradient():
     np.testing.assert_allclose(float(loss), float(want_loss), rtol=1e-5)
     assert_close([grads[0]["E"], grads[2]["E"], grads[1], grads[2]["bias"]], [gE, gE, gmid, gbias])
 
-    with pytest.raises(PipelineRuntimeError, match="two or more distinct stages"):
+    with pytest.raises(PipelineError, match="two or more distinct stages"):
         pipeline_value_and_grad([embed, hidden, unembed], m, num_microbatches=2, tied=[[(0, "['E']")]])
     wrong = pipeline_value_and_grad([embed, hidden, unembed], m, num_microbatches=2,
                                     tied=[[(0, "['E']"), (2, "['F']")]])
-    with pytest.raises(PipelineRuntimeError, match=r"tied parameter \['F'\] is not in stage 2"):
+    with pytest.raises(PipelineError, match=r"tied parameter \['F'\] is not in stage 2"):
         wrong.value_and_grad([{"E": E}, mid_p, {"E": E, "bias": bias}], data)
 
 
@@ -244,28 +245,28 @@ def test_mixed_dtypes_round_trip_exactly():
 def test_errors_name_the_problem():
     m = mesh((4,), ("pipe",))
     fns, params, data, _ = chain_problem(4)
-    with pytest.raises(PipelineRuntimeError, match="'pipe' axis of size 3"):
+    with pytest.raises(PipelineError, match="'pipe' axis of size 3"):
         pipeline_value_and_grad(fns[:3], m, num_microbatches=2)
-    with pytest.raises(PipelineRuntimeError, match="pipe_axis='stages' is not an axis"):
+    with pytest.raises(PipelineError, match="pipe_axis='stages' is not an axis"):
         pipeline_value_and_grad(fns, m, num_microbatches=2, pipe_axis="stages")
-    with pytest.raises(PipelineRuntimeError, match="needs schedule='graph-1f1b'"):
+    with pytest.raises(PipelineError, match="needs schedule='graph-1f1b'"):
         pipeline_value_and_grad(fns, m, num_microbatches=2, edges=[(0, 2), (1, 2), (2, 3)])
-    with pytest.raises(PipelineRuntimeError, match="needs num_microbatches"):
+    with pytest.raises(PipelineError, match="needs num_microbatches"):
         pipeline_value_and_grad(fns, m)
     uneven = pipeline.schedule("graph-1f1b", num_stages=4, num_microbatches=[2, 2, 4, 4])
-    with pytest.raises(PipelineRuntimeError, match="per-stage micro-batch counts"):
+    with pytest.raises(PipelineError, match="per-stage micro-batch counts"):
         pipeline_value_and_grad(fns, m, schedule=uneven)
     prog = pipeline_value_and_grad(fns, m, num_microbatches=3)
-    with pytest.raises(PipelineRuntimeError, match="batch size 16 does not split into 3 micro-batches"):
+    with pytest.raises(PipelineError, match="batch size 16 does not split into 3 micro-batches"):
         prog.value_and_grad(params, data)
-    with pytest.raises(PipelineRuntimeError, match="one parameter pytree per stage"):
+    with pytest.raises(PipelineError, match="one parameter pytree per stage"):
         prog.stack(params[:2])
     bad = pipeline_value_and_grad(fns[:3] + [hidden], m, num_microbatches=2)
-    with pytest.raises(PipelineRuntimeError, match="stage 3 has no successor"):
+    with pytest.raises(PipelineError, match="stage 3 has no successor"):
         bad.value_and_grad(params, data)
     int_params = params[:3] + [{"w": jnp.ones((6, 2), jnp.int32), "b": params[3]["b"]}]
-    with pytest.raises(PipelineRuntimeError, match="stage 3's parameters has a int32 leaf"):
+    with pytest.raises(PipelineError, match="stage 3's parameters has a int32 leaf"):
         prog.stack(int_params)
     broken = pipeline_value_and_grad(fns[:3] + [lambda p, b, x: head(p, b, x[:, :2])], m, num_microbatches=2)
-    with pytest.raises(PipelineRuntimeError, match="stage 3 failed on a micro-batch of 8 samples"):
+    with pytest.raises(PipelineError, match="stage 3 failed on a micro-batch of 8 samples"):
         broken.value_and_grad(params, data)

@@ -8,9 +8,11 @@ from fractions import Fraction
 import pytest
 
 import pipeline
-from pipeline import Schedule, ScheduleError, Task
-from pipeline import _graph_schedule as graph_schedule
-from pipeline._schedule import _REGISTRY, inflight_order
+from autoshard import ScheduleError
+from autoshard._src.pipeline.schedules import graph_1f1b as graph_schedule
+from autoshard._src.pipeline.schedules.registry import _REGISTRY
+from autoshard._src.pipeline.schedules.schedule import inflight_order
+from pipeline import Schedule, Task
 
 
 def _replace_rank(sched: Schedule, r: int, tasks) -> Schedule:
@@ -127,7 +129,7 @@ def test_builder_argument_errors(name, kwargs, match):
 
 
 def test_schedule_error_is_an_autoshard_value_error():
-    from autoshard._errors import AutoshardError
+    from autoshard._src.core.errors import AutoshardError
 
     assert issubclass(ScheduleError, AutoshardError)
     assert issubclass(ScheduleError, ValueError)
@@ -275,18 +277,18 @@ def test_per_minibatch_durations_scale_with_microbatch_size():
     ],
 )
 def test_compute_inflight_table_2(kx, bx, ky, by, extra):
-    assert pipeline.compute_inflight(kx, bx, ky, by, iy=10) == 10 + extra
+    assert graph_schedule.compute_inflight(kx, bx, ky, by, iy=10) == 10 + extra
 
 
 def test_static_inflight_chain_and_branches():
-    assert pipeline.static_inflight([8] * 4, [(0, 1), (1, 2), (2, 3)]) == [4, 3, 2, 1]
+    assert graph_schedule.static_inflight([8] * 4, [(0, 1), (1, 2), (2, 3)]) == [4, 3, 2, 1]
     # Three branches joining into stage 3, then the loss stage 4: each branch is two hops from the sink.
-    assert pipeline.static_inflight([8] * 5, [(0, 3), (1, 3), (2, 3), (3, 4)]) == [3, 3, 3, 2, 1]
+    assert graph_schedule.static_inflight([8] * 5, [(0, 3), (1, 3), (2, 3), (3, 4)]) == [3, 3, 3, 2, 1]
     # Max over successors: stage 0 feeds the sink directly and through stage 1.
-    assert pipeline.static_inflight([8] * 3, [(0, 1), (1, 2), (0, 2)]) == [3, 2, 1]
+    assert graph_schedule.static_inflight([8] * 3, [(0, 1), (1, 2), (0, 2)]) == [3, 2, 1]
     # Per-stage sizes (16, 8, 4 micro-batches = sizes 1, 2, 4 samples): Table 2 rows "bx < by".
-    assert pipeline.static_inflight([16, 8, 4], [(0, 1), (1, 2)]) == [10, 4, 1]
-    assert pipeline.static_inflight([4] * 2, [(0, 1)], k=2) == [4, 2]
+    assert graph_schedule.static_inflight([16, 8, 4], [(0, 1), (1, 2)]) == [10, 4, 1]
+    assert graph_schedule.static_inflight([4] * 2, [(0, 1)], k=2) == [4, 2]
 
 
 def test_graph_1f1b_on_branches_beats_a_chain_with_less_memory_than_gpipe():

@@ -10,7 +10,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import pipeline
-from pipeline import Schedule, ScheduleError, Task
+from autoshard import ScheduleError
+from autoshard._src.pipeline.schedules.graph_1f1b import static_inflight
+from pipeline import Schedule, Task
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -72,7 +74,7 @@ def test_graph_1f1b_on_random_dags(dag, data):
     sched = pipeline.schedule("graph-1f1b", num_stages=p, num_microbatches=counts, edges=edges, k=k)
     sim = _check_runs(sched, data.draw(_durations(p)))
     # The Table 2 caps alone are deadlock-free here: the builder never had to raise one.
-    assert sim.peak_inflight == pipeline.static_inflight(counts, edges, k)
+    assert sim.peak_inflight == static_inflight(counts, edges, k)
     assert Schedule.from_json(sched.to_json()) == sched
 
 

@@ -1,0 +1,515 @@
+"""autoshard.pipelined: cut a loss function into pipeline stages and run them with `pipeline.runtime`.
+
+    run = autoshard.pipelined(m.loss, params, batch, mesh={"pipe": 4, "data": 2}, num_microbatches=8)
+    loss, grads = run.value_and_grad(params, batch)      # == jax.value_and_grad(m.loss)(params, batch)
+    state = run.stack(params); loss, g = run(state, batch)   # keep parameters stage-sharded
+
+The loss is traced at the micro-batch shape and its jaxpr flattened (jit wrappers inlined; control
+flow, custom derivatives and remat kept whole). Every eqn that depends on a parameter gets a stage:
+by default the eqn sequence is cut into S pieces minimising an estimated pipeline tick (the
+largest stage's flops and the largest boundary's bytes on `hardware`); with `plan=` (a pipeline
+Plan) each eqn starts at the stage owning the parameters it reads and each cut takes the cheapest
+boundary between them. An eqn
+never runs before the stages of its inputs, so the cut is always a valid chain. Eqns that only
+read the batch (labels, masks, position ids) are recomputed by every stage that needs them instead
+of being sent. Values computed in stage s and used in a later stage travel down the chain. A
+parameter read by several stages (tied embeddings) has a copy on each; the runtime sums the copies'
+gradients once per step, so an elementwise optimizer keeps them equal and the weight never
+travels with the micro-batches.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType, Mesh
+
+from ..core.attribution import parse_scope
+from ..core.errors import PipelineError
+from ..core.flops import estimate_flops
+from ..core.hardware import get_hardware
+from . import compat as jc
+from .cut_dag import assign as dag_assign
+from .cut_dag import plan_edges
+from .trace import _simple_params
+
+
+@dataclasses.dataclass(frozen=True)
+class StageInfo:
+    """What one stage of a `Pipelined` loss runs and holds."""
+
+    index: int
+    eqns: int                        # eqns it runs (recomputed batch-only eqns not counted)
+    flops: float                     # per micro-batch, forward
+    modules: tuple[str, ...]         # module paths of its eqns, in order of first appearance
+    params: tuple[str, ...]          # keypaths of the parameters it owns
+    receives: int                    # values it gets from the previous stage
+    receive_bytes: int               # their bytes per micro-batch (per data-parallel replica)
+    borrows: tuple[str, ...] = ()    # copies of earlier stages' parameters it reads (tied weights)
+    receive_shapes: tuple[tuple[int, ...], ...] = ()   # shapes of the values it receives
+    after: tuple[int, ...] = ()      # the stages it receives from
+
+
+def _mesh(mesh: Any) -> Mesh:
+    if isinstance(mesh, Mesh):
+        return mesh
+    if isinstance(mesh, Mapping) and mesh and all(isinstance(v, int) and v > 0 for v in mesh.values()):
+        n = math.prod(mesh.values())
+        if n > len(jax.devices()):
+            raise PipelineError(
+                f"autoshard.pipelined: mesh {dict(mesh)} needs {n} devices, {len(jax.devices())} are available.")
+        return jax.make_mesh(tuple(mesh.values()), tuple(mesh), axis_types=(AxisType.Auto,) * len(mesh),
+                             devices=jax.devices()[:n])
+    raise PipelineError(f"autoshard.pipelined: mesh must be a jax Mesh or a dict axis -> size, got {mesh!r}.")
+
+
+class Pipelined:
+    """A loss function cut into stages: `value_and_grad` on parameter trees, or `stack` once and call
+    with the stage-sharded `StackedParams` (what a training loop keeps between steps)."""
+
+    def __init__(self, program: Any, stages: tuple[StageInfo, ...], treedef: Any, keys: tuple[str, ...],
+                 owner: tuple[int, ...], holders: tuple[tuple[int, ...], ...]):
+        self.program = program
+        self.stages = stages
+        self._treedef, self._keys, self._owner, self._holders = treedef, keys, owner, holders
+
+    @property
+    def mesh(self) -> Mesh:
+        return self.program.mesh
+
+    def stack(self, params: Any) -> Any:
+        leaves, treedef = jax.tree.flatten(params)
+        if treedef != self._treedef:
+            raise PipelineError(
+                f"autoshard.pipelined: the parameters' structure differs from the one the loss was cut for "
+                f"({treedef.num_leaves} vs {self._treedef.num_leaves} leaves); pass the same parameter tree.")
+        per_stage: list[dict[str, Any]] = [{} for _ in self.stages]
+        for key, held_by, leaf in zip(self._keys, self._holders, leaves, strict=True):
+            for s in held_by:
+                per_stage[s][key] = leaf
+        return self.program.stack(per_stage)
+
+    def unstack(self, stacked: Any) -> Any:
+        per_stage = self.program.unstack(stacked)
+        return jax.tree.unflatten(self._treedef, [per_stage[s][k] for k, s in zip(self._keys, self._owner,
+                                                                                   strict=True)])
+
+    def __call__(self, stacked: Any, batch: Any) -> tuple[jax.Array, Any]:
+        return self.program(stacked, batch)
+
+    def value_and_grad(self, params: Any, batch: Any) -> tuple[jax.Array, Any]:
+        loss, grads = self.program(self.stack(params), batch)
+        return loss, self.unstack(grads)
+
+    def describe(self) -> str:
+        rows = [f"{len(self.stages)} stages, {self.program.num_microbatches} micro-batches, schedule "
+                f"{self.program.schedule.name!r}, mesh {dict(self.mesh.shape)}",
+                "| stage | eqns | GFLOP/micro-batch | params | receives (MiB) | modules |", "|---|---|---|---|---|---|"]
+        for st in self.stages:
+            mods = ", ".join(st.modules[:4]) + (" ..." if len(st.modules) > 4 else "")
+            rows.append(f"| {st.index} | {st.eqns} | {st.flops / 1e9:.3g} | {len(st.params)} | "
+                        f"{st.receives} ({st.receive_bytes / 2**20:.3g}) | {mods} |")
+        return "\n".join(rows)
+
+
+def pipelined(loss_fn: Callable, params: Any, batch: Any, *, mesh: Any, num_microbatches: int,
+              schedule: str = "1f1b", plan: Any = None, pipe_axis: str = "pipe",
+              data_axes: tuple[str, ...] | None = None, check_loss: bool = True,
+              hardware: Any = "cpu-sim") -> Pipelined:
+    """Cut `loss_fn(params, batch) -> scalar mean loss` into one stage per `pipe_axis` rank and build
+    the shard_map pipeline program (see the module docstring). `plan`: a pipeline Plan from
+    `autoshard.plan(..., pipeline="rannc")` whose stage count matches; its parameter placement
+    guides the cut. `data_axes`: mesh axes splitting each micro-batch (default: all but pipe).
+    `hardware` (a preset name, HardwareSpec or dict, as in `autoshard.plan`): its flop rate and link
+    bandwidth weigh stage flops against boundary bytes when there is no plan.
+
+    The pipelined loss is the mean of `loss_fn` over the chunks each replica computes per
+    micro-batch (B / (num_microbatches x replicas) consecutive samples). That is the full-batch loss
+    when `loss_fn` averages over samples, but not for ratios such as sum(ce * mask) / sum(mask).
+    `check_loss` (with concrete example arguments) compares the two on the example batch once and
+    raises if they differ; pass False to accept the per-chunk normalisation."""
+    from .runtime import pipeline_value_and_grad
+
+    if not callable(loss_fn):
+        raise PipelineError(f"autoshard.pipelined: loss_fn must be callable, got {type(loss_fn).__name__}.")
+    mesh = _mesh(mesh)
+    if pipe_axis not in mesh.axis_names:
+        raise PipelineError(
+            f"autoshard.pipelined: the mesh {dict(mesh.shape)} has no {pipe_axis!r} axis; its size is the stage count.")
+    S = mesh.shape[pipe_axis]
+    axes = tuple(a for a in mesh.axis_names if a != pipe_axis) if data_axes is None else tuple(data_axes)
+    dp = math.prod(mesh.shape[a] for a in axes if a in mesh.shape)
+    if isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int) or num_microbatches < 1:
+        raise PipelineError(
+            f"autoshard.pipelined: num_microbatches must be a positive int, got {num_microbatches!r}.")
+    sizes = {x.shape[0] for x in jax.tree.leaves(batch) if getattr(x, "shape", ())}
+    if len(sizes) != 1:
+        raise PipelineError(
+            f"autoshard.pipelined: every batch leaf needs the same leading (batch) dimension; got {sorted(sizes)}.")
+    B = sizes.pop()
+    if B % (num_microbatches * dp):
+        raise PipelineError(
+            f"autoshard.pipelined: batch size {B} does not split into {num_microbatches} micro-batches x {dp} "
+            f"data-parallel replicas (mesh {dict(mesh.shape)}); use a multiple of {num_microbatches * dp}.")
+    mb = B // (num_microbatches * dp)
+
+    p_leaves_kp, treedef = jax.tree_util.tree_flatten_with_path(params)
+    keys = tuple(jc.keystr(kp) for kp, _ in p_leaves_kp)
+    p_struct = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+    b_struct = jax.tree.map(lambda x: jax.ShapeDtypeStruct((mb, *x.shape[1:]), x.dtype), batch)
+    try:
+        closed = jax.make_jaxpr(loss_fn)(p_struct, b_struct)
+    except Exception as e:
+        raise PipelineError(
+            f"autoshard.pipelined: tracing loss_fn at the micro-batch size {mb} failed: {type(e).__name__}: {e}") from e
+    prog = jc.flatten_calls(closed)
+    if len(prog.outputs) != 1 or closed.out_avals[0].shape != () or \
+            not jnp.issubdtype(closed.out_avals[0].dtype, jnp.floating):
+        raise PipelineError(
+            f"autoshard.pipelined: loss_fn must return one scalar float loss (the micro-batch mean); it returns "
+            f"{[(a.shape, str(a.dtype)) for a in closed.out_avals]}.")
+    if check_loss:
+        _check_chunk_mean(loss_fn, params, batch, B // mb, mb, mesh)
+    n_params = len(keys)
+    param_key = {k: i for i, k in enumerate(prog.inputs[:n_params])}   # value key -> leaf index
+    batch_keys = set(prog.inputs[n_params:])
+
+    eqns = prog.eqns
+    producer: dict[int, int] = {k: e for e, fe in enumerate(eqns) for k in fe.outputs}
+    key_ins = [[a for a in fe.inputs if not jc.is_literal(a)] for fe in eqns]
+    # batch-only eqns (no parameter upstream) are recomputed where needed, never sent
+    batch_only = [False] * len(eqns)
+    for e, ins in enumerate(key_ins):
+        batch_only[e] = all(k in batch_keys or k in prog.consts or (k in producer and batch_only[producer[k]])
+                            for k in ins)
+    flops = [estimate_flops(fe.eqn.primitive.name, [jc.aval_shape_dtype(a)[0] for a in fe.eqn.invars],
+                            [jc.aval_shape_dtype(a)[0] for a in fe.eqn.outvars],
+                            _simple_params(fe.eqn.primitive.name, fe.eqn.params)) for fe in eqns]
+
+    modules = [parse_scope(fe.scope)[0] for fe in eqns]
+    avals = _avals(prog, closed)
+    nbytes = {k: int(np.prod(a.shape)) * jnp.dtype(a.dtype).itemsize for k, a in avals.items()}
+    live = _live_bytes(key_ins, producer, batch_only, nbytes, prog.outputs[0])
+    hw = get_hardware(hardware)
+    biggest = max(p_leaves_kp, key=lambda kv: kv[1].size)[1] if p_leaves_kp else None
+    rate = hw.peak_flops(biggest.dtype if biggest is not None else jnp.float32) * hw.compute_efficiency
+    loss_key = prog.outputs[0]
+    dag = plan_edges(_plan_stages(plan, S)) if plan is not None else None
+    if dag is None:     # a chain: stage s sends s+1 everything made so far that is used later
+        anchor = _anchors(plan, S, keys, key_ins, param_key, batch_only, flops, modules, live, rate,
+                          hw.intra_node_bandwidth)
+        stage = [-1] * len(eqns)
+        for e in range(len(eqns)):
+            if batch_only[e]:
+                continue
+            ins = [stage[producer[k]] for k in key_ins[e] if k in producer and not batch_only[producer[k]]]
+            stage[e] = max([anchor[e], *ins])
+        sink, edges = S - 1, None
+        made_at = {k: stage[producer[k]] for k in producer if not batch_only[producer[k]]}
+        last_use: dict[int, int] = {}
+        for e, ins in enumerate(key_ins):
+            if not batch_only[e]:
+                for k in ins:
+                    if k in made_at:
+                        last_use[k] = max(last_use.get(k, -1), stage[e])
+        if not jc.is_literal(loss_key) and loss_key in made_at:
+            last_use[loss_key] = S - 1
+        sends = {s: [k for k in sorted(made_at) if made_at[k] <= s < last_use.get(k, -1)] for s in range(S - 1)}
+        preds: list[list[int]] = [[s - 1] if s else [] for s in range(S)]
+    else:               # a DAG (GraphPipe): each value goes straight to the stages using it
+        plan_anchor = _plan_anchors(plan, S, keys, key_ins, param_key, batch_only, modules)
+        stage, edges, sends, sink = dag_assign(S, dag, plan_anchor, key_ins, [fe.outputs for fe in eqns],
+                                               batch_only, None if jc.is_literal(loss_key) else loss_key)
+        preds = [[u for u, v in edges if v == s] for s in range(S)]
+        if schedule == "1f1b":
+            schedule = "graph-1f1b"     # 1F1B generalised to a DAG of stages
+    for a, ks in sends.items():
+        bad = [k for k in ks if not jnp.issubdtype(avals[k].dtype, jnp.floating)]
+        if bad:
+            k = bad[0]
+            where = f"eqn '{eqns[producer[k]].eqn.primitive.name}' in {eqns[producer[k]].scope or 'the top level'}"
+            raise PipelineError(
+                f"autoshard.pipelined: a {avals[k].dtype}{list(avals[k].shape)} value made by {where} in stage {a} "
+                f"is used in a later stage; stages exchange only floating-point values. Compute it from the batch "
+                f"alone (then every stage recomputes it) or keep its producer and users together.")
+
+    # holders: every stage reading a parameter keeps a copy (tied embeddings: the first and the last
+    # stage), the runtime sums the copies' gradients once per step; unread ones live on stage 0
+    holders: list[set[int]] = [set() for _ in range(n_params)]
+    for e, ins in enumerate(key_ins):
+        for k in ins:
+            if k in param_key and not batch_only[e]:
+                holders[param_key[k]].add(stage[e])
+    holders = [h or {0} for h in holders]
+    owner = [min(h) for h in holders]
+
+    # per stage: the batch-only eqns it must recompute, then its own eqns, in program order
+    needs_batch_only: list[list[int]] = []
+    for s in range(S):
+        want = {k for e in range(len(eqns)) if stage[e] == s for k in key_ins[e]}
+        if s == sink and not jc.is_literal(loss_key):
+            want.add(loss_key)
+        chosen: set[int] = set()
+        for e in range(len(eqns) - 1, -1, -1):
+            if batch_only[e] and (any(k in want for k in eqns[e].outputs)):
+                chosen.add(e)
+                want.update(key_ins[e])
+        needs_batch_only.append(sorted(chosen))
+
+    recv = [[k for u in preds[s] for k in sends[u]] for s in range(S)]
+    fns = [_stage_fn(s, prog, stage, needs_batch_only[s], [sends[u] for u in preds[s]],
+                     None if s == sink else sends[s], keys, holders, loss_key) for s in range(S)]
+    tied = [[(h, _dict_path(keys[i])) for h in sorted(holders[i])] for i in range(n_params) if len(holders[i]) > 1]
+    program = pipeline_value_and_grad(fns, mesh, num_microbatches=num_microbatches, schedule=schedule,
+                                      edges=edges, pipe_axis=pipe_axis, data_axes=axes, tied=tied)
+    infos = []
+    for s in range(S):
+        mine = [e for e in range(len(eqns)) if stage[e] == s]
+        mods = list(dict.fromkeys(modules[e] for e in mine))
+        infos.append(StageInfo(s, len(mine), float(sum(flops[e] for e in mine)), tuple(m for m in mods if m),
+                               tuple(k for k, o in zip(keys, owner, strict=True) if o == s), len(recv[s]),
+                               int(sum(nbytes[k] for k in recv[s])),
+                               tuple(k for k, h, o in zip(keys, holders, owner, strict=True) if s in h and o != s),
+                               tuple(tuple(int(d) for d in avals[k].shape) for k in recv[s]), tuple(preds[s])))
+    return Pipelined(program, tuple(infos), treedef, keys, tuple(owner), tuple(map(tuple, holders)))
+
+
+def _check_chunk_mean(loss_fn: Callable, params: Any, batch: Any, chunks: int, mb: int, mesh: Mesh) -> None:
+    leaves = jax.tree.leaves((params, batch))
+    if not all(isinstance(x, jax.Array | np.ndarray) for x in leaves):
+        return   # abstract example arguments: nothing to evaluate
+    f = jax.jit(loss_fn)
+    full = float(f(params, batch))
+    parts = [float(f(params, jax.tree.map(lambda x, i=i: x[i * mb:(i + 1) * mb], batch))) for i in range(chunks)]
+    mean = float(np.mean(parts))
+    if not math.isclose(full, mean, rel_tol=1e-4, abs_tol=1e-6):
+        raise PipelineError(
+            f"autoshard.pipelined: on the example batch, loss_fn over all {chunks * mb} samples is {full:.6g} but the "
+            f"mean of loss_fn over the {chunks} chunks of {mb} samples the pipeline computes (micro-batches x "
+            f"data-parallel replicas, mesh {dict(mesh.shape)}) is {mean:.6g}: the loss is not a mean over samples "
+            f"(e.g. sum(ce * mask) / sum(mask)), so pipelining would change it. Fix: normalise by a per-sample or "
+            f"constant count, or pass check_loss=False to train on the chunk-mean loss.")
+
+
+def _live_bytes(key_ins: list, producer: dict, batch_only: list, nbytes: dict, loss_key: Any) -> np.ndarray:
+    """live[i]: bytes of the values made before eqn i and used at or after it, i.e. what a cut just
+    before eqn i sends per micro-batch (batch-only values are recomputed, parameters are held)."""
+    n = len(key_ins)
+    last: dict[Any, int] = {}
+    for e, ins in enumerate(key_ins):
+        if not batch_only[e]:
+            for k in ins:
+                if k in producer and not batch_only[producer[k]]:
+                    last[k] = max(last.get(k, -1), e)
+    if not jc.is_literal(loss_key) and loss_key in producer and not batch_only[producer[loss_key]]:
+        last[loss_key] = n                        # the loss leaves from the last stage
+    diff = np.zeros(n + 2)
+    for k, q in last.items():
+        p = producer[k]
+        if q > p:
+            diff[p + 1] += nbytes[k]
+            diff[q + 1] -= nbytes[k]
+    return np.cumsum(diff)[:n]
+
+
+def _balanced_cuts(S: int, before: np.ndarray, total: float, live: np.ndarray, movable: list[bool],
+                   flop_rate: float, link_bandwidth: float) -> list[int]:
+    """S-1 cut positions minimising the runtime's tick estimate: a forward and a recomputing backward
+    (4x the stage's forward flops) plus the two transfers the lock step makes every tick, each as
+    long as the largest boundary's message (the ticks run in lock step). For each bound L on
+    boundary bytes (ascending), the smallest achievable largest-stage flops T over cuts where
+    live <= L is found by bisection with a greedy packing; the (T, L) pair with the lowest estimate
+    wins."""
+    n = len(live)
+    positions = np.array([i for i in range(1, n) if movable[i]], dtype=int)
+    if len(positions) < S - 1:
+        raise PipelineError(
+            f"autoshard.pipelined: the loss has {len(positions)} places to cut but the pipe axis asks for {S} stages; "
+            f"use a smaller pipe axis.")
+
+    def pack(allowed: np.ndarray, limit: float) -> list[int] | None:
+        cum = before[allowed]
+        cuts: list[int] = []
+        start = 0.0
+        prev = 0
+        for _ in range(S - 1):
+            j = int(np.searchsorted(cum, start + limit, "right")) - 1
+            if j < 0 or allowed[j] <= prev:
+                break
+            cuts.append(int(allowed[j]))
+            prev, start = int(allowed[j]), float(cum[j])
+        if total - start > limit * (1 + 1e-9):
+            return None
+        if len(cuts) == S - 1:
+            return cuts
+        taken = set(cuts)    # stages to spare: any further cuts only shrink stages
+        spare = [int(a) for a in allowed if int(a) not in taken][:S - 1 - len(cuts)]
+        return sorted(cuts + spare) if len(cuts) + len(spare) == S - 1 else None
+
+    def tick(t: float, bytes_: float) -> float:
+        return 4 * t / flop_rate + 2 * bytes_ / link_bandwidth
+
+    best: tuple[float, float, list[int]] | None = None
+    for bound in np.unique(live[positions]):
+        if best is not None and tick(total / S, bound) >= best[0]:
+            break
+        allowed = positions[live[positions] <= bound]
+        if len(allowed) < S - 1 or pack(allowed, total) is None:
+            continue
+        lo, hi = total / S, total
+        for _ in range(40):
+            mid = (lo + hi) / 2
+            if pack(allowed, mid) is None:
+                lo = mid
+            else:
+                hi = mid
+        cuts = pack(allowed, hi)
+        bounds = np.diff([0.0, *before[cuts], total])
+        est = tick(float(bounds.max()), float(live[cuts].max()))
+        if best is None or est < best[0] * (1 - 1e-9):
+            best = (est, float(bounds.max()), cuts)
+    assert best is not None    # the largest bound allows every position
+    return best[2]
+
+
+def _choose_cuts(windows: list[tuple[int, int]], targets: list[float], before: np.ndarray, live: np.ndarray,
+                 movable: list[bool]) -> list[int]:
+    """Per boundary k (1..S-1), the eqn index the cut goes before: inside windows[k-1], the fewest
+    live bytes (within 5 %), then the closest to the flops target; cuts strictly increase."""
+    cuts: list[int] = []
+    prev = 0
+    n = len(live)
+    for (lo, hi), target in zip(windows, targets, strict=True):
+        cand = [i for i in range(max(lo, prev + 1 if cuts else prev), min(hi, n - 1) + 1) if movable[i]]
+        if not cand:   # nothing movable in the window: the first position at or past the target
+            later = [i for i in range(prev + 1 if cuts else prev, n) if movable[i] and before[i] >= target]
+            cand = later[:1] or [min(n - 1, max(prev + 1, lo))]
+        floor = min(live[i] for i in cand)
+        best = min(cand, key=lambda i: (live[i] > 1.05 * floor, abs(before[i] - target), i))
+        cuts.append(best)
+        prev = best
+    return cuts
+
+
+def _anchors(plan: Any, S: int, keys: tuple[str, ...], key_ins: list, param_key: dict, batch_only: list,
+             flops: list, modules: list[str], live: np.ndarray, flop_rate: float, link_bandwidth: float) -> list[int]:
+    """The earliest stage of every eqn before data dependencies push it later: S-1 cuts in program
+    order. Without a plan they balance the estimated tick (largest stage's flops and largest boundary's
+    bytes); with one, each cut crosses the fewest bytes between the parameters the plan gives the
+    stages on either side."""
+    n = len(key_ins)
+    movable = [not b for b in batch_only]
+    work = np.array([0.0 if batch_only[e] else flops[e] for e in range(n)])
+    if work.sum() <= 0:
+        work = np.array([0.0 if batch_only[e] else 1.0 for e in range(n)])
+    total = float(work.sum()) or 1.0
+    before = np.cumsum(work) - work
+    if plan is None:
+        cuts = _balanced_cuts(S, before, total, live, movable, flop_rate, link_bandwidth)
+        return [int(np.searchsorted(cuts, e, "right")) for e in range(n)]
+    plan_anchor = _plan_anchors(plan, S, keys, key_ins, param_key, batch_only, modules)
+    # the cut between stages k-1 and k lies after every eqn the plan anchors before k and at or
+    # before the first it anchors at k or later; a plan that does not follow program order keeps
+    # its anchors and data dependencies alone
+    first, last = [n] * S, [-1] * S
+    for e, a in enumerate(plan_anchor):
+        if a is not None:
+            first[a], last[a] = min(first[a], e), max(last[a], e)
+    windows = [(max(last[:k]) + 1, min(first[k:])) for k in range(1, S)]
+    if any(lo > hi for lo, hi in windows) or any(w1[0] > w2[1] for w1, w2 in zip(windows, windows[1:], strict=False)):
+        return [a or 0 for a in plan_anchor]
+    fwd = np.array([max(float(st.predicted_forward), 0.0) for st in plan.stages])
+    share = np.cumsum(fwd) / fwd.sum() if fwd.sum() > 0 else np.arange(1, S + 1) / S
+    cuts = _choose_cuts(windows, [float(share[k - 1]) * total for k in range(1, S)], before, live, movable)
+    return [max(int(np.searchsorted(cuts, e, "right")), a or 0) for e, a in enumerate(plan_anchor)]
+
+
+def _plan_stages(plan: Any, S: int) -> tuple:
+    stages = getattr(plan, "stages", None)
+    if not stages:
+        raise PipelineError("autoshard.pipelined: plan= takes a pipeline Plan (autoshard.plan(..., pipeline="
+                                 "'rannc' or 'graphpipe')); this plan has no stages.")
+    if len(stages) != S:
+        raise PipelineError(
+            f"autoshard.pipelined: the plan has {len(stages)} stages but the mesh's pipe axis has {S} ranks; use a "
+            f"mesh with a 'pipe' axis of the plan's stage count (mesh={{'pipe': {len(stages)}, ...}}).")
+    return tuple(stages)
+
+
+def _plan_anchors(plan: Any, S: int, keys: tuple[str, ...], key_ins: list, param_key: dict, batch_only: list,
+                  modules: list[str]) -> list[int | None]:
+    """The plan's stage of every eqn reading a parameter (None: no parameter, or only tied ones)."""
+    stages = _plan_stages(plan, S)
+    plan_owner: dict[str, int] = {}
+    for st in stages:
+        for kp in st.params:
+            plan_owner[kp] = st.index
+    stage_of_leaf = []
+    for k in keys:
+        hits = {s for kp, s in plan_owner.items() if kp.endswith(k) and kp[:-len(k)].startswith("[")
+                and kp[:-len(k)].endswith("]") and kp[:-len(k)].count("[") == 1}
+        if len(hits) != 1:
+            raise PipelineError(
+                f"autoshard.pipelined: parameter {k} is {'not in' if not hits else 'ambiguous in'} the plan's stage "
+                f"parameters; the plan must come from a train step taking these parameters as one argument.")
+        stage_of_leaf.append(hits.pop())
+    # A parameter read in several modules (tied embeddings) has one plan stage but uses at both ends
+    # of the model; it anchors nothing, its uses follow their other inputs.
+    readers: dict[int, set[str]] = {}
+    for e, ins in enumerate(key_ins):
+        for k in ins:
+            if k in param_key and not batch_only[e]:
+                readers.setdefault(k, set()).add(modules[e])
+    out: list[int | None] = []
+    for e, ins in enumerate(key_ins):
+        got = [stage_of_leaf[param_key[k]] for k in ins if k in param_key and len(readers[k]) == 1]
+        out.append(max(got) if got and not batch_only[e] else None)
+    return out
+
+
+def _avals(prog: Any, closed: Any) -> dict[int, Any]:
+    out: dict[int, Any] = {}
+    for k, v in zip(prog.inputs, closed.in_avals, strict=True):
+        out[k] = v
+    for fe in prog.eqns:
+        for k, var in zip(fe.outputs, fe.eqn.outvars, strict=True):
+            out[k] = var.aval
+    return out
+
+
+def _dict_path(key: str) -> str:
+    return jax.tree_util.keystr((jax.tree_util.DictKey(key),))
+
+
+def _stage_fn(s: int, prog: Any, stage: list[int], batch_only_eqns: list[int], recv: list[list],
+              send: list | None, keys: tuple[str, ...], holders: list[set[int]], loss_key: Any) -> Callable:
+    """Stage s: receives one tuple of values per predecessor (`recv`, in the runtime's order), runs
+    its eqns and sends `send` (None: the last stage, returns the loss)."""
+    own = sorted(set(batch_only_eqns) | {e for e, st in enumerate(stage) if st == s})
+    n_params = len(keys)
+    my_params = [(prog.inputs[i], keys[i]) for i in range(n_params) if s in holders[i]]
+    batch_in = prog.inputs[n_params:]
+
+    def read(env, a):
+        return a.val if jc.is_literal(a) else env[a]
+
+    def fn(params: dict, batch: Any, *inputs: Any) -> Any:
+        env: dict = dict(prog.consts)
+        env.update(zip(batch_in, jax.tree.leaves(batch), strict=True))
+        env.update({k: params[name] for k, name in my_params})
+        for ks, values in zip(recv, inputs, strict=True):
+            env.update(zip(ks, values, strict=True))
+        for e in own:
+            fe = prog.eqns[e]
+            env.update(zip(fe.outputs, jc.bind_eqn(fe.eqn, [read(env, a) for a in fe.inputs]), strict=True))
+        if send is None:
+            return read(env, loss_key)
+        return tuple(env[k] for k in send)
+
+    return fn

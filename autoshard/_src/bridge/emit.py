@@ -1,0 +1,147 @@
+"""Emission: a Plan → NamedSharding pytrees, a sharding-constrained step, and `jax.jit` with
+in/out shardings and donated state. Plain jax objects, inspectable and editable."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+from ..core.errors import MeshError, PlanError
+from ..plan.plan import Plan, Spec
+from . import compat as jc
+
+
+@dataclasses.dataclass(frozen=True)
+class JaxArgs:
+    """A step's argument structure (`plan.ArgStructure`): leaf keypaths and the pytree definition."""
+
+    keypaths: tuple[str, ...]
+    treedef: Any
+
+    @classmethod
+    def of(cls, args: tuple) -> JaxArgs:
+        leaves, treedef = jax.tree_util.tree_flatten_with_path(args)
+        return cls(tuple(jc.keystr(p) for p, _ in leaves), treedef)
+
+    def unflatten(self, leaves: list) -> Any:
+        return jax.tree_util.tree_unflatten(self.treedef, leaves)
+
+    def partition_specs(self, specs: tuple[Spec, ...]) -> Any:
+        return self.unflatten([partition_spec(s) for s in specs])
+
+
+def partition_spec(spec: Spec) -> PartitionSpec:
+    """A plan's per-dimension axes tuple as a PartitionSpec (one axis by name, several as a tuple)."""
+    return PartitionSpec(*[(axes[0] if len(axes) == 1 else axes) if axes else None for axes in spec])
+
+
+def make_mesh(plan_or_axes: Plan | tuple, devices: list | None = None) -> Mesh:
+    """A concrete `jax.sharding.Mesh` (Auto axis types) for the plan's axes on the local devices."""
+    axes = plan_or_axes.mesh if isinstance(plan_or_axes, Plan) else tuple(plan_or_axes)
+    devices = list(devices if devices is not None else jax.devices())
+    names = tuple(n for n, _ in axes)
+    sizes = tuple(s for _, s in axes)
+    need = 1
+    for s in sizes:
+        need *= s
+    if need != len(devices):
+        raise MeshError(
+            f"autoshard: mesh {dict(axes)} needs {need} devices, but {len(devices)} are available "
+            f"({devices[0].platform if devices else 'none'}). Fix: choose axis sizes whose product is "
+            f"{len(devices)}, or run with more devices (on CPU: "
+            f"jax.config.update('jax_num_cpu_devices', {need}) before jax starts).")
+    return jax.make_mesh(sizes, names, axis_types=(AxisType.Auto,) * len(names), devices=devices)
+
+
+def shardings(plan: Plan, mesh: Mesh) -> tuple[Any, Any]:
+    """(in_shardings, out_shardings) pytrees of NamedSharding for the plan's step."""
+    if plan._args is None:
+        raise PlanError("autoshard: the plan is not bound to the step's arguments; call autoshard.bind(plan, *args).")
+    ins = plan._args.unflatten([NamedSharding(mesh, partition_spec(s)) for s in plan.input_specs_flat])
+    outs = [NamedSharding(mesh, partition_spec(s)) for s in plan.output_specs_flat]
+    return ins, outs
+
+
+def constrained(step: Callable, plan: Plan, mesh: Mesh, args: tuple) -> Callable:
+    """`step` re-evaluated from its jaxpr with `with_sharding_constraint` on the planned
+    activations (graph rewriting without touching the user's code)."""
+    closed, out_shape = jax.make_jaxpr(step, return_shape=True)(*args)
+    out_tree = jax.tree_util.tree_structure(out_shape)
+    cons: dict[int, NamedSharding] = {}
+    for op_index, spec in plan.activation_constraints:
+        cons[op_index] = NamedSharding(mesh, partition_spec(spec))
+    # op index → top-level eqn: recorded by trace(); re-derive from a fresh trace of the same step
+    from .trace import trace
+
+    graph = trace(step, *args)
+    by_eqn = {graph.ops[i].top_eqn: s for i, s in cons.items() if i < len(graph.ops)
+              and not graph.ops[i].nested}
+
+    def after(k: int, outs: list) -> list:
+        s = by_eqn.get(k)
+        if s is not None and getattr(outs[0], "ndim", 0) == len(s.spec):
+            outs = [jax.lax.with_sharding_constraint(outs[0], s), *outs[1:]]
+        return outs
+
+    def run(*call_args):
+        flat = jax.tree_util.tree_leaves(call_args)
+        return jax.tree_util.tree_unflatten(out_tree, jc.eval_jaxpr_with(closed, flat, after))
+
+    run.__name__ = getattr(step, "__name__", "step")
+    return run
+
+
+def donated_argnums(plan: Plan, nargs: int) -> tuple[int, ...]:
+    """Arguments made only of state the step returns (params, optimizer state): donated."""
+    outs = set(plan.output_keypaths)
+    by_arg: dict[int, list[str]] = {}
+    for kp in plan.input_keypaths:
+        by_arg.setdefault(int(kp[1:kp.index("]")]), []).append(kp)
+    return tuple(i for i in range(nargs) if by_arg.get(i) and all(k in outs for k in by_arg[i]))
+
+
+class ShapesChanged(Exception):
+    """Raised while jax traces a planned step for arguments of another structure, shape or dtype
+    than the plan's: jax re-traces only then, so the check costs nothing per call."""
+
+
+def _signature(args: tuple) -> tuple:
+    leaves, treedef = jax.tree_util.tree_flatten(args)
+    return treedef, tuple((tuple(x.shape), jax.numpy.dtype(x.dtype)) for x in leaves)
+
+
+def shape_guarded(fn: Callable, args: tuple) -> Callable:
+    """`fn` that raises ShapesChanged when traced for arguments unlike `args`."""
+    planned = _signature(args)
+
+    def guarded(*call_args):
+        if _signature(call_args) != planned:
+            raise ShapesChanged()
+        return fn(*call_args)
+
+    guarded.__name__ = getattr(fn, "__name__", "step")
+    return guarded
+
+
+def jit_step(step: Callable, plan: Plan, mesh: Mesh, args: tuple, donate: bool = True,
+             guard: bool = False) -> Callable:
+    """`jax.jit` of the constrained step; with `guard`, tracing it for arguments unlike `args`
+    raises ShapesChanged (before anything runs or is donated)."""
+    if plan.stages:
+        raise PlanError(f"autoshard: a pipeline plan ({len(plan.stages)} stages) cannot be run as one jit "
+                        "program: that would silently drop its stages. Fix: run the step with "
+                        "@autoshard(..., plan=plan) computing its gradients with autoshard.value_and_grad, or the "
+                        "loss with autoshard.pipelined(loss_fn, params, batch, mesh=..., num_microbatches=..., "
+                        "plan=plan), or use a tensor sharding plan (no pipeline=...).")
+    ins, outs = shardings(plan, mesh)
+    fn = constrained(step, plan, mesh, args)
+    if guard:
+        fn = shape_guarded(fn, args)
+    out_tree = jax.tree_util.tree_structure(jax.eval_shape(step, *args))
+    outs = jax.tree_util.tree_unflatten(out_tree, outs)
+    return jax.jit(fn, in_shardings=ins, out_shardings=outs,
+                   donate_argnums=donated_argnums(plan, len(args)) if donate else ())

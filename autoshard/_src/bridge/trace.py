@@ -1,0 +1,268 @@
+"""trace(): a step function and example args → OpGraph.
+
+`jax.make_jaxpr` gives the program; nested jaxprs are expanded inline so nothing is hidden:
+calls (jit, remat, custom_jvp/vjp) are transparent, loop bodies (scan, while) appear once with
+their trip counts, and every branch of a `cond` appears, merged by a zero-cost `cond` op. Name
+stacks of nested eqns are relative, so each is joined with its enclosing eqn's.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+
+from ..core.attribution import attribute_modules, infer_phases, join_modules, parse_scope
+from ..core.errors import NotCallableError, TraceFailedError, UntraceableArgumentError
+from ..core.flops import estimate_flops
+from ..core.graph import Loop, Op, OpGraph, Value, nbytes
+from . import compat as jc
+
+# call-like primitives whose body runs once with the eqn's operands: inlined
+_TRANSPARENT = {
+    "pjit": ("jaxpr",), "jit": ("jaxpr",), "closed_call": ("call_jaxpr",),
+    "core_call": ("call_jaxpr",), "remat2": ("jaxpr",), "checkpoint": ("jaxpr",),
+    "custom_jvp_call": ("call_jaxpr",), "custom_vjp_call": ("call_jaxpr", "fun_jaxpr"),
+    "custom_vjp_call_jaxpr": ("fun_jaxpr",), "custom_lin": (),
+}
+
+
+def _check_args(args: tuple) -> None:
+    leaves = jax.tree_util.tree_flatten_with_path(args)[0]
+    for path, leaf in leaves:
+        if isinstance(leaf, jax.ShapeDtypeStruct | jax.Array | np.ndarray | np.generic
+                      | bool | int | float | complex):
+            continue
+        where = "args" + jc.keystr(path)
+        raise UntraceableArgumentError(
+            f"autoshard.trace: argument {where} is a {type(leaf).__module__}."
+            f"{type(leaf).__qualname__} ({_short(leaf)}), which jax cannot trace. Arguments must "
+            "be pytrees whose leaves are arrays, Python/numpy scalars or jax.ShapeDtypeStruct. "
+            "Fix: pass it as an array, close over it in the function, or register its type as a "
+            "pytree (jax.tree_util.register_dataclass / register_pytree_node).")
+
+
+def _short(obj: Any) -> str:
+    text = repr(obj)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _simple_params(primitive: str, params: dict) -> dict:
+    """The eqn params that later stages need, as plain data (no jaxprs, no jax objects)."""
+    out: dict[str, Any] = {}
+    if primitive == "dot_general":
+        (lc, rc), (lb, rb) = params["dimension_numbers"]
+        out["contracting"] = (tuple(lc), tuple(rc))
+        out["batch"] = (tuple(lb), tuple(rb))
+        return out
+    if primitive == "conv_general_dilated":
+        dn = params["dimension_numbers"]
+        out["lhs_spec"], out["rhs_spec"], out["out_spec"] = (tuple(dn.lhs_spec),
+                                                             tuple(dn.rhs_spec), tuple(dn.out_spec))
+        out["rhs_in_feature_dim"] = dn.rhs_spec[1]
+        out["rhs_spatial_dims"] = tuple(dn.rhs_spec[2:])
+    for k, v in params.items():
+        if k in out:
+            continue
+        plain = _plain(v)
+        if plain is not _SKIP:
+            out[k] = plain
+    return out
+
+
+_SKIP = object()
+
+
+def _plain(v: Any, depth: int = 0) -> Any:
+    if v is None or isinstance(v, bool | int | float | str):
+        return v
+    if isinstance(v, np.dtype):
+        return str(v)
+    if isinstance(v, np.generic):  # numpy scalars in params (e.g. broadcast_dimensions)
+        return v.item()
+    if isinstance(v, tuple | list) and depth < 3 and len(v) <= 16:
+        items = [_plain(x, depth + 1) for x in v]
+        return _SKIP if any(x is _SKIP for x in items) else tuple(items)
+    return _SKIP
+
+
+class _Scope(NamedTuple):
+    """Where an eqn sits: the joined name stack text, its module path and its transforms."""
+
+    text: str
+    module: str
+    transforms: tuple[str, ...]
+
+    def enter(self, inner: str) -> _Scope:
+        if not inner:
+            return self
+        module, transforms = parse_scope(inner)
+        text = f"{self.text}/{inner}" if self.text else inner
+        return _Scope(text, join_modules(self.module, module), self.transforms + transforms)
+
+
+class _Builder:
+    def __init__(self) -> None:
+        self.values: dict[int, Value] = {}
+        self.ops: list[Op] = []
+        self._ids = itertools.count()
+        self._loop_ids = itertools.count()
+        self.eqns: dict[int, Any] = {}      # op index -> the jaxpr eqn it stands for (leaf ops)
+
+    def new_value(self, atom: Any, kind: str, producer: int | None = None) -> int:
+        shape, dtype = jc.aval_shape_dtype(atom)
+        vid = next(self._ids)
+        self.values[vid] = Value(vid, shape, dtype, producer=producer, kind=kind)
+        return vid
+
+    def read(self, env: dict, atom: Any) -> int:
+        if jc.is_literal(atom):
+            return self.new_value(atom, "literal")
+        return env[atom]
+
+    def add_op(self, primitive: str, inputs: list[int], out_atoms: list[Any], scope: _Scope,
+               loops: tuple[Loop, ...], params: dict, in_atoms: list[Any] | None = None) -> list[int]:
+        index = len(self.ops)
+        outs = [self.new_value(a, "intermediate", producer=index) for a in out_atoms]
+        if in_atoms is not None:
+            in_sd = [jc.aval_shape_dtype(a) for a in in_atoms]
+        else:
+            in_sd = [(self.values[v].shape, self.values[v].dtype) for v in inputs]
+        out_sd = [(self.values[v].shape, self.values[v].dtype) for v in outs]
+        in_shapes = tuple(s for s, _ in in_sd)
+        out_shapes = tuple(s for s, _ in out_sd)
+        op = Op(
+            index=index, primitive=primitive, inputs=tuple(inputs), outputs=tuple(outs),
+            in_shapes=in_shapes, in_dtypes=tuple(d for _, d in in_sd),
+            out_shapes=out_shapes, out_dtypes=tuple(d for _, d in out_sd),
+            flops=estimate_flops(primitive, in_shapes, out_shapes, params),
+            bytes=sum(nbytes(s, d) for s, d in in_sd) + sum(nbytes(s, d) for s, d in out_sd),
+            scope=scope.text, scope_module=scope.module, transforms=scope.transforms, loops=loops,
+            params=params,
+        )
+        self.ops.append(op)
+        for v in inputs:
+            self.values[v].consumers.append(index)
+        return outs
+
+    def inline(self, jaxpr: Any, consts: list, in_ids: list[int], scope: _Scope,
+               loops: tuple[Loop, ...]) -> list[int]:
+        env: dict = {}
+        for var in jaxpr.constvars:
+            env[var] = self.new_value(var, "const")
+        for var, vid in zip(jaxpr.invars, in_ids, strict=True):
+            env[var] = vid
+        self.walk(jaxpr, env, scope, loops)
+        return [self.read(env, a) for a in jaxpr.outvars]
+
+    def walk(self, jaxpr: Any, env: dict, scope: _Scope, loops: tuple[Loop, ...],
+             top: bool = False) -> None:
+        for k, eqn in enumerate(jaxpr.eqns):
+            start = len(self.ops)
+            full = scope.enter(jc.name_stack(eqn))
+            name = eqn.primitive.name
+            in_ids = [self.read(env, a) for a in eqn.invars]
+            outs = self._expand(eqn, name, in_ids, full, loops)
+            if outs is None:
+                params = _simple_params(name, eqn.params)
+                nested = jc.nested_eqn_count(eqn.params)
+                if nested:  # a container kept whole (shard_map, pallas_call, ...): say how big
+                    params["nested_eqns"] = nested
+                outs = self.add_op(name, in_ids, list(eqn.outvars), full, loops, params,
+                                   in_atoms=list(eqn.invars))
+                self.eqns[len(self.ops) - 1] = eqn
+            for var, vid in zip(eqn.outvars, outs, strict=True):
+                env[var] = vid
+            if top:
+                leaf = len(self.ops) - start == 1 and self.ops[start].primitive == name
+                for op in self.ops[start:]:
+                    op.top_eqn, op.nested = k, not leaf
+
+    def _expand(self, eqn: Any, name: str, in_ids: list[int], scope: _Scope,
+                loops: tuple[Loop, ...]) -> list[int] | None:
+        params = eqn.params
+        if name in _TRANSPARENT:
+            for key in _TRANSPARENT[name]:
+                sub = jc.as_open_jaxpr(params.get(key))
+                if sub is not None and len(sub[0].invars) == len(in_ids) \
+                        and len(sub[0].outvars) == len(eqn.outvars):
+                    return self.inline(sub[0], sub[1], in_ids, scope, loops)
+            return None
+        if name == "scan":
+            sub = jc.as_open_jaxpr(params["jaxpr"])
+            loop = Loop(next(self._loop_ids), "scan", int(params["length"]))
+            return self.inline(sub[0], sub[1], in_ids, scope, loops + (loop,))
+        if name == "while":
+            cn, bn = params["cond_nconsts"], params["body_nconsts"]
+            loop = Loop(next(self._loop_ids), "while", None)
+            carry = in_ids[cn + bn:]
+            cond = jc.as_open_jaxpr(params["cond_jaxpr"])
+            self.inline(cond[0], cond[1], in_ids[:cn] + carry, scope, loops + (loop,))
+            body = jc.as_open_jaxpr(params["body_jaxpr"])
+            return self.inline(body[0], body[1], in_ids[cn:cn + bn] + carry, scope,
+                               loops + (loop,))
+        if name == "cond":
+            branch_outs: list[int] = []
+            for branch in params["branches"]:
+                sub = jc.as_open_jaxpr(branch)
+                branch_outs += self.inline(sub[0], sub[1], in_ids[1:], scope, loops)
+            return self.add_op("cond", [in_ids[0], *branch_outs], list(eqn.outvars), scope,
+                               loops, {"branches": len(params["branches"])})
+        return None
+
+
+def trace(fn: Callable, *args: Any, name: str | None = None,
+          optimizer_scopes: tuple[str, ...] = ("optimizer",), keep_eqns: bool = False) -> OpGraph:
+    """Trace `fn(*args)` into an OpGraph.
+
+    Args may be arrays or `jax.ShapeDtypeStruct`s (nothing is materialised, so a 175B-parameter
+    step traces in host memory of its graph only). Ops carry primitive, shapes, dtypes, bytes,
+    flops, module path, phase; program inputs carry their pytree keypaths. `keep_eqns=True` also
+    keeps, in `graph.eqns`, the jaxpr equation of every leaf op (for profiling ops on a device).
+    """
+    if not callable(fn):
+        raise NotCallableError(
+            f"autoshard.trace: the step function must be callable, got a "
+            f"{type(fn).__qualname__} ({_short(fn)}). Pass the function itself, e.g. "
+            "autoshard.trace(train_step, params, opt_state, batch).")
+    _check_args(args)
+    fn_name = name or getattr(fn, "__qualname__", None) or type(fn).__qualname__
+    try:
+        closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
+    except Exception as err:  # the user's error, chained below
+        first = str(err).strip().splitlines()[0].rstrip(".") if str(err).strip() else ""
+        raise TraceFailedError(
+            f"autoshard.trace: tracing {fn_name}(...) with {len(args)} argument(s) raised "
+            f"{type(err).__name__}: {first}. The error comes from the function (or from jax "
+            "rejecting what it does with abstract values); the original exception is chained "
+            "above. Fix it so that jax.make_jaxpr(fn)(*args) succeeds.") from err
+
+    b = _Builder()
+    in_paths = jax.tree_util.tree_flatten_with_path(args)[0]
+    jaxpr = closed.jaxpr
+    env: dict = {}
+    for var in jaxpr.constvars:
+        env[var] = b.new_value(var, "const")
+    inputs: list[int] = []
+    for var, (path, _) in zip(jaxpr.invars, in_paths, strict=True):
+        vid = b.new_value(var, "input")
+        b.values[vid].keypath = jc.keystr(path)
+        b.values[vid].keypath_parts = jc.keypath_parts(path)
+        env[var] = vid
+        inputs.append(vid)
+    b.walk(jaxpr, env, _Scope("", "", ()), (), top=True)
+    outputs = [b.read(env, a) for a in jaxpr.outvars]
+    out_paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(out_shape)[0]]
+    graph = OpGraph(
+        ops=b.ops, values=b.values, inputs=inputs, outputs=outputs,
+        output_keypaths=[jc.keystr(p) for p in out_paths],
+        output_keypath_parts=[jc.keypath_parts(p) for p in out_paths], name=fn_name,
+    )
+    if keep_eqns:
+        graph.eqns = b.eqns
+    infer_phases(graph, optimizer_scopes)
+    attribute_modules(graph)
+    return graph

@@ -1,0 +1,164 @@
+"""Analytical cost model: seconds for collectives and compute on a mesh (pure: no jax import).
+
+Collectives follow the bandwidth-optimal ring algorithms (Patarasuk & Yuan, "Bandwidth optimal
+all-reduce algorithms for clusters of workstations", JPDC 2009; Thakur, Rabenseifner & Gropp,
+"Optimization of collective communication operations in MPICH", IJHPCA 2005), in the alpha-beta
+form `time = steps * latency + bytes_on_wire / bandwidth`, with bandwidth scaled by a per-kind
+efficiency because NCCL does not run all kinds equally well (TAP §4.6). Compute is a roofline
+(Williams, Waterman & Patterson, CACM 2009). TAP (§4.6) costs a plan by its communication; this
+model also prices compute so that fewer flops per device can pay for more communication.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Sequence
+from typing import Any, Protocol, runtime_checkable
+
+from ..core.errors import ConfigError
+from .hardware import COLLECTIVE_KINDS, HardwareSpec, get_hardware
+from .mesh import MeshSpec, axis_links, mesh_spec
+
+KINDS = COLLECTIVE_KINDS
+
+
+def _check_kind(kind: str) -> None:
+    if kind not in KINDS:
+        raise ConfigError(f"autoshard: collective kind={kind!r} is unknown; valid kinds: {list(KINDS)}.")
+
+
+def bytes_on_wire(kind: str, nbytes: float, n: int) -> float:
+    """Bytes each device sends in a ring `kind` over `n` devices.
+
+    `nbytes` is the per-device size of the FULL buffer: the unreduced input of an all-reduce or
+    reduce-scatter, the gathered output of an all-gather, the whole send buffer of an all-to-all.
+
+    * all-reduce = reduce-scatter + all-gather: 2(n-1)/n * B
+    * all-gather (B = output), reduce-scatter (B = input): (n-1)/n * B
+    * all-to-all: each of the n-1 peers gets B/n: (n-1)/n * B
+    * collective-permute: B (one send to one peer)
+
+    n == 1 moves nothing.
+    """
+    _check_kind(kind)
+    if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1:
+        raise ConfigError(f"autoshard: collective group size n={n!r} must be an int >= 1.")
+    if not nbytes >= 0:
+        raise ConfigError(f"autoshard: collective nbytes={nbytes!r} must be >= 0.")
+    if n == 1:
+        return 0.0
+    if kind == "collective-permute":
+        return float(nbytes)
+    factor = 2 if kind == "all-reduce" else 1
+    return factor * (n - 1) / n * nbytes
+
+
+def latency_steps(kind: str, n: int) -> int:
+    """Sequential ring steps, each paying the link latency once: all-reduce 2(n-1) (reduce-scatter
+    then all-gather), all-gather / reduce-scatter / all-to-all n-1, collective-permute 1; n == 1: 0."""
+    _check_kind(kind)
+    if n <= 1:
+        return 0
+    if kind == "collective-permute":
+        return 1
+    return 2 * (n - 1) if kind == "all-reduce" else n - 1
+
+
+@runtime_checkable
+class CostModel(Protocol):
+    """What the planner asks a cost model; swap in a measured/profiled one with the same methods."""
+
+    def collective(self, kind: str, nbytes: float, axes: Sequence[str]) -> float:
+        """Seconds for collective `kind` on a full buffer of `nbytes` over the mesh `axes`."""
+        ...
+
+    def compute(self, flops: float, bytes_accessed: float, dtype: str = "float32") -> float:
+        """Seconds for a kernel doing `flops` and moving `bytes_accessed` to/from HBM."""
+        ...
+
+
+class AnalyticalCostModel:
+    """Alpha-beta collectives and roofline compute for a mesh on a hardware spec.
+
+    `mesh` is anything `mesh_spec` takes, `hardware` anything `get_hardware` takes.
+    """
+
+    def __init__(self, mesh: Any, hardware: Any) -> None:
+        self.mesh: MeshSpec = mesh_spec(mesh)
+        self.hardware: HardwareSpec = get_hardware(hardware)
+        self.links = axis_links(self.mesh, self.hardware)
+
+    def __repr__(self) -> str:
+        return f"AnalyticalCostModel(mesh='{self.mesh}', hardware={self.hardware.name!r})"
+
+    def collective(self, kind: str, nbytes: float, axes: Sequence[str]) -> float:
+        """time = latency_steps * latency + bytes_on_wire / (bandwidth * efficiency[kind]).
+
+        Over several axes the group is their product (n = product of sizes) and a ring through it
+        is as slow as its slowest hop: bandwidth = min over the axes' links, latency = max. Axes of
+        size 1 take no part; with none left the collective is free.
+        """
+        _check_kind(kind)
+        axes = (axes,) if isinstance(axes, str) else tuple(axes)   # a lone name, not its characters
+        for axis in axes:
+            if axis not in self.links:
+                raise ConfigError(f"autoshard: mesh axis {axis!r} is not in mesh {self.mesh}; valid axes: "
+                                     f"{list(self.mesh.names)}.")
+        if len(set(axes)) != len(axes):
+            raise ConfigError(f"autoshard: collective axes={axes!r} repeat an axis; name each axis once.")
+        active = [a for a in axes if self.mesh.axis_size(a) > 1]
+        if not active:
+            return 0.0
+        n = math.prod(self.mesh.axis_size(a) for a in active)
+        bandwidth = min(self.links[a].bandwidth for a in active)
+        latency = max(self.links[a].latency for a in active)
+        efficiency = self.hardware.collective_efficiency[kind]
+        return latency_steps(kind, n) * latency + bytes_on_wire(kind, nbytes, n) / (bandwidth * efficiency)
+
+    def compute(self, flops: float, bytes_accessed: float, dtype: str = "float32") -> float:
+        """Roofline: max(flops / (peak(dtype) * compute_efficiency), bytes_accessed / memory_bandwidth)."""
+        if not (flops >= 0 and bytes_accessed >= 0):
+            raise ConfigError(f"autoshard: compute flops={flops!r} and bytes_accessed={bytes_accessed!r} "
+                                 "must be >= 0.")
+        hw = self.hardware
+        return max(flops / (hw.peak_flops(dtype) * hw.compute_efficiency), bytes_accessed / hw.memory_bandwidth)
+
+
+def pack_gradients(grad_bytes: Sequence[int], bucket_bytes: int = 25 * 2**20) -> list[int]:
+    """Message sizes after gradient packing (TAP §4.7.1): one collective per small gradient pays the
+    setup/latency cost each time, so gradients smaller than `bucket_bytes` are fused, in the given
+    (backward) order, into buckets of at most `bucket_bytes`; a gradient >= `bucket_bytes` is its
+    own message. A big gradient closes the open bucket first, so messages keep gradient order (each
+    is a contiguous run) and the total is preserved. The 25 MiB default is PyTorch DDP's bucket_cap_mb.
+    """
+    if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, numbers.Integral) or bucket_bytes < 1:
+        raise ConfigError(f"autoshard: bucket_bytes={bucket_bytes!r} must be an int >= 1.")
+    messages: list[int] = []
+    bucket, open_bucket = 0, False
+    for i, size in enumerate(grad_bytes):
+        if not size >= 0:
+            raise ConfigError(f"autoshard: grad_bytes[{i}]={size!r} must be >= 0.")
+        if size >= bucket_bytes or (open_bucket and bucket + size > bucket_bytes):
+            if open_bucket:
+                messages.append(bucket)
+            bucket, open_bucket = 0, False
+        if size >= bucket_bytes:
+            messages.append(size)
+        else:
+            bucket, open_bucket = bucket + size, True
+    if open_bucket:
+        messages.append(bucket)
+    return messages
+
+
+def overlapped(comm: float, compute: float, overlap: float = 1.0) -> float:
+    """Seconds that communication adds to the critical path when it can run alongside `compute`
+    seconds of independent work (TAP §4.6: backward gradient communication overlaps computation):
+    max(0, comm - overlap * compute), `overlap` in [0, 1] being the fraction that actually hides."""
+    if not 0.0 <= overlap <= 1.0:
+        raise ConfigError(f"autoshard: overlap={overlap!r} must be in [0, 1] (1 = communication fully hidden "
+                             "behind compute, 0 = no overlap).")
+    if not (comm >= 0 and compute >= 0):
+        raise ConfigError(f"autoshard: overlapped comm={comm!r} and compute={compute!r} must be >= 0 seconds.")
+    return max(0.0, comm - overlap * compute)

@@ -1,0 +1,376 @@
+"""group(): TAP's PruneGraph over an OpGraph (pure: no jax import).
+
+TAP (§4.3, Algorithm 1) walks the module tree and groups nodes whose names share a prefix and whose
+operator composition is similar; a model that is one block repeated L times then needs a sharding
+search over one block, whatever L is. Here:
+
+* the module tree comes from op module paths (name scopes, or parameter attribution for nnx and
+  plain jax), so forward, backward and optimizer ops of a module sit under the same node;
+* a node is a repetition candidate when its name is numbered (`block_3`, `layers_0`, nnx `blocks/3`)
+  or when its ops run inside a loop (`nn.scan`: one node, trip-count instances);
+* candidates with the same name stem and the same parameter shapes are compared by their *forward*
+  op composition (primitive and shapes per relative sub-module), with a tolerance, because instances
+  legitimately differ (the first block's backward lacks the input-gradient ops; loop-invariant ops
+  are hoisted out of scans; the residual add of the last block can join the head);
+* a group with at least `min_duplicate` instances is a block type at that depth; the shallowest
+  types win, unless most of their forward ops lie in a deeper type's instances (a branch made of 8
+  layers is reported as layers, so all branches share one type).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import re
+from collections import Counter, defaultdict
+from collections.abc import Iterable
+
+from ..core.errors import GroupingError
+from .graph import OpGraph
+
+_NUMBERED = re.compile(r"^(.*?)(\d+)$")
+PHASE_ORDER = ("forward", "backward", "optimizer", "other")
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockInstance:
+    """One occurrence of a block type: a module subtree (or one iteration of a scanned one)."""
+
+    path: str
+    ops: tuple[int, ...]
+    iteration: int | None = None
+    missing_forward_ops: int = 0     # vs the type's reference composition (tolerated differences)
+    extra_forward_ops: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockType:
+    """A unique block: its instances share forward composition and parameter shapes."""
+
+    name: str
+    depth: int
+    signature: str
+    instances: tuple[BlockInstance, ...]
+    params: tuple[tuple[str, tuple[int, ...], str], ...]   # (relative keypath, shape, dtype)
+    ops_per_phase: dict[str, int]                          # of the reference instance
+    flops_per_instance: float
+    scanned: bool = False
+
+    @property
+    def count(self) -> int:
+        return len(self.instances)
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """A repeated group found at one depth of the module tree (reported, maybe not selected)."""
+
+    name: str
+    depth: int
+    count: int
+    forward_ops: int
+    selected: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Grouping:
+    """Contract: `block_types` (each with `.instances`), plus the remainder and per-depth report."""
+
+    graph: OpGraph
+    block_types: tuple[BlockType, ...]
+    remainder: tuple[int, ...]
+    levels: tuple[Candidate, ...]
+    min_duplicate: int
+
+    def block_of(self, op_index: int) -> tuple[int, int] | None:
+        """(block type index, instance index) of an op; None for remainder ops. For ops of a
+        scanned block, the first instance."""
+        return self._op_block.get(op_index)
+
+    @property
+    def _op_block(self) -> dict[int, tuple[int, int]]:
+        cache = self.__dict__.get("_op_block_cache")
+        if cache is None:
+            cache = {}
+            for t, bt in enumerate(self.block_types):
+                for i, inst in enumerate(bt.instances):
+                    for o in inst.ops:
+                        cache.setdefault(o, (t, i))
+            object.__setattr__(self, "_op_block_cache", cache)
+        return cache
+
+    def summary(self) -> dict:
+        """JSON-able summary (for benches and the CLI)."""
+        g = self.graph
+        return {
+            "ops": len(g.ops),
+            "block_types": [
+                {"name": bt.name, "depth": bt.depth, "instances": bt.count,
+                 "scanned": bt.scanned, "signature": bt.signature,
+                 "ops_per_instance": bt.ops_per_phase,
+                 "params_per_instance": len(bt.params),
+                 "gflops_per_instance": bt.flops_per_instance / 1e9}
+                for bt in self.block_types],
+            "remainder_ops": len(self.remainder),
+            "levels": [dataclasses.asdict(c) for c in self.levels],
+        }
+
+    def table(self) -> str:
+        """The block table: one row per unique block type, then the remainder and depth report."""
+        rows = [("block type", "depth", "instances", "fwd", "bwd", "opt", "params", "GFLOP/inst")]
+        for bt in self.block_types:
+            p = bt.ops_per_phase
+            inst = f"{bt.count}" + (" (scan)" if bt.scanned else "")
+            rows.append((bt.name, str(bt.depth), inst, str(p["forward"]), str(p["backward"]),
+                         str(p["optimizer"]), str(len(bt.params)),
+                         f"{bt.flops_per_instance / 1e9:.4g}"))
+        rem = Counter(self.graph.ops[i].phase for i in self.remainder)
+        rows.append(("(remainder)", "-", "1", str(rem["forward"]), str(rem["backward"]),
+                     str(rem["optimizer"]), "-", "-"))
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        lines.append("")
+        lines.append(f"repeated groups by depth (min_duplicate={self.min_duplicate}):")
+        for c in self.levels:
+            mark = "selected" if c.selected else "-"
+            lines.append(f"  depth {c.depth}: {c.name} x{c.count} "
+                         f"({c.forward_ops} forward ops) {mark}")
+        return "\n".join(lines)
+
+
+def _stem(name: str) -> str | None:
+    m = _NUMBERED.match(name)
+    return m.group(1) if m else None
+
+
+def _natural(node: tuple[str, ...]) -> tuple:
+    """Sort key putting block_2 before block_10."""
+    out = []
+    for comp in node:
+        m = _NUMBERED.match(comp)
+        out.append((m.group(1), int(m.group(2))) if m else (comp, -1))
+    return tuple(out)
+
+
+def _common_prefix(paths: list[tuple[str, ...]]) -> tuple[str, ...]:
+    first, last = paths[0], paths[-1]  # sorted: their common prefix is everyone's
+    i = 0
+    while i < min(len(first), len(last)) and first[i] == last[i]:
+        i += 1
+    return first[:i]
+
+
+def _pattern(paths: Iterable[tuple[str, ...]]) -> str:
+    paths = list(paths)
+    out = []
+    for comps in zip(*paths, strict=True):
+        if len(set(comps)) == 1:
+            out.append(comps[0])
+        else:
+            stems = {_stem(c) for c in comps}
+            out.append((stems.pop() or "") + "*" if len(stems) == 1 and None not in stems else "*")
+    return "/".join(out)
+
+
+def group(graph: OpGraph, min_duplicate: int = 2, tolerance: float = 0.1,
+          descend_fraction: float = 0.8) -> Grouping:
+    """Group `graph` into unique block types with their instances (TAP PruneGraph).
+
+    min_duplicate: a group needs at least this many instances to be a block type (TAP's
+        minDuplicate). tolerance: the largest fraction of forward ops by which an instance may
+        differ from its type's reference composition. descend_fraction: a candidate whose forward
+        ops lie at least this much in deeper candidates' instances is reported as those instead.
+    """
+    if not isinstance(min_duplicate, int) or min_duplicate < 2:
+        raise GroupingError(f"autoshard.group: min_duplicate={min_duplicate!r} must be an int >= 2 "
+                            "(a block type needs at least two instances).")
+    if not 0.0 <= tolerance < 1.0:
+        raise GroupingError(f"autoshard.group: tolerance={tolerance!r} must be in [0, 1).")
+    ops = graph.ops
+
+    # ops by module, then the module tree (few distinct modules, so this is cheap)
+    by_module: dict[tuple[str, ...], list[int]] = defaultdict(list)
+    for op in ops:
+        by_module[tuple(op.module.split("/")) if op.module else ()].append(op.index)
+    node_modules: dict[tuple[str, ...], list[tuple[str, ...]]] = defaultdict(list)
+    for mod in by_module:
+        for d in range(1, len(mod) + 1):
+            node_modules[mod[:d]].append(mod)
+
+    # per-module forward composition, interned
+    key_ids: dict[tuple, int] = {}
+    fwd_key: dict[tuple[str, ...], Counter] = {}
+    for mod, idxs in by_module.items():
+        c: Counter = Counter()
+        for i in idxs:
+            op = ops[i]
+            if op.phase == "forward":
+                k = (op.primitive, op.in_shapes, op.out_shapes)
+                c[key_ids.setdefault(k, len(key_ids))] += 1
+        fwd_key[mod] = c
+
+    # parameters by module
+    params_of: dict[tuple[str, ...], list[tuple[str, tuple[int, ...], str]]] = defaultdict(list)
+    for vid in graph.inputs:
+        v = graph.values[vid]
+        if v.role != "parameter":
+            continue
+        m = v.module
+        leaf = str(v.keypath_parts[-1]) if v.keypath_parts else ""
+        if leaf in (".value", ".raw_value") and len(v.keypath_parts) > 1:
+            leaf = str(v.keypath_parts[-2])
+        params_of[tuple(m.split("/"))].append((leaf, v.shape, v.dtype))
+
+    kinds = list(key_ids)  # id -> (primitive, in_shapes, out_shapes)
+
+    def fwd_total(node: tuple[str, ...]) -> int:
+        return sum(sum(fwd_key[m].values()) for m in node_modules[node])
+
+    def composition(node: tuple[str, ...]) -> Counter:
+        c: Counter = Counter()
+        for mod in node_modules[node]:
+            rel = "/".join(mod[len(node):])
+            for k, n in fwd_key[mod].items():
+                c[(rel, k)] += n
+        return c
+
+    def param_sig(node: tuple[str, ...]) -> tuple:
+        out = []
+        for mod in node_modules[node]:
+            rel = "/".join(mod[len(node):])
+            for leaf, shape, dtype in params_of.get(mod, ()):
+                out.append((f"{rel}/{leaf}" if rel else leaf, shape, dtype))
+        return tuple(sorted(out))
+
+    def node_ops(node: tuple[str, ...]) -> list[int]:
+        out: list[int] = []
+        for mod in node_modules[node]:
+            out.extend(by_module[mod])
+        out.sort()
+        return out
+
+    # Loops over layers (nn.scan): each loop of forward ops with a known trip count >= 2 has a
+    # body node, the longest common module prefix of its forward ops ("GPT/blocks"). The node must
+    # be (nearly) all loop: invariants hoisted out of the body are tolerated, other content not.
+    loop_mods: dict[int, set[tuple[str, ...]]] = defaultdict(set)
+    loop_trip: dict[int, int] = {}
+    loop_ops: Counter = Counter()
+    for mod, idxs in by_module.items():
+        for i in idxs:
+            op = ops[i]
+            if op.phase != "forward":
+                continue
+            for loop in op.loops:
+                if loop.trip_count and loop.trip_count >= 2:
+                    loop_mods[loop.uid].add(mod)
+                    loop_trip[loop.uid] = loop.trip_count
+                    loop_ops[loop.uid] += 1
+    trip_of: dict[tuple[str, ...], int] = {}
+    best_loop: dict[tuple[str, ...], int] = {}
+    for uid in sorted(loop_mods):
+        node = _common_prefix(sorted(loop_mods[uid]))
+        if not node or loop_ops[uid] < (1.0 - tolerance) * fwd_total(node):
+            continue
+        if node not in best_loop or loop_ops[uid] > loop_ops[best_loop[node]]:
+            best_loop[node], trip_of[node] = uid, loop_trip[uid]
+
+    def multiplicity(node: tuple[str, ...]) -> int:
+        """How many times the node's body runs per step: product of enclosing layer loops."""
+        mult = 1
+        for k in range(1, len(node) + 1):
+            mult *= trip_of.get(node[:k], 1)
+        return mult
+
+    # candidate groups per depth: loop bodies and numbered nodes, by name stem and parameters
+    buckets: dict[tuple, list[tuple[str, ...]]] = defaultdict(list)
+    for node in node_modules:
+        if not fwd_total(node):
+            continue  # no forward ops: nothing to search over
+        stem = _stem(node[-1])
+        if node in trip_of:
+            buckets[(len(node), "scan:" + node[-1], param_sig(node))].append(node)
+        elif stem is not None:
+            buckets[(len(node), stem, param_sig(node))].append(node)
+
+    clusters: list[tuple[int, list[tuple[str, ...]], Counter, dict]] = []
+    for (depth, _, _), nodes in buckets.items():
+        comps = {n: composition(n) for n in nodes}
+        remaining = sorted(nodes, key=_natural)
+        while remaining:
+            exact = Counter(frozenset(comps[n].items()) for n in remaining)
+            ref_items = exact.most_common(1)[0][0]
+            ref = Counter(dict(ref_items))
+            size = max(sum(ref.values()), 1)
+            members, diffs, rest = [], {}, []
+            for n in remaining:
+                missing = sum((ref - comps[n]).values())
+                extra = sum((comps[n] - ref).values())
+                if (missing + extra) <= tolerance * size:
+                    members.append(n)
+                    diffs[n] = (missing, extra)
+                else:
+                    rest.append(n)
+            clusters.append((depth, members, ref, diffs))
+            remaining = rest
+
+    def instance_count(members: list[tuple[str, ...]]) -> int:
+        return sum(multiplicity(n) for n in members)
+
+    repeated = [c for c in clusters if instance_count(c[1]) >= min_duplicate]
+    repeated.sort(key=lambda c: (c[0], -instance_count(c[1]), _natural(c[1][0])))
+
+    # forward ops of each repeated node, to decide when to descend
+    fwd_count = {n: fwd_total(n) for c in repeated for n in c[1]}
+
+    def best_inner_coverage(depth: int, members: list[tuple[str, ...]]) -> float:
+        """Largest share of the members' forward ops held by one deeper repeated group."""
+        total = sum(fwd_count[m] for m in members) or 1
+        best = 0
+        for d2, inner, _, _ in repeated:
+            if d2 <= depth:
+                continue
+            held = sum(fwd_count[n] for n in inner if any(n[:depth] == m for m in members))
+            best = max(best, held)
+        return best / total
+
+    selected_paths: list[tuple[str, ...]] = []
+    block_types: list[BlockType] = []
+    levels: list[Candidate] = []
+    for depth, members, ref, diffs in repeated:
+        name = _pattern(members)
+        if members[0] in trip_of:
+            name += f"[scan x{trip_of[members[0]]}]"
+        fwd = sum(ref.values())
+        inside = any(m[:len(s)] == s for m in members for s in selected_paths)
+        descend = not inside and best_inner_coverage(depth, members) >= descend_fraction
+        select = not inside and not descend
+        levels.append(Candidate(name, depth, instance_count(members), fwd, select))
+        if not select:
+            continue
+        selected_paths.extend(members)
+        instances: list[BlockInstance] = []
+        for m in members:
+            o = tuple(node_ops(m))
+            miss, extra = diffs[m]
+            mult = multiplicity(m)
+            for it in range(mult) if mult > 1 else [None]:
+                instances.append(BlockInstance("/".join(m), o, it, miss, extra))
+        # describe the type by a member that matches the reference composition exactly
+        ref_node = next((m for m in members if diffs[m] == (0, 0)), members[0])
+        per_phase = dict.fromkeys(PHASE_ORDER, 0)
+        flops = 0.0
+        for i in node_ops(ref_node):
+            per_phase[ops[i].phase] += 1
+            flops += ops[i].flops * ops[i].repeat
+        flops /= multiplicity(ref_node)
+        psig = param_sig(ref_node)
+        composition_key = sorted((rel, kinds[k], n) for (rel, k), n in ref.items())
+        digest = hashlib.sha1(repr((composition_key, psig)).encode()).hexdigest()[:12]
+        block_types.append(BlockType(name, depth, digest, tuple(instances), psig, per_phase,
+                                     flops, scanned=any(multiplicity(m) > 1 for m in members)))
+
+    in_block = {i for bt in block_types for inst in bt.instances for i in inst.ops}
+    remainder = tuple(i for i in range(len(ops)) if i not in in_block)
+    levels.sort(key=lambda c: (c.depth, c.name))
+    return Grouping(graph, tuple(block_types), remainder, tuple(levels), min_duplicate)

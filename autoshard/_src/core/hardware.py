@@ -1,0 +1,252 @@
+"""Hardware descriptions for the cost model (pure: no jax import).
+
+A `HardwareSpec` holds the few numbers an analytical cost model needs: peak flop/s per dtype, HBM
+size and bandwidth, and the two link classes of a GPU cluster (NVLink inside a node, the network
+between nodes). Presets cover the GPUs of the papers we reproduce (V100 in TAP and RaNNC) and the
+current ones (A100, H100); `get_hardware` also takes explicit numbers, so a user on other hardware
+never has to edit this file.
+
+Conventions: all rates are per device; link bandwidths are per direction, as a ring uses them; flop
+rates are dense (datasheets headline the 2:4-sparsity number, twice as large). On A100 and H100 the
+"float32" number is TF32 tensor-core throughput, because XLA runs float32 matmuls in TF32 there by
+default (jax `default_matmul_precision`); pass `{"base": ..., "flops": {"float32": ...}}` to model
+full-precision float32 (67 TFLOP/s H100, 19.5 TFLOP/s A100).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+import types
+from collections.abc import Mapping
+from typing import Any
+
+from ..core.errors import HardwareError
+
+COLLECTIVE_KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+FLOAT_DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclasses.dataclass(frozen=True)
+class HardwareSpec:
+    """Per-device performance numbers of one accelerator type and its interconnect."""
+
+    name: str
+    flops: Mapping[str, float]          # peak dense flop/s by dtype name; must hold "float32"
+    memory_bytes: int                   # device memory (HBM)
+    memory_bandwidth: float             # bytes/s
+    devices_per_node: int
+    intra_node_bandwidth: float         # bytes/s per device per direction (NVLink/NVSwitch)
+    intra_node_latency: float           # seconds per collective step
+    inter_node_bandwidth: float         # bytes/s per device per direction (InfiniBand/Ethernet)
+    inter_node_latency: float
+    collective_efficiency: Mapping[str, float]  # kind -> achievable fraction of link bandwidth
+    compute_efficiency: float           # achievable fraction of peak flops for large matmuls
+    source: str                         # where the numbers come from
+
+    def __post_init__(self) -> None:
+        # Validate here, so presets, overrides and hand-built specs all fail at construction with
+        # the field named, rather than as a ZeroDivisionError deep inside the planner.
+        def bad(field: str, value: Any, why: str) -> HardwareError:
+            return HardwareError(f"HardwareSpec {self.name!r}: {field}={value!r} {why}.")
+
+        if not isinstance(self.name, str) or not self.name:
+            raise bad("name", self.name, "must be a non-empty string")
+        for field in ("memory_bytes", "devices_per_node"):
+            value = getattr(self, field)
+            if _number(value) and float(value).is_integer():
+                object.__setattr__(self, field, int(value))     # accept 40e9 for 40 GB, numpy ints
+            else:
+                raise bad(field, value, "must be a whole number")
+            if getattr(self, field) < 1:
+                raise bad(field, value, "must be >= 1")
+        for field in ("memory_bandwidth", "intra_node_bandwidth", "inter_node_bandwidth"):
+            if not _positive(getattr(self, field)):
+                raise bad(field, getattr(self, field), "must be a finite number > 0 (bytes/s)")
+        for field in ("intra_node_latency", "inter_node_latency"):
+            value = getattr(self, field)
+            if not (_number(value) and 0 <= value < math.inf):
+                raise bad(field, value, "must be a finite number >= 0 (seconds per step)")
+        if not (_number(self.compute_efficiency) and 0 < self.compute_efficiency <= 1):
+            raise bad("compute_efficiency", self.compute_efficiency, "must be in (0, 1]")
+        if not isinstance(self.flops, Mapping) or "float32" not in self.flops:
+            raise bad("flops", self.flops, "must be a mapping of dtype name -> flop/s holding at least 'float32' "
+                      "(the fallback for other dtypes)")
+        for dtype, rate in self.flops.items():
+            if not _positive(rate):
+                raise bad(f"flops[{dtype!r}]", rate, "must be a finite number > 0 (flop/s)")
+        eff = self.collective_efficiency
+        missing = [k for k in COLLECTIVE_KINDS if not isinstance(eff, Mapping) or k not in eff]
+        if missing:
+            raise bad("collective_efficiency", eff, f"lacks kinds {missing}; give a fraction in (0, 1] for each "
+                      f"of {list(COLLECTIVE_KINDS)}")
+        for kind, frac in eff.items():
+            if kind not in COLLECTIVE_KINDS:
+                raise bad("collective_efficiency", eff, f"has unknown kind {kind!r}; valid: {list(COLLECTIVE_KINDS)}")
+            if not (_number(frac) and 0 < frac <= 1):
+                raise bad(f"collective_efficiency[{kind!r}]", frac, "must be in (0, 1]")
+        # read-only copies: a frozen spec must not change under a planner that cached it
+        object.__setattr__(self, "flops", types.MappingProxyType(dict(self.flops)))
+        object.__setattr__(self, "collective_efficiency", types.MappingProxyType(dict(eff)))
+
+    def __hash__(self) -> int:   # the mappings are not hashable; hash their items
+        return hash(tuple(sorted(self.flops.items())) + tuple(sorted(self.collective_efficiency.items()))
+                    + tuple(getattr(self, f.name) for f in dataclasses.fields(self)
+                            if f.name not in ("flops", "collective_efficiency")))
+
+    def peak_flops(self, dtype: Any) -> float:
+        """Peak dense flop/s for `dtype` (a name, or anything with a numpy-style `.name`/`__name__`).
+
+        Unknown dtypes (integers, float64, fp8) get the float32 number: a neutral guess that keeps
+        the planner running; add the dtype to `flops` to model it.
+        """
+        name = dtype if isinstance(dtype, str) else getattr(dtype, "name", None) or getattr(dtype, "__name__", "")
+        return float(self.flops.get(name, self.flops["float32"]))
+
+
+def _number(x: Any) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool) and not math.isnan(x)
+
+
+def _positive(x: Any) -> bool:
+    return _number(x) and 0 < x < math.inf
+
+
+# TAP §4.6: "AlltoAll and AllGather take more time to communicate the same amount of messages compared
+# to the heavily optimized AllReduce in NCCL". TAP gives no numbers; these fractions keep that order
+# and sit near nccl-tests bus bandwidth on NVLink (~75-85% of link rate for all-reduce).
+_EFFICIENCY = {"all-reduce": 0.8, "reduce-scatter": 0.75, "all-gather": 0.7, "all-to-all": 0.55,
+               "collective-permute": 0.7}
+_LATENCY_NOTE = ("Latencies (NVLink 2 us, InfiniBand 5 us, Ethernet 30 us per collective step) are "
+                 "order-of-magnitude estimates, not datasheet values.")
+_EFF_NOTE = "Collective efficiencies: estimates ordered as TAP §4.6 observes (all-reduce > all-gather > all-to-all)."
+
+_V100_FLOPS = {"float32": 15.7e12, "float16": 125e12, "bfloat16": 15.7e12}
+_V100_SOURCE = ("NVIDIA V100 SXM2 32GB datasheet: 15.7 TFLOP/s float32 (Volta has no TF32), 125 TFLOP/s "
+                "float16 tensor core, no bfloat16 tensor cores (bfloat16 given the float32 rate), 32 GB HBM2 "
+                "at 900 GB/s. 8 per node as in TAP §6 (8x V100 SXM2 32GB) and RaNNC §IV (Hardware).")
+
+
+def _v100(name: str, intra: float, inter: float, inter_latency: float, note: str) -> HardwareSpec:
+    return HardwareSpec(
+        name=name, flops=_V100_FLOPS, memory_bytes=32 * 10**9, memory_bandwidth=900e9, devices_per_node=8,
+        intra_node_bandwidth=intra, intra_node_latency=2e-6, inter_node_bandwidth=inter,
+        inter_node_latency=inter_latency, collective_efficiency=_EFFICIENCY, compute_efficiency=0.6,
+        source=f"{_V100_SOURCE} {note} {_LATENCY_NOTE} {_EFF_NOTE}")
+
+
+_RANNC_NET = ("RaNNC §IV (Hardware): V100s joined by NVLink at '25 GB/s or 50 GB/s' (NVLink2 is 25 GB/s per "
+              "link per direction; DGX-1-style pairs share one or two links); nodes joined by InfiniBand "
+              "at 100 Gbps = 12.5 GB/s, taken per device (the paper does not say how many NICs a node has; "
+              "override inter_node_bandwidth if 8 GPUs share one).")
+
+_PRESETS: dict[str, HardwareSpec] = {
+    "h100-sxm": HardwareSpec(
+        name="h100-sxm",
+        flops={"float32": 494.7e12, "bfloat16": 989.4e12, "float16": 989.4e12},
+        memory_bytes=80 * 10**9, memory_bandwidth=3.35e12, devices_per_node=8,
+        intra_node_bandwidth=450e9, intra_node_latency=2e-6,
+        inter_node_bandwidth=50e9, inter_node_latency=5e-6,
+        collective_efficiency=_EFFICIENCY, compute_efficiency=0.6,
+        source=("NVIDIA H100 SXM5 datasheet: 989 TFLOP/s dense bf16/fp16 and 495 TFLOP/s dense TF32 (float32 "
+                "matmuls; halves of the sparsity figures 1979/989), 80 GB HBM3 at 3.35 TB/s; NVLink4 900 GB/s "
+                "total = 450 GB/s per direction through NVSwitch; DGX H100: 8 GPUs per node, one 400 Gb/s "
+                f"(50 GB/s) ConnectX-7 InfiniBand NDR port per GPU. {_LATENCY_NOTE} {_EFF_NOTE}")),
+    "a100-sxm": HardwareSpec(
+        name="a100-sxm",
+        flops={"float32": 156e12, "bfloat16": 312e12, "float16": 312e12},
+        memory_bytes=80 * 10**9, memory_bandwidth=2.039e12, devices_per_node=8,
+        intra_node_bandwidth=300e9, intra_node_latency=2e-6,
+        inter_node_bandwidth=25e9, inter_node_latency=5e-6,
+        collective_efficiency=_EFFICIENCY, compute_efficiency=0.6,
+        source=("NVIDIA A100 SXM4 80GB datasheet (the 80 GB variant; the 40 GB one has 1.555 TB/s): 312 "
+                "TFLOP/s dense bf16/fp16, 156 TFLOP/s dense TF32 (float32 matmuls), 80 GB HBM2e at 2039 GB/s; "
+                "NVLink3 600 GB/s total = 300 GB/s per direction through NVSwitch; DGX A100: 8 GPUs per node, "
+                f"one 200 Gb/s (25 GB/s) HDR InfiniBand port per GPU. {_LATENCY_NOTE} {_EFF_NOTE}")),
+    "v100-sxm": _v100("v100-sxm", 50e9, 12.5e9, 5e-6, _RANNC_NET + " This preset: the 50 GB/s pairs."),
+    "v100-sxm-nvlink25": _v100("v100-sxm-nvlink25", 25e9, 12.5e9, 5e-6,
+                               _RANNC_NET + " This preset: the 25 GB/s (single-link) pairs."),
+    "v100-sxm-eth32": _v100(
+        "v100-sxm-eth32", 50e9, 4e9, 30e-6,
+        "TAP §4.6 profiling cluster: two nodes of 8 GPUs 'interconnected by 32 Gbps Ethernet' = 4 GB/s, "
+        "taken per device. TAP calls its intra-node link 'PCI-e'; this preset keeps the V100 SXM2 NVLink2 "
+        "50 GB/s of its evaluation node (§6) -- override intra_node_bandwidth (~12e9, PCIe 3.0 x16) for PCIe."),
+    "cpu-sim": HardwareSpec(
+        name="cpu-sim",
+        flops={"float32": 1e11, "bfloat16": 1e11, "float16": 1e11},
+        memory_bytes=3 * 2**30, memory_bandwidth=10e9, devices_per_node=8,
+        intra_node_bandwidth=10e9, intra_node_latency=10e-6,
+        inter_node_bandwidth=10e9, inter_node_latency=10e-6,
+        collective_efficiency=_EFFICIENCY, compute_efficiency=0.5,
+        source=("Simulated CPU devices of the test suite (jax_num_cpu_devices=8 in one process): rough, "
+                "self-consistent numbers (100 GFLOP/s, 24 GiB host memory / 8 devices, ~10 GB/s memory copies "
+                "between devices). Not a performance model of any real hardware.")),
+}
+
+
+def presets() -> list[str]:
+    """Names of the built-in hardware presets, sorted."""
+    return sorted(_PRESETS)
+
+
+def get_hardware(spec: str | HardwareSpec | Mapping[str, Any]) -> HardwareSpec:
+    """Resolve a hardware description.
+
+    `spec` is a preset name (see `presets()`), a `HardwareSpec` (returned as is) or a mapping of
+    field overrides on a preset, e.g. `{"base": "h100-sxm", "memory_bytes": 40e9}`. `flops` and
+    `collective_efficiency` overrides are merged into the base's mappings. A mapping without
+    "base" must give every field.
+    """
+    if isinstance(spec, HardwareSpec):
+        return spec
+    if isinstance(spec, str):
+        if spec not in _PRESETS:
+            raise HardwareError(
+                f"autoshard: hardware={spec!r} is not a known preset; valid names: {presets()}. For other "
+                "hardware pass explicit numbers: a HardwareSpec, or a dict of overrides on the closest preset "
+                "such as {'base': 'h100-sxm', 'memory_bytes': 40e9}.")
+        return _PRESETS[spec]
+    if isinstance(spec, Mapping):
+        return _from_mapping(spec)
+    raise HardwareError(
+        f"autoshard: hardware={spec!r} has type {type(spec).__name__}; pass a preset name (one of {presets()}), "
+        "a HardwareSpec or a dict of overrides such as {'base': 'h100-sxm', 'memory_bytes': 40e9}.")
+
+
+def _from_mapping(spec: Mapping[str, Any]) -> HardwareSpec:
+    fields = [f.name for f in dataclasses.fields(HardwareSpec)]
+    overrides = {k: v for k, v in spec.items() if k != "base"}
+    unknown = [k for k in overrides if k not in fields]
+    if unknown:
+        raise HardwareError(
+            f"autoshard: hardware override field(s) {unknown} do not exist; valid fields: {fields} (plus 'base', "
+            "the preset the overrides apply to).")
+    if "base" not in spec:
+        missing = [f for f in fields if f not in overrides]
+        if missing:
+            raise HardwareError(
+                f"autoshard: hardware dict {dict(spec)!r} has no 'base' preset and lacks fields {missing}; add "
+                f"'base': one of {presets()}, or give every field.")
+        return HardwareSpec(**overrides)
+    if not isinstance(spec["base"], (str, HardwareSpec)):
+        raise HardwareError(f"autoshard: hardware 'base'={spec['base']!r} must be a preset name or a "
+                                   f"HardwareSpec; valid names: {presets()}.")
+    base = get_hardware(spec["base"])
+    for field in ("flops", "collective_efficiency"):
+        if field in overrides:
+            if not isinstance(overrides[field], Mapping):
+                raise HardwareError(f"autoshard: hardware override {field}={overrides[field]!r} must be a "
+                                           "mapping (merged into the base preset's).")
+            overrides[field] = {**getattr(base, field), **overrides[field]}
+    if overrides and "source" not in overrides:
+        shown = ", ".join(f"{k}={v!r}" for k, v in overrides.items() if k not in ("flops", "collective_efficiency"))
+        shown += "".join(f", {k} overridden" for k in ("flops", "collective_efficiency") if k in overrides)
+        overrides["source"] = f"{base.source} Overridden by the user: {shown.lstrip(', ')}."
+    return dataclasses.replace(base, **overrides)
+
+
+def hardware_dict(hw: HardwareSpec) -> dict[str, Any]:
+    """Every field of `hw` as plain data (for plan provenance)."""
+    return {f.name: (dict(getattr(hw, f.name)) if isinstance(getattr(hw, f.name), Mapping) else getattr(hw, f.name))
+            for f in dataclasses.fields(hw)}

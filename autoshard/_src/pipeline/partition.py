@@ -1,0 +1,126 @@
+"""What every stage partitioner takes and returns (pure: no jax import).
+
+A partitioner (RaNNC, GraphPipe, or one registered from outside) turns a traced step into a
+`StagePartition`: stages, each with the units and ops it holds, its replicas (data parallel inside
+the stage), micro-batch size and count, predecessors and predicted costs, plus the schedule that
+runs them. The plan layer turns any `StagePartition` into a Plan the same way, and times every
+candidate with the same event simulator, so partitioners are interchangeable.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+from ..core.graph import OpGraph
+from ..core.hardware import HardwareSpec
+from ..core.mesh import MeshSpec
+from .schedules.schedule import Schedule
+
+
+@dataclasses.dataclass(frozen=True)
+class PartitionedStage:
+    """One stage of a partition: what it holds, where it runs and what it costs per micro-batch."""
+
+    units: tuple[int, ...]           # partitioner units it holds: RaNNC blocks, GraphPipe layer nodes
+    ops: tuple[int, ...]             # op indices of the traced step
+    replicas: int                    # devices running it (data parallel inside the stage)
+    microbatch_size: int             # samples per replica per micro-batch (the busiest replica)
+    forward: float                   # seconds per micro-batch
+    backward: float                  # seconds per micro-batch, incl. amortised gradient sync / update
+    memory: float                    # peak bytes per device
+    microbatches: int                # micro-batches per step
+    after: tuple[int, ...] = ()      # stages feeding this one (a chain, or a DAG)
+
+
+@dataclasses.dataclass(frozen=True)
+class Baseline:
+    """The partitioner's own reference split on the same costs (e.g. RaNNC vs the uniform layer split)."""
+
+    name: str
+    stages: int
+    depth: int
+    microbatches: int
+    step_time: float
+    max_over_mean: float
+    hint: str                        # why the partitioner may lose to it
+
+
+@dataclasses.dataclass(frozen=True)
+class StagePartition:
+    """A partitioner's result. `info` holds method-specific numbers for reports (plain data)."""
+
+    method: str
+    stages: tuple[PartitionedStage, ...]
+    schedule: Schedule
+    step_time: float                 # the partitioner's own estimate (the plan also simulates)
+    memory_budget: float             # bytes per device it planned against
+    batch_size: int
+    pipelines: int                   # copies of the whole pipeline (RaNNC's node replication)
+    search_seconds: float
+    units: int                       # how many units it chose from
+    unit: str                        # what a unit is ("blocks", "layer nodes", ...)
+    warnings: tuple[str, ...] = ()
+    info: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    baseline: Baseline | None = None
+    baseline_name: str = ""
+    baseline_reason: str = ""        # why there is no baseline when it is None
+
+
+class Profiler(Protocol):
+    """Measured costs of the traced step on the local device (the jax bridge implements it)."""
+
+    def op_times(self, graph: OpGraph, estimate: Callable[[int], float]) -> tuple[list[float], list[str]]:
+        """Seconds per execution of every op (`estimate(i)` where op i cannot run alone) and notes."""
+        ...
+
+    def layer_costs(self, graph: OpGraph, hardware: HardwareSpec) -> tuple[list[float], np.ndarray, list[str]]:
+        """(op times at the traced batch, op times at every `curve_sizes(batch)` micro-batch size, notes)."""
+        ...
+
+
+@dataclasses.dataclass(frozen=True)
+class PartitionProblem:
+    """Everything a partitioner may use. `stage_counts` fixes the stage count (a "pipe" mesh axis);
+    `profiler` is given with profile="measured"."""
+
+    graph: OpGraph
+    mesh: MeshSpec
+    hardware: HardwareSpec
+    memory_budget: float | None
+    schedule: str
+    options: Mapping[str, Any]
+    profile: str = "model"
+    profiler: Profiler | None = None
+
+    @property
+    def devices(self) -> int:
+        return self.mesh.size
+
+    @property
+    def stage_counts(self) -> list[int] | None:
+        return [self.mesh.axis_size("pipe")] if "pipe" in self.mesh.names else None
+
+
+@runtime_checkable
+class Partitioner(Protocol):
+    """A stage partitioner: `name` (its registry key), the `schedules` it plans for (first = default),
+    the `options` keys it accepts, and `partition`. `unsupported(mesh, options)` returns why it
+    cannot plan on `mesh` with `options` (a typed error is raised with that text), or None."""
+
+    name: str
+    schedules: tuple[str, ...]
+    options: frozenset[str]
+
+    def unsupported(self, mesh: MeshSpec, options: Mapping[str, Any]) -> str | None: ...
+
+    def partition(self, problem: PartitionProblem) -> StagePartition: ...
+
+
+def max_over_mean(forward: Sequence[float], backward: Sequence[float]) -> float:
+    """Balance of stage times: the slowest stage's forward + backward over the mean."""
+    t = [f + b for f, b in zip(forward, backward, strict=True)]
+    return max(t) / (sum(t) / len(t)) if t and sum(t) > 0 else 1.0

@@ -1,0 +1,227 @@
+"""Tensor sharding plans: group → search → Plan (the step's specs by keypath) (pure: no jax import)."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+import numpy as np
+
+from ..core.errors import InfeasiblePlanError, PlanError
+from ..core.graph import OpGraph, fingerprint
+from ..core.grouping import Grouping, group
+from ..core.hardware import HardwareSpec, hardware_dict
+from ..core.mesh import MeshSpec, candidate_meshes, mesh_spec
+from ..core.version import VERSION
+from ..tensor.experts import EXPERTS, expert_assignments
+from ..tensor.instances import input_maps, instance_maps
+from ..tensor.search import SearchOptions, SearchResult, search
+from .plan import ParamReport, Plan, Spec
+
+_CONSTRAINED = frozenset({"dot_general", "gather", "conv_general_dilated"})
+
+
+def tensor_plan(graph: OpGraph, *, mesh: Any, hw: HardwareSpec, options: SearchOptions,
+                devices: int | None = None, grouping: Grouping | None = None) -> Plan:
+    """The tensor sharding plan of the traced step `graph` on `mesh` (a MeshSpec, or "auto": every
+    factorisation of `devices`, the fastest feasible wins). Raises InfeasiblePlanError when nothing fits."""
+    grouping = grouping if grouping is not None else group(graph)
+    if isinstance(mesh, str):
+        if mesh != "auto":
+            raise PlanError(f"autoshard.plan: mesh={mesh!r} is not a mesh; pass a dict such as {{'data': 8}}, a "
+                            "jax Mesh, or 'auto' with devices=<count>.")
+        if devices is None:
+            raise PlanError("autoshard.plan: mesh='auto' needs devices=<count>.")
+        meshes = candidate_meshes(devices)
+    else:
+        meshes = [mesh_spec(mesh)]
+    t0 = time.perf_counter()
+    best = None
+    for m in meshes:
+        res = search(graph, grouping, m, hw, options)
+        if best is None or _prefer(res, best[1]):
+            best = (m, res)
+    seconds = time.perf_counter() - t0
+    if not best[1].best.feasible:
+        b = best[1]
+        raise InfeasiblePlanError(
+            f"autoshard.plan: no plan fits the memory budget of {b.budget / 2**30:.2f} GiB per "
+            f"device on mesh {best[0]} ({hw.name}); the plan needing least memory takes "
+            f"{b.best.memory['total'] / 2**30:.2f} GiB per device (parameters "
+            f"{b.best.memory['params'] / 2**30:.2f}, optimizer state {b.best.memory['optimizer'] / 2**30:.2f}, "
+            f"activations {b.best.memory['activations'] / 2**30:.2f} GiB). Fix: raise memory_budget, "
+            "use more devices, a smaller batch, or rematerialisation (nn.remat).",
+            min_memory=b.best.memory["total"], budget=b.budget)
+    experts = compare_experts(graph, grouping, best[0], best[1])
+    return build_plan(graph, grouping, best[0], hw, best[1], options, seconds, experts=experts)
+
+
+def compare_experts(graph: OpGraph, grouping: Grouping, mesh: MeshSpec, res: SearchResult) -> dict[str, Any]:
+    """Each expert plan priced by the same model: {name: {step_time, memory, feasible,
+    breakdown} or {reason}}."""
+    in_map = input_maps(graph, grouping, res.periods)
+    out: dict[str, Any] = {}
+    for name, a in expert_assignments(graph, res.factors, in_map, mesh).items():
+        if isinstance(a, str):
+            out[name] = {"reason": a}
+            continue
+        fa, storage = a
+        outside = [f for f in fa if f not in res.candidates]
+        if outside:
+            out[name] = {"reason": f"splits dims the search does not consider ({len(outside)} factors)"}
+            continue
+        c = res.evaluate(fa, storage)
+        out[name] = {"step_time": c.step_time, "memory": c.memory["total"], "feasible": c.feasible,
+                     "breakdown": dict(c.breakdown)}
+    return out
+
+
+def expert_tensor_plan(name: str, graph: OpGraph, *, mesh: Any, hw: HardwareSpec, options: SearchOptions,
+                       grouping: Grouping | None = None) -> Plan:
+    """The hand-written reference plan `name` (one of EXPERTS) for the traced step `graph` on `mesh`,
+    as a Plan with the planner's predicted costs, so it can be compared, audited and run like an auto plan."""
+    if name not in EXPERTS:
+        raise PlanError(f"autoshard.expert_plan: name={name!r} is unknown; valid: {list(EXPERTS)}.")
+    grouping = grouping if grouping is not None else group(graph)
+    m = mesh_spec(mesh)
+    t0 = time.perf_counter()
+    res = search(graph, grouping, m, hw, options)
+    a = expert_assignments(graph, res.factors, input_maps(graph, grouping, res.periods), m)[name]
+    if isinstance(a, str):
+        raise PlanError(f"autoshard.expert_plan: the {name} plan does not apply on mesh {m}: {a}. "
+                        "Fix: choose a mesh whose axis sizes divide the split dimensions.")
+    fa, storage = a
+    choice = res.evaluate(fa, storage)
+    expert_res = dataclasses.replace(res, best=choice)
+    expert_res._evaluator = res._evaluator
+    return build_plan(graph, grouping, m, hw, expert_res, options, time.perf_counter() - t0, expert=name,
+                      extra_factor_axes={f: ax for f, ax in fa.items() if f not in res.candidates})
+
+
+def _prefer(a: SearchResult, b: SearchResult) -> bool:
+    if a.best.feasible != b.best.feasible:
+        return a.best.feasible
+    return a.best.step_time < b.best.step_time
+
+
+def _spec_for(factors: tuple, axes_of: dict[int, tuple[str, ...]]) -> list[tuple[str, ...]]:
+    return [tuple(axes_of.get(f, ())) if f is not None else () for f in factors]
+
+
+def _add_storage_axes(spec: list[tuple[str, ...]], shape: tuple[int, ...], mesh: MeshSpec) -> list:
+    """ZeRO: split a tensor further over the mesh axes its factors leave unused, on the largest dim
+    that divides (the same rule the search's memory model used)."""
+    used = {a for axes in spec for a in axes}
+    free = tuple(a for a in mesh.names if a not in used)
+    n = 1
+    for a in free:
+        n *= mesh.axis_size(a)
+    if not free or n == 1:
+        return spec
+    order = sorted(range(len(shape)), key=lambda d: -shape[d])
+    for d in order:
+        cur = 1
+        for a in spec[d]:
+            cur *= mesh.axis_size(a)
+        if (shape[d] // cur) % n == 0 and shape[d] % cur == 0:
+            spec = list(spec)
+            spec[d] = tuple(spec[d]) + free
+            return spec
+    return spec
+
+
+def _describe_factors(graph: OpGraph, res: SearchResult) -> list[tuple[int, str, int, tuple[str, ...]]]:
+    fg = res.factors
+    desc: dict[int, str] = {}
+    for v in graph.inputs:
+        val = graph.values[v]
+        if val.role not in ("parameter", "data"):
+            continue
+        for d, f in enumerate(fg.value_factors(v)):
+            if f is not None and f not in desc:
+                desc[f] = f"{val.keypath} dim {d}"
+    return [(f, desc.get(f, f"factor {f}"), fg.factor_size(f), res.best.factor_axes.get(f, ()))
+            for f in res.candidates]
+
+
+def build_plan(graph: OpGraph, grouping: Grouping, mesh: MeshSpec, hw: HardwareSpec,
+               res: SearchResult, options: SearchOptions, seconds: float, experts: dict | None = None,
+               expert: str | None = None, extra_factor_axes: dict | None = None) -> Plan:
+    fg = res.factors
+    axes_of = {**(extra_factor_axes or {}), **res.best.factor_axes}
+    storage = res.best.storage
+    in_map = input_maps(graph, grouping, res.periods)
+    specs: list[Spec] = []
+    reports: list[ParamReport] = []
+    # gradients are summed over the axes that split the batch (the data inputs' factors)
+    batch_axes = {a for v in graph.inputs if graph.values[v].role == "data"
+                  for f in fg.value_factors(v) if f is not None for a in axes_of.get(f, ())}
+    for v in graph.inputs:
+        val = graph.values[v]
+        src = in_map.get(v, v)
+        spec = _spec_for(fg.value_factors(src), axes_of) if len(graph.values[src].shape) == len(val.shape) \
+            else [()] * len(val.shape)
+        if (val.role == "parameter" and storage == "zero3") or (val.role == "state" and storage != "replicated"):
+            spec = _add_storage_axes(spec, val.shape, mesh)
+        spec_t: Spec = tuple(tuple(a) for a in spec)
+        specs.append(spec_t)
+        if val.role == "parameter":
+            shards = 1
+            for axes in spec_t:
+                for a in axes:
+                    shards *= mesh.axis_size(a)
+            own = {a for axes in spec_t for a in axes}
+            sync = [a for a in mesh.names if a not in own and a in batch_axes]
+            kind = "reduce-scatter" if storage != "replicated" else "all-reduce"
+            reports.append(ParamReport(val.keypath or "", val.shape, val.dtype, spec_t,
+                                       val.nbytes // shards, f"{kind} over {','.join(sync)}" if sync else "none"))
+    by_kp = dict(zip((graph.values[v].keypath for v in graph.inputs), zip(specs, graph.inputs, strict=True),
+                     strict=True))
+    out_specs: list[Spec] = []
+    for vid, kp in zip(graph.outputs, graph.output_keypaths, strict=True):
+        hit = by_kp.get(kp)
+        if hit is not None and graph.values[hit[1]].shape == graph.values[vid].shape:
+            out_specs.append(hit[0])
+        else:
+            out_specs.append(tuple(() for _ in graph.values[vid].shape))
+
+    op_map = instance_maps(graph, grouping, res.periods)
+    constraints = []
+    for op in graph.ops:
+        if op.phase != "forward" or op.nested or op.primitive not in _CONSTRAINED:
+            continue
+        src = op_map.get(op.index, op.index)
+        if src not in fg.op_factors:
+            continue
+        spec = _spec_for(fg.op_factors[src].out_factors, axes_of)
+        if any(spec):
+            constraints.append((op.index, tuple(tuple(a) for a in spec)))
+
+    warnings = tuple(f"unknown primitive '{graph.ops[i].primitive}' in module "
+                     f"'{graph.ops[i].module or '(root)'}': its operands are replicated"
+                     for i in fg.unknown_ops) + tuple(res.notes)
+    b = res.best
+    ev = res._evaluator
+    row = np.array([sum(1 << mesh.names.index(a) for a in b.factor_axes.get(f, ())) for f in res.candidates],
+                   dtype=np.int64)
+    collectives = tuple({"kind": k, "axes": tuple(axes), "phase": ph, "bytes": v[0], "count": v[1]}
+                        for (k, axes, ph), v in sorted(ev.comm_records(row, b.storage).items()))
+    predicted = {"step_time": b.step_time, "breakdown": dict(b.breakdown), "memory": dict(b.memory),
+                 "comm_bytes": dict(b.comm_bytes), "collectives": collectives,
+                 "memory_budget": res.budget, "feasible": b.feasible,
+                 "plans_evaluated": b.plans_evaluated, "search_seconds": seconds}
+    if experts is not None:
+        predicted["experts"] = experts
+    if expert is not None:
+        predicted["expert"] = expert
+    provenance = {"autoshard": VERSION, "fingerprint": fingerprint(graph),
+                  "step": graph.name, "options": dataclasses.asdict(options),
+                  "hardware": hardware_dict(hw)}
+    return Plan(
+        mesh=tuple(mesh.axes), hardware=hw.name,
+        input_keypaths=tuple(graph.values[v].keypath or "" for v in graph.inputs),
+        input_specs_flat=tuple(specs), output_keypaths=tuple(graph.output_keypaths),
+        output_specs_flat=tuple(out_specs), activation_constraints=tuple(constraints),
+        factors=tuple(_describe_factors(graph, res)), storage=storage,
+        predicted=predicted, params=tuple(reports), warnings=warnings, provenance=provenance)

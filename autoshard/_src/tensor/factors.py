@@ -1,0 +1,398 @@
+"""Logical dimensions ("factors") of a traced step (pure: no jax import).
+
+Every dimension of every tensor belongs to a factor: a class of dimensions that must be split the
+same way for the program to run without resharding. Ops link dimensions: elementwise ops link equal
+dimensions of operands and result, a matmul links batch dims, free dims to the result and the two
+contracting dims to each other, a reshape links the major dims of each merged/split group (sharding
+heads*head_dim on n devices = sharding heads), and so on. The factors of a transformer are few —
+batch, sequence, model dim, heads, ffn, vocab — and a sharding plan is an assignment of mesh axes
+to factors (MaxText's "logical axis rules", found instead of written).
+
+Each op is then described by the factors that split its iteration space (`loop`) and those it sums
+or maxes over (`reduced`): splitting a reduced factor leaves a partial result that needs an
+all-reduce. That one rule covers the forward partial sums of row-parallel matmuls, the backward
+all-reduce of activation gradients in Megatron's column-parallel layers and the data-parallel
+gradient all-reduce (the weight-gradient matmul contracts over the batch).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+
+from ..core.graph import Op, OpGraph, nbytes
+
+ELEMENTWISE = frozenset({
+    "add", "sub", "mul", "div", "max", "min", "pow", "integer_pow", "select_n", "tanh", "exp",
+    "exp2", "log", "log1p", "expm1", "logistic", "erf", "erfc", "erf_inv", "neg", "sign", "abs",
+    "floor", "ceil", "round", "convert_element_type", "rsqrt", "sqrt", "cbrt", "square", "clamp",
+    "eq", "ne", "lt", "gt", "ge", "le", "and", "or", "not", "xor", "is_finite", "nextafter",
+    "atan2", "rem", "stop_gradient", "copy", "copy_p", "reduce_precision", "sharding_constraint",
+    "add_any", "sin", "cos", "tan", "asin", "acos", "atan", "sinh", "cosh", "asinh", "acosh",
+    "atanh", "imag", "real", "conj", "shift_left", "shift_right_logical",
+    "shift_right_arithmetic", "population_count", "optimization_barrier", "random_bits",
+    "bitcast_convert_type", "cond",
+})
+REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and",
+                        "reduce_or", "argmax", "argmin"})
+CUMULATIVE = frozenset({"cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp"})
+# ops with no data inputs whose result dims start fresh factors
+SOURCES = frozenset({"iota", "random_seed", "random_wrap", "random_unwrap", "rng_bit_generator"})
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class OpFactors:
+    """How an op's work divides when factors are split."""
+
+    op: int
+    loop: frozenset[int]          # factors that split the iteration space
+    reduced: frozenset[int]       # split → partial result → all-reduce of the output
+    out_factors: tuple            # factor (or None) per output dim
+    out_bytes: int                # full size of the first output
+    gathered: tuple               # operands an unknown op needs whole: ((bytes, factors), ...)
+    known: bool
+
+
+class _UnionFind:
+    def __init__(self) -> None:
+        self.parent: dict[tuple[int, int], tuple[int, int]] = {}
+
+    def find(self, x):
+        parent = self.parent
+        root = x
+        while (p := parent.get(root, root)) != root:
+            root = p
+        while (p := parent.get(x, x)) != root:
+            parent[x] = root
+            x = p
+        return root
+
+    def union(self, a, b) -> None:
+        ra, rb = self.find(a), self.find(b)
+        if ra != rb:
+            # deterministic: the smaller key is the root
+            if rb < ra:
+                ra, rb = rb, ra
+            self.parent[rb] = ra
+
+
+def _key(value: int, dim: int, rank: int) -> tuple[int, int]:
+    # dims are keyed from the right: a scan body sees a stacked [L, ...] value without its
+    # leading axis, and right alignment makes both views agree
+    return (value, dim - rank)
+
+
+@dataclasses.dataclass
+class FactorGraph:
+    """Factors of a subgraph: per value dim, the factor id (None for size-1 dims), and per op its
+    OpFactors. `factor_sizes[f]` lists the sizes of the dims in factor f."""
+
+    graph: OpGraph
+    op_factors: dict[int, OpFactors]
+    factor_of: dict[tuple[int, int], int]
+    factor_sizes: dict[int, list[int]]
+    repeated: frozenset[int]      # factors appearing twice in one tensor: never split
+    cooccur: dict[int, frozenset[int]]
+    unknown_ops: list[int]
+
+    def value_factors(self, value: int, rank: int | None = None) -> tuple:
+        shape = self.graph.values[value].shape
+        rank = len(shape) if rank is None else rank
+        return tuple(self.factor_of.get(_key(value, d, rank)) if shape[len(shape) - rank + d] != 1
+                     else None for d in range(rank))
+
+    def divides(self, factor: int, n: int) -> bool:
+        return all(s % n == 0 for s in self.factor_sizes.get(factor, ()))
+
+    def factor_size(self, factor: int) -> int:
+        return max(self.factor_sizes.get(factor, [1]))
+
+
+def analyze(graph: OpGraph, ops: Iterable[int], same_ops: Sequence[tuple[int, int]] = ()) -> FactorGraph:
+    """Factors of the subgraph made of `ops` (indices). `same_ops` pairs ops of two instances of
+    one block type that correspond; their dims are linked so instances share factors."""
+    ops = sorted(set(ops))
+    uf = _UnionFind()
+    values = graph.values
+    for i in ops:
+        _link_op(uf, graph.ops[i], values)
+    for a, b in same_ops:
+        # corresponding ops play the same role: so do their results, their weights and the
+        # activations they take from outside the block
+        oa, ob = graph.ops[a], graph.ops[b]
+        for va, vb, sa, sb in itertools.chain(
+                zip(oa.outputs, ob.outputs, oa.out_shapes, ob.out_shapes, strict=False),
+                zip(oa.inputs, ob.inputs, oa.in_shapes, ob.in_shapes, strict=False)):
+            if sa == sb and values[va].kind != "literal":
+                for d in range(len(sa)):
+                    if sa[d] != 1:
+                        uf.union(_key(va, d, len(sa)), _key(vb, d, len(sb)))
+
+    # factor ids: dense, in order of first appearance (deterministic)
+    roots: dict[tuple[int, int], int] = {}
+    factor_of: dict[tuple[int, int], int] = {}
+    sizes: dict[int, list[int]] = {}
+    repeated: set[int] = set()
+    cooccur: dict[int, set[int]] = {}
+
+    def register(v: int, shape: tuple[int, ...]) -> tuple:
+        out = []
+        for d, size in enumerate(shape):
+            if size == 1:
+                out.append(None)
+                continue
+            k = _key(v, d, len(shape))
+            r = uf.find(k)
+            f = roots.setdefault(r, len(roots))
+            factor_of[k] = f
+            sizes.setdefault(f, []).append(size)
+            out.append(f)
+        present = [f for f in out if f is not None]
+        if len(set(present)) < len(present):
+            seen: set[int] = set()
+            for f in present:
+                if f in seen:
+                    repeated.add(f)
+                seen.add(f)
+        for f in present:
+            cooccur.setdefault(f, set()).update(present)
+        return tuple(out)
+
+    op_factors: dict[int, OpFactors] = {}
+    unknown: list[int] = []
+    for i in ops:
+        op = graph.ops[i]
+        ins = [register(v, s) for v, s in zip(op.inputs, op.in_shapes, strict=True)]
+        outs = [register(v, s) for v, s in zip(op.outputs, op.out_shapes, strict=True)]
+        known = op.primitive in _KNOWN
+        reduced = _reduced_factors(op, ins)
+        loop = {f for fs in ins + outs for f in fs if f is not None}
+        gathered: tuple = ()
+        if not known:
+            unknown.append(i)
+            loop = set()
+            reduced = set()
+            gathered = tuple((nbytes(s, d), fs) for s, d, fs in
+                             zip(op.in_shapes, op.in_dtypes, ins, strict=True) if any(fs))
+        out_shape = op.out_shapes[0] if op.out_shapes else ()
+        out_dtype = op.out_dtypes[0] if op.out_dtypes else "float32"
+        op_factors[i] = OpFactors(i, frozenset(loop), frozenset(reduced), outs[0] if outs else (),
+                                  nbytes(out_shape, out_dtype), gathered, known)
+    return FactorGraph(graph, op_factors, factor_of, sizes, frozenset(repeated),
+                       {f: frozenset(c) for f, c in cooccur.items()}, unknown)
+
+
+def _reduced_factors(op: Op, ins: list[tuple]) -> set[int]:
+    p = op.primitive
+    params = op.params
+    if p == "dot_general" and "contracting" in params:
+        (lc, _), _ = params["contracting"], params["batch"]
+        return {ins[0][d] for d in lc if ins[0][d] is not None}
+    if p in REDUCTIONS:
+        return {ins[0][d] for d in params.get("axes", ()) if ins[0][d] is not None}
+    if p == "gather" and "dimension_numbers" in params:
+        _, _, start_index_map, _, _ = _dn5(params["dimension_numbers"])
+        return {ins[0][d] for d in start_index_map if ins[0][d] is not None}
+    if p in ("scatter-add", "scatter_add") and "dimension_numbers" in params:
+        # updates are summed over their scatter dims, except those that are batching dims
+        window, _, _, _, ibatch = _dn5(params["dimension_numbers"])
+        upd = ins[2]
+        scatter = [d for d in range(len(upd)) if d not in window]
+        return {upd[d] for k, d in enumerate(scatter) if k not in ibatch and upd[d] is not None}
+    if p == "conv_general_dilated" and "lhs_spec" in params:
+        if params.get("feature_group_count", 1) > 1:
+            return set()
+        return {ins[0][params["lhs_spec"][1]]} - {None}
+    return set()
+
+
+def _dn5(dn) -> tuple:
+    dn = tuple(tuple(x) if isinstance(x, tuple | list) else x for x in dn)
+    return (dn + ((), (), (), (), ()))[:5]
+
+
+def _link_same(uf: _UnionFind, a: int, sa: tuple, b: int, sb: tuple, dims_a: Sequence[int],
+               dims_b: Sequence[int]) -> None:
+    for da, db in zip(dims_a, dims_b, strict=True):
+        if sa[da] == sb[db] and sa[da] != 1:
+            uf.union(_key(a, da, len(sa)), _key(b, db, len(sb)))
+
+
+def _link_op(uf: _UnionFind, op: Op, values) -> None:
+    p = op.primitive
+    params = op.params
+    ins, outs = op.inputs, op.outputs
+    ish, osh = op.in_shapes, op.out_shapes
+    if not outs:
+        return
+    o, so = outs[0], osh[0]
+    if p in ELEMENTWISE:
+        for v, s in zip(ins, ish, strict=True):
+            if len(s) == len(so):
+                _link_same(uf, v, s, o, so, range(len(s)), range(len(so)))
+        for v2, s2 in zip(outs[1:], osh[1:], strict=False):
+            if s2 == so:
+                _link_same(uf, v2, s2, o, so, range(len(s2)), range(len(so)))
+    elif p == "broadcast_in_dim":
+        bd = params.get("broadcast_dimensions", ())
+        _link_same(uf, ins[0], ish[0], o, so, range(len(ish[0])), bd)
+    elif p == "transpose":
+        perm = params.get("permutation", ())
+        _link_same(uf, ins[0], ish[0], o, so, perm, range(len(so)))
+    elif p == "reshape":
+        for da, db in _reshape_pairs(ish[0], so):
+            uf.union(_key(ins[0], da, len(ish[0])), _key(o, db, len(so)))
+    elif p == "squeeze":
+        dims = set(params.get("dimensions", ()))
+        kept = [d for d in range(len(ish[0])) if d not in dims]
+        _link_same(uf, ins[0], ish[0], o, so, kept, range(len(so)))
+    elif p == "expand_dims":
+        dims = set(params.get("dimensions", ()))
+        kept = [d for d in range(len(so)) if d not in dims]
+        _link_same(uf, ins[0], ish[0], o, so, range(len(ish[0])), kept)
+    elif p == "dot_general" and "contracting" in params:
+        (lc, rc), (lb, rb) = params["contracting"], params["batch"]
+        (lv, sl), (r, sr) = (ins[0], ish[0]), (ins[1], ish[1])
+        _link_same(uf, lv, sl, r, sr, lc, rc)
+        _link_same(uf, lv, sl, r, sr, lb, rb)
+        lfree = [d for d in range(len(sl)) if d not in lc and d not in lb]
+        rfree = [d for d in range(len(sr)) if d not in rc and d not in rb]
+        nb = len(lb)
+        _link_same(uf, lv, sl, o, so, lb, range(nb))
+        _link_same(uf, lv, sl, o, so, lfree, range(nb, nb + len(lfree)))
+        _link_same(uf, r, sr, o, so, rfree, range(nb + len(lfree), len(so)))
+    elif p in REDUCTIONS:
+        axes = set(params.get("axes", ()))
+        kept = [d for d in range(len(ish[0])) if d not in axes]
+        _link_same(uf, ins[0], ish[0], o, so, kept, range(len(so)))
+    elif p in CUMULATIVE or p in ("sort", "rev", "reduce_precision"):
+        for v, s in zip(ins, ish, strict=True):
+            if s == so:
+                _link_same(uf, v, s, o, so, range(len(s)), range(len(so)))
+        for v2, s2 in zip(outs[1:], osh[1:], strict=False):  # sort's extra outputs (argsort)
+            if s2 == so:
+                _link_same(uf, v2, s2, o, so, range(len(s2)), range(len(so)))
+    elif p == "split":
+        axis = params.get("axis", 0)
+        for v2, s2 in zip(outs, osh, strict=True):
+            keep = [d for d in range(len(s2)) if d != axis]
+            _link_same(uf, ins[0], ish[0], v2, s2, keep, keep)
+    elif p in _WINDOWED:
+        # pooling: dims the window leaves whole (batch, channels) keep their factor
+        for v, s in zip(ins, ish, strict=True):
+            if len(s) == len(so):
+                _link_same(uf, v, s, o, so, range(len(s)), range(len(so)))
+    elif p in ("slice", "dynamic_slice", "dynamic_update_slice", "pad", "concatenate"):
+        # dims that keep their size keep their factor; resized dims start new ones
+        for v, s in zip(ins, ish, strict=True):
+            if len(s) == len(so):
+                _link_same(uf, v, s, o, so, range(len(s)), range(len(so)))
+    elif p == "gather" and "dimension_numbers" in params:
+        offset, collapsed, _, obatch, ibatch = _dn5(params["dimension_numbers"])
+        (t, st), (ix, si) = (ins[0], ish[0]), (ins[1], ish[1])
+        window = [d for d in range(len(st)) if d not in collapsed and d not in obatch]
+        slice_sizes = params.get("slice_sizes", st)
+        pairs = [(d, od) for d, od in zip(window, offset, strict=False) if slice_sizes[d] == st[d]]
+        _link_same(uf, t, st, o, so, [a for a, _ in pairs], [b for _, b in pairs])
+        out_batch = [d for d in range(len(so)) if d not in offset]
+        idx_batch = list(range(len(si) - 1))  # index_vector_dim is last in lax.gather
+        _link_same(uf, ix, si, o, so, idx_batch, out_batch)
+        _link_same(uf, t, st, ix, si, obatch, ibatch)
+    elif p in ("scatter-add", "scatter_add", "scatter") and "dimension_numbers" in params:
+        window, inserted, _, obatch, ibatch = _dn5(params["dimension_numbers"])
+        (t, st), (ix, si), (u, su) = (ins[0], ish[0]), (ins[1], ish[1]), (ins[2], ish[2])
+        _link_same(uf, t, st, o, so, range(len(st)), range(len(so)))
+        tw = [d for d in range(len(st)) if d not in inserted and d not in obatch]
+        _link_same(uf, t, st, u, su, tw, window)
+        scat = [d for d in range(len(su)) if d not in window]
+        _link_same(uf, u, su, ix, si, scat, range(len(si) - 1))
+        _link_same(uf, t, st, ix, si, obatch, ibatch)
+    elif p == "conv_general_dilated" and "lhs_spec" in params:
+        ls, rs, os_ = params["lhs_spec"], params["rhs_spec"], params["out_spec"]
+        (x, sx), (w, sw) = (ins[0], ish[0]), (ins[1], ish[1])
+        _link_same(uf, x, sx, o, so, [ls[0]], [os_[0]])          # batch
+        _link_same(uf, w, sw, o, so, [rs[0]], [os_[1]])          # output features
+        _link_same(uf, x, sx, o, so, ls[2:], os_[2:])            # spatial (same size only)
+        if params.get("feature_group_count", 1) > 1:
+            # grouped/depthwise: each output channel reads its own group's input channels
+            _link_same(uf, x, sx, o, so, [ls[1]], [os_[1]])
+        else:
+            _link_same(uf, x, sx, w, sw, [ls[1]], [rs[1]])       # input features (contracted)
+
+
+_WINDOWED = frozenset({"reduce_window_sum", "reduce_window_max", "reduce_window_min", "reduce_window",
+                       "select_and_scatter_add", "select_and_gather_add"})
+_KNOWN = (ELEMENTWISE | REDUCTIONS | CUMULATIVE | SOURCES | _WINDOWED | {"split",
+    "broadcast_in_dim", "transpose", "reshape", "squeeze", "expand_dims", "dot_general", "sort",
+    "rev", "slice", "dynamic_slice", "dynamic_update_slice", "pad", "concatenate", "gather",
+    "scatter-add", "scatter_add", "scatter", "conv_general_dilated", "select_and_scatter_add",
+    "reduce_window_sum", "reduce_window_max",
+})
+
+
+def _reshape_pairs(a: tuple[int, ...], b: tuple[int, ...]) -> list[tuple[int, int]]:
+    """Dims linked by a reshape: the major dims of each group of dims whose products match
+    ((B, S, H*hd) → (B, S, H, hd) links B–B, S–S and H*hd–H)."""
+    pairs = []
+    i = j = 0
+    while i < len(a) and j < len(b):
+        if a[i] == 1:
+            i += 1
+            continue
+        if b[j] == 1:
+            j += 1
+            continue
+        gi, gj = i, j
+        pa, pb = a[i], b[j]
+        i += 1
+        j += 1
+        while pa != pb:
+            if pa < pb and i < len(a):
+                pa *= a[i]
+                i += 1
+            elif pb < pa and j < len(b):
+                pb *= b[j]
+                j += 1
+            else:
+                return pairs
+        pairs.append((gi, gj))
+    return pairs
+
+
+def factor_shards(factors: Sequence, axes_of: dict[int, tuple[str, ...]], sizes: dict[str, int]) -> int:
+    """How many pieces a tensor with these dim factors is split into under an assignment."""
+    n = 1
+    for f in factors:
+        if f is not None:
+            for a in axes_of.get(f, ()):
+                n *= sizes[a]
+    return n
+
+
+def size_of(shape: Sequence[int]) -> int:
+    return int(np.prod(shape, dtype=np.int64)) if shape else 1
+
+
+def corresponding_ops(graph: OpGraph, a: Sequence[int], b: Sequence[int]) -> list[tuple[int, int]]:
+    """Pairs of ops of two instances of one block that do the same thing, phase by phase, matched
+    on (primitive, shapes) in program order; instances that differ slightly (the first block's
+    backward has no input gradient) still pair up everywhere else."""
+    import difflib
+
+    pairs: list[tuple[int, int]] = []
+    for phase in ("forward", "backward", "optimizer", "other"):
+        oa = [i for i in a if graph.ops[i].phase == phase]
+        ob = [i for i in b if graph.ops[i].phase == phase]
+        sa = [(graph.ops[i].primitive, graph.ops[i].in_shapes, graph.ops[i].out_shapes) for i in oa]
+        sb = [(graph.ops[i].primitive, graph.ops[i].in_shapes, graph.ops[i].out_shapes) for i in ob]
+        if sa == sb:
+            pairs.extend(zip(oa, ob, strict=True))
+            continue
+        matcher = difflib.SequenceMatcher(a=sa, b=sb, autojunk=False)
+        for block in matcher.get_matching_blocks():
+            pairs.extend(zip(oa[block.a:block.a + block.size], ob[block.b:block.b + block.size],
+                             strict=True))
+    return pairs
