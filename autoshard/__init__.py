@@ -23,10 +23,11 @@ from ._src.core.grouping import Grouping as Grouping
 from ._src.core.grouping import group as group
 from ._src.core.hardware import HardwareSpec as HardwareSpec
 from ._src.core.hardware import get_hardware as get_hardware
-from ._src.core.version import VERSION as __version__
+from ._src.core.version import VERSION
 from ._src.lazy import lazy_attributes
+from ._src.plan.config import Config as Config
 from ._src.plan.plan import Plan as Plan
-from ._src.tensor.search import SearchOptions as SearchOptions
+from ._src.tensor.experts import EXPERTS as EXPERTS
 
 if TYPE_CHECKING:   # the lazy names below, for type checkers and IDEs
     from ._src.bridge.api import bind as bind
@@ -49,6 +50,7 @@ __getattr__, __dir__ = lazy_attributes(__name__, {
     "Audit": "autoshard._src.bridge.audit",
     "value_and_grad": "autoshard._src.bridge.pipelined_step",
     "pipelined": "autoshard._src.bridge.cut",
-}, eager=[n for n in dir() if not n.startswith("_") and n not in ("TYPE_CHECKING", "lazy_attributes")])
+}, eager=[n for n in dir() if not n.startswith("_") and n not in ("TYPE_CHECKING", "lazy_attributes", "VERSION")])
 
-del TYPE_CHECKING, lazy_attributes
+__version__ = VERSION
+del TYPE_CHECKING, lazy_attributes, VERSION

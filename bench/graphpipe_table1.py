@@ -45,9 +45,7 @@ from _common import git_state, machine  # noqa: E402
 import autoshard  # noqa: E402
 import models  # noqa: E402
 from autoshard import get_hardware  # noqa: E402
-from autoshard._src.bridge.profile import measured_layer_costs  # noqa: E402
-from autoshard._src.pipeline.graphpipe.partition import _tps_floor  # noqa: E402
-from pipeline import graphpipe_partition, layer_graph, spp_partition  # noqa: E402
+from pipeline.graphpipe import graphpipe_partition, layer_graph, measured_layer_costs, spp_partition, tps_floor  # noqa: E402
 
 # Summit (GraphPipe §7): V100 SXM2 16 GB, 4 GPUs per node used, NVLink2 50 GB/s inside a node,
 # EDR InfiniBand 100 Gb/s between nodes; the v100-sxm preset has the links, not the 16 GB or 4/node.
@@ -138,7 +136,7 @@ def cell(name: str, config: str, batch: int, devices: int, reps: int, **override
     if out["ratio"] is not None:
         # no plan (any method, any micro-batch) beats batch x the TPS floor: every device busy at the
         # nodes' best seconds per sample, no bubble, no communication; SPP / that bounds GPP / SPP
-        out["step_lower_bound_s"] = _tps_floor(lg, devices, batch) * batch
+        out["step_lower_bound_s"] = tps_floor(lg, devices, batch) * batch
         out["max_ratio"] = s["step_time_s"] / out["step_lower_bound_s"]
     return out
 

@@ -41,8 +41,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import autoshard  # noqa: E402
 import models  # noqa: E402
-from autoshard._src.bridge.hlo import collectives, summarize  # noqa: E402
-from autoshard._src.bridge.runtime import pipeline_value_and_grad  # noqa: E402
+from pipeline import pipeline_value_and_grad  # noqa: E402
 
 STAGES, LAYERS_PER_STAGE = 8, 2
 
@@ -86,7 +85,7 @@ def describe(compiled, mesh_obj) -> dict:
     mem = compiled.memory_analysis()
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
-    colls = summarize(collectives(compiled.as_text(), list(mesh_obj.axis_names), list(mesh_obj.shape.values())))
+    _, colls = autoshard.Audit.read_collectives(compiled.as_text(), mesh_obj)
     return {"argument_bytes": int(mem.argument_size_in_bytes), "temp_bytes": int(mem.temp_size_in_bytes),
             "output_bytes": int(mem.output_size_in_bytes), "flops": float(cost.get("flops", 0.0)),
             "collectives": {k: {"count": int(v["count"]), "bytes": int(v["bytes"])} for k, v in colls.items()}}

@@ -41,7 +41,7 @@ sys.path.insert(0, str(ROOT))
 
 from autoshard import InfeasiblePlanError  # noqa: E402
 from bench._common import git_state, machine  # noqa: E402
-from pipeline import PipelineCosts, atomic_partition, best_uniform, partition_blocks, plan_stages  # noqa: E402
+from pipeline.rannc import PipelineCosts, atomic_partition, best_uniform, partition_blocks, plan_stages  # noqa: E402
 
 HW = "v100-sxm"
 HIDDEN = (1024, 1536, 2048)

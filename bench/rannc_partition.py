@@ -2,7 +2,7 @@
 
 Cells:
 
-* `chain`: the synthetic transformer-ish step of tests/autoshard/_synthetic.py with 4000 blocks
+* `chain`: the synthetic transformer-ish step of tests/core/_synthetic.py with 4000 blocks
   (52k atomic components), k = 32 blocks, 32 V100s, memory budget 1/16 of the static bytes;
 * `random`: a random 60k-op forward DAG with 2 % long skip edges and shared parameter transposes
   (tests/pipeline/_rannc_graphs.py), k = 32 blocks;
@@ -30,9 +30,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from autoshard import InfeasiblePlanError  # noqa: E402
-from pipeline import PipelineCosts, atomic_partition, best_uniform, partition_blocks, plan_stages  # noqa: E402
-from tests.autoshard._synthetic import model  # noqa: E402
-from tests.pipeline._rannc_graphs import random_step  # noqa: E402
+from pipeline.rannc import PipelineCosts, atomic_partition, best_uniform, partition_blocks, plan_stages  # noqa: E402
+from tests.core._synthetic import model  # noqa: E402
+from tests.pipeline.rannc._rannc_graphs import random_step  # noqa: E402
 
 
 def timed(fn, *a, **k):

@@ -32,7 +32,6 @@ import statistics  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-import autoshard._planner as _planner  # noqa: E402  (timing wrappers only; nothing is changed)
 import numpy as np  # noqa: E402
 from _common import git_state, machine  # noqa: E402
 
@@ -45,26 +44,8 @@ REPS = 3
 TARGET_SEARCH_S = 1.0
 TARGET_RATIO = 1.5
 
-_timings: dict[str, float] = {}
-
-
-def _timed(name, fn):
-    def wrapper(*a, **k):
-        t0 = time.perf_counter()
-        try:
-            return fn(*a, **k)
-        finally:
-            _timings[name] = time.perf_counter() - t0
-    return wrapper
-
-
-# autoshard.plan calls these module-level names; wrap them to split the call's wall time.
-_planner.trace = _timed("trace", _planner.trace)
-_planner.group = _timed("group", _planner.group)
-
 
 def plan_once(m, args, mesh: dict, budget: float | None) -> tuple[dict, autoshard.Plan | None, str | None]:
-    _timings.clear()
     t0 = time.perf_counter()
     try:
         p = autoshard.plan(m.train_step, *args, mesh=mesh, hardware=HARDWARE, memory_budget=budget)
@@ -72,9 +53,10 @@ def plan_once(m, args, mesh: dict, budget: float | None) -> tuple[dict, autoshar
     except autoshard.InfeasiblePlanError as e:
         p, err = None, str(e)
     total = time.perf_counter() - t0
-    t = {"total_s": total, "trace_s": _timings.get("trace", float("nan")),
-         "group_s": _timings.get("group", float("nan")),
-         "search_s": p.predicted["search_seconds"] if p is not None else None}
+    timing = p.predicted["timing"] if p is not None else {}   # the planner's own split of its wall time
+    t = {"total_s": total, "trace_s": timing.get("trace_seconds", float("nan")),
+         "group_s": timing.get("group_seconds", float("nan")),
+         "search_s": timing.get("search_seconds") if p is not None else None}
     if p is not None:
         t["rest_s"] = total - t["trace_s"] - t["group_s"] - t["search_s"]   # plan building + bind
     return t, p, err

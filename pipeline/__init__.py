@@ -11,22 +11,16 @@ by a validator and timed by an event simulator:
 
 Partitioners (RaNNC, GraphPipe, or your own `Partitioner`) are found by name in a registry that
 `autoshard.plan(..., pipeline=name)` reads; `register_schedule` / `register_partitioner` add more.
+The papers' algorithms step by step: `pipeline.rannc`, `pipeline.graphpipe`.
 """
 
 from typing import TYPE_CHECKING
 
 from autoshard._src.lazy import lazy_attributes
-from autoshard._src.pipeline.graphpipe.layer_graph_build import layer_graph as layer_graph
-from autoshard._src.pipeline.graphpipe.partition import GraphPipePlan as GraphPipePlan
-from autoshard._src.pipeline.graphpipe.partition import graphpipe_partition as graphpipe_partition
-from autoshard._src.pipeline.graphpipe.spp import spp_partition as spp_partition
 from autoshard._src.pipeline.partition import PartitionedStage as PartitionedStage
 from autoshard._src.pipeline.partition import Partitioner as Partitioner
 from autoshard._src.pipeline.partition import PartitionProblem as PartitionProblem
 from autoshard._src.pipeline.partition import StagePartition as StagePartition
-from autoshard._src.pipeline.rannc.stages import StagePlan as StagePlan
-from autoshard._src.pipeline.rannc.stages import plan_stages as plan_stages
-from autoshard._src.pipeline.rannc.uniform import best_uniform as best_uniform
 from autoshard._src.pipeline.registry import get_partitioner as get_partitioner
 from autoshard._src.pipeline.registry import partitioner_names as partitioner_names
 from autoshard._src.pipeline.registry import register_partitioner as register_partitioner
@@ -41,6 +35,9 @@ from autoshard._src.pipeline.schedules.schedule import tick_table as tick_table
 from autoshard._src.pipeline.schedules.schedule import validate as validate
 from autoshard._src.pipeline.schedules.simulate import SimResult as SimResult
 from autoshard._src.pipeline.schedules.simulate import simulate as simulate
+
+from . import graphpipe as graphpipe
+from . import rannc as rannc
 
 if TYPE_CHECKING:   # the lazy name below, for type checkers and IDEs
     from autoshard._src.bridge.runtime import pipeline_value_and_grad as pipeline_value_and_grad

@@ -12,6 +12,10 @@ import sys
 import time
 from typing import Any
 
+from .pipeline.registry import get_partitioner, partitioner_names
+from .pipeline.schedules.registry import schedule_names
+from .plan.config import PROFILES
+
 
 def _parse_value(text: str) -> Any:
     for conv in (int, float):
@@ -127,9 +131,10 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _pipeline_options(args: argparse.Namespace) -> dict:
-    if args.pipeline == "graphpipe":
-        return {}
-    return {"k": args.blocks, "recompute": args.recompute}
+    """The --blocks / --recompute flags, for the partitioners (registered by name) that take them."""
+    names = partitioner_names() if args.pipeline == "auto" else [args.pipeline]
+    accepted = set().union(*(get_partitioner(n).options for n in names))
+    return {k: v for k, v in {"k": args.blocks, "recompute": args.recompute}.items() if k in accepted}
 
 
 def _cmd_schedule(args: argparse.Namespace) -> int:
@@ -138,17 +143,15 @@ def _cmd_schedule(args: argparse.Namespace) -> int:
     import pipeline
 
     model, _ = _model_from_args(args)
-    schedule = "graph-1f1b" if args.pipeline == "graphpipe" and args.schedule == "1f1b" else args.schedule
     plan = autoshard.plan(model.train_step, *model.abstract_state(), mesh=_parse_mesh(args.mesh),
                           hardware=args.hardware, memory_budget=args.memory_budget, pipeline=args.pipeline,
-                          schedule=schedule, pipeline_options=_pipeline_options(args))
+                          schedule=args.schedule, pipeline_options=_pipeline_options(args))
     print(plan.explain())
-    chosen = plan.predicted["pipeline"].get("auto", {}).get("chosen", args.pipeline)
-    if chosen == "graphpipe":
-        sched = pipeline.schedule("graph-1f1b", num_microbatches=[s.microbatches for s in plan.stages],
+    if plan.schedule == "graph-1f1b":   # a stage DAG with per-stage micro-batch counts
+        sched = pipeline.schedule(plan.schedule, num_microbatches=[s.microbatches for s in plan.stages],
                                   edges=[(a, s.index) for s in plan.stages for a in s.after])
     else:
-        sched = pipeline.schedule(schedule, num_stages=len(plan.stages), num_microbatches=plan.microbatches)
+        sched = pipeline.schedule(plan.schedule, num_stages=len(plan.stages), num_microbatches=plan.microbatches)
     sim = pipeline.simulate(sched, forward=[s.predicted_forward for s in plan.stages],
                             backward=[s.predicted_backward for s in plan.stages])
     print()
@@ -268,7 +271,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--hardware", default="cpu-sim", help="hardware preset for the cost model")
     r.add_argument("--memory-budget", type=float, default=None, help="bytes per device")
     r.add_argument("--steps", type=int, default=3)
-    r.add_argument("--pipeline", default=None, choices=["rannc", "graphpipe", "auto"],
+    r.add_argument("--pipeline", default=None, choices=[*partitioner_names(), "auto"],
                    help="run a pipeline plan (rannc/auto: give the mesh a 'pipe' axis) instead of tensor sharding")
     r.add_argument("--microbatches", type=int, default=None, help="pipeline micro-batches (default: the plan's)")
     r.set_defaults(func=_cmd_run)
@@ -278,10 +281,10 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--hardware", default="h100-sxm")
     pl.add_argument("--memory-budget", type=float, default=None, help="bytes per device")
     pl.add_argument("--out", default=None, help="write the plan as JSON")
-    pl.add_argument("--pipeline", default=None, choices=["rannc", "graphpipe", "auto"],
+    pl.add_argument("--pipeline", default=None, choices=[*partitioner_names(), "auto"],
                     help="pipeline stages instead of tensor sharding")
-    pl.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe", "graph-1f1b"], help="pipeline schedule")
-    pl.add_argument("--profile", default="model", choices=["model", "measured"],
+    pl.add_argument("--schedule", default="1f1b", choices=schedule_names(), help="pipeline schedule")
+    pl.add_argument("--profile", default="model", choices=list(PROFILES),
                     help="op costs: hardware roofline, or timed on this machine")
     pl.add_argument("--blocks", type=int, default=32, help="RaNNC block count k (default 32)")
     pl.add_argument("--recompute", action="store_true", help="recompute stage forwards in backward")
@@ -292,10 +295,10 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--hardware", default="h100-sxm")
     ex.add_argument("--memory-budget", type=float, default=None, help="bytes per device")
     ex.add_argument("--out", default=None, help="write the plan as JSON")
-    ex.add_argument("--pipeline", default=None, choices=["rannc", "graphpipe", "auto"],
+    ex.add_argument("--pipeline", default=None, choices=[*partitioner_names(), "auto"],
                     help="pipeline stages instead of tensor sharding")
-    ex.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe", "graph-1f1b"], help="pipeline schedule")
-    ex.add_argument("--profile", default="model", choices=["model", "measured"],
+    ex.add_argument("--schedule", default="1f1b", choices=schedule_names(), help="pipeline schedule")
+    ex.add_argument("--profile", default="model", choices=list(PROFILES),
                     help="op costs: hardware roofline, or timed on this machine")
     ex.add_argument("--blocks", type=int, default=32, help="RaNNC block count k (default 32)")
     ex.add_argument("--recompute", action="store_true", help="recompute stage forwards in backward")
@@ -305,8 +308,8 @@ def build_parser() -> argparse.ArgumentParser:
     sc.add_argument("--mesh", default="pipe=4,data=2", help="name=size,... (a 'pipe' axis fixes the stage count)")
     sc.add_argument("--hardware", default="cpu-sim")
     sc.add_argument("--memory-budget", type=float, default=None, help="bytes per device")
-    sc.add_argument("--pipeline", default="rannc", choices=["rannc", "graphpipe", "auto"])
-    sc.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe", "graph-1f1b"])
+    sc.add_argument("--pipeline", default="rannc", choices=[*partitioner_names(), "auto"])
+    sc.add_argument("--schedule", default="1f1b", choices=schedule_names())
     sc.add_argument("--blocks", type=int, default=32, help="RaNNC block count k (default 32)")
     sc.add_argument("--recompute", action="store_true")
     sc.add_argument("--width", type=int, default=120, help="Gantt chart columns")

@@ -18,11 +18,13 @@ from typing import Any
 import jax
 from jax.sharding import Mesh
 
+from ..core.collectives import lowered_kind
 from ..core.errors import PlanError
 from ..plan.plan import Plan
 from . import hlo as _hlo
 from .api import bind
 from .emit import jit_step, make_mesh
+from .trace import trace_step
 
 BYTES_TOLERANCE = 0.10      # issue 4: predicted collective bytes within 10 % of the compiled program's
 MEMORY_TOLERANCE = 0.15     # and argument + temp memory within 15 %
@@ -70,6 +72,14 @@ class Audit:
     predicted_memory: Mapping[str, float]
     gaps: tuple[Gap, ...]
     notes: tuple[str, ...]
+
+    @staticmethod
+    def read_collectives(hlo_text: str, mesh: Mesh) -> tuple[list[_hlo.Collective], dict[str, dict[str, float]]]:
+        """Every collective of a compiled program's HLO text (`compiled.as_text()`) on `mesh`, and the
+        per-step totals by "kind@axes" ({"bytes", "count"}): the reading `audit` does, for any program
+        (a hand-written jit, a pipeline runtime) rather than a plan's."""
+        records = _hlo.collectives(hlo_text, list(mesh.axis_names), [mesh.shape[a] for a in mesh.axis_names])
+        return records, _hlo.summarize(records)
 
     def by_module(self, kind: str | None = None) -> dict[str, float]:
         """Collective bytes per step by source module (optionally of one kind)."""
@@ -147,13 +157,11 @@ def compare(plan: Plan, records: list[_hlo.Collective], memory: Mapping[str, int
             bytes_tol: float = BYTES_TOLERANCE, memory_tol: float = MEMORY_TOLERANCE
             ) -> tuple[dict, dict, list[Gap], list[str]]:
     """(predicted by key, audited by key, gaps, notes)."""
-    cpu = platform == "cpu"
+    cpu = platform == "cpu"     # XLA:CPU's temp buffers are its own (see BACKEND_NOTES)
     predicted: dict[str, float] = defaultdict(float)
     for key, b in plan.predicted.get("comm_bytes", {}).items():
         kind, axes = key.split("@")
-        if cpu and kind == "reduce-scatter":
-            kind = "all-reduce"
-        predicted[f"{kind}@{axes}"] += b
+        predicted[f"{lowered_kind(kind, platform)}@{axes}"] += b
     audited = _hlo.summarize(records)
     gaps: list[Gap] = []
     for key in sorted(set(predicted) | set(audited)):
@@ -190,7 +198,7 @@ def audit(plan: Plan, step: Callable, *args: Any, mesh: Mesh | None = None) -> A
     if not isinstance(plan, Plan):
         raise PlanError(f"autoshard.audit: plan={type(plan).__name__} is not an autoshard.Plan. "
                         "Fix: pass the result of autoshard.plan(...) or an expert plan.")
-    if plan.stages:
+    if plan.is_pipeline:
         raise PlanError(f"autoshard.audit: this is a pipeline plan ({len(plan.stages)} stages, "
                         f"{plan.predicted['pipeline']['method']}); audit compiles one jit program of the step. "
                         "Fix: run it with @autoshard(..., pipeline=...) and inspect step.lower(*args).compile(), "
@@ -206,7 +214,7 @@ def audit(plan: Plan, step: Callable, *args: Any, mesh: Mesh | None = None) -> A
         raise PlanError(f"autoshard.audit: mesh {dict(zip(mesh.axis_names, mesh.devices.shape, strict=True))} "
                         f"differs from the plan's mesh {dict(plan.mesh)}. Fix: pass a mesh with the plan's "
                         "axis names and sizes, or re-plan for this mesh.")
-    compiled = jit_step(step, plan, mesh, abstract).lower(*abstract).compile()
+    compiled = jit_step(trace_step(step, *abstract), plan, mesh, abstract).lower(*abstract).compile()
     platform = mesh.devices.flat[0].platform
     names = tuple(n for n, _ in plan.mesh)
     sizes = tuple(s for _, s in plan.mesh)

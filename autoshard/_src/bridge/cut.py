@@ -35,8 +35,10 @@ from ..core.errors import PipelineError
 from ..core.flops import estimate_flops
 from ..core.hardware import get_hardware
 from . import compat as jc
+from .api import local_hardware
 from .cut_dag import assign as dag_assign
 from .cut_dag import plan_edges
+from .runtime import pipeline_value_and_grad
 from .trace import _simple_params
 
 
@@ -121,12 +123,13 @@ class Pipelined:
 def pipelined(loss_fn: Callable, params: Any, batch: Any, *, mesh: Any, num_microbatches: int,
               schedule: str = "1f1b", plan: Any = None, pipe_axis: str = "pipe",
               data_axes: tuple[str, ...] | None = None, check_loss: bool = True,
-              hardware: Any = "cpu-sim") -> Pipelined:
+              hardware: Any = None) -> Pipelined:
     """Cut `loss_fn(params, batch) -> scalar mean loss` into one stage per `pipe_axis` rank and build
     the shard_map pipeline program (see the module docstring). `plan`: a pipeline Plan from
     `autoshard.plan(..., pipeline="rannc")` whose stage count matches; its parameter placement
     guides the cut. `data_axes`: mesh axes splitting each micro-batch (default: all but pipe).
-    `hardware` (a preset name, HardwareSpec or dict, as in `autoshard.plan`): its flop rate and link
+    `hardware` (a preset name, HardwareSpec or dict, as in `autoshard.plan`; None: the local device's
+    preset, as everywhere): its flop rate and link
     bandwidth weigh stage flops against boundary bytes when there is no plan.
 
     The pipelined loss is the mean of `loss_fn` over the chunks each replica computes per
@@ -134,8 +137,6 @@ def pipelined(loss_fn: Callable, params: Any, batch: Any, *, mesh: Any, num_micr
     when `loss_fn` averages over samples, but not for ratios such as sum(ce * mask) / sum(mask).
     `check_loss` (with concrete example arguments) compares the two on the example batch once and
     raises if they differ; pass False to accept the per-chunk normalisation."""
-    from .runtime import pipeline_value_and_grad
-
     if not callable(loss_fn):
         raise PipelineError(f"autoshard.pipelined: loss_fn must be callable, got {type(loss_fn).__name__}.")
     mesh = _mesh(mesh)
@@ -196,7 +197,7 @@ def pipelined(loss_fn: Callable, params: Any, batch: Any, *, mesh: Any, num_micr
     avals = _avals(prog, closed)
     nbytes = {k: int(np.prod(a.shape)) * jnp.dtype(a.dtype).itemsize for k, a in avals.items()}
     live = _live_bytes(key_ins, producer, batch_only, nbytes, prog.outputs[0])
-    hw = get_hardware(hardware)
+    hw = get_hardware(hardware) if hardware is not None else local_hardware()
     biggest = max(p_leaves_kp, key=lambda kv: kv[1].size)[1] if p_leaves_kp else None
     rate = hw.peak_flops(biggest.dtype if biggest is not None else jnp.float32) * hw.compute_efficiency
     loss_key = prog.outputs[0]
@@ -431,10 +432,10 @@ def _anchors(plan: Any, S: int, keys: tuple[str, ...], key_ins: list, param_key:
 
 
 def _plan_stages(plan: Any, S: int) -> tuple:
-    stages = getattr(plan, "stages", None)
-    if not stages:
+    if not getattr(plan, "is_pipeline", False):
         raise PipelineError("autoshard.pipelined: plan= takes a pipeline Plan (autoshard.plan(..., pipeline="
-                                 "'rannc' or 'graphpipe')); this plan has no stages.")
+                            "'rannc' or 'graphpipe')); this is a tensor plan (one stage over the whole mesh).")
+    stages = plan.stages
     if len(stages) != S:
         raise PipelineError(
             f"autoshard.pipelined: the plan has {len(stages)} stages but the mesh's pipe axis has {S} ranks; use a "

@@ -11,8 +11,11 @@ import jax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from ..core.errors import MeshError, PlanError
-from ..plan.plan import Plan, Spec
+from ..core.graph import op_keys
+from ..plan.plan import Plan
+from ..plan.specs import Spec
 from . import compat as jc
+from .trace import Traced
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,20 +69,17 @@ def shardings(plan: Plan, mesh: Mesh) -> tuple[Any, Any]:
     return ins, outs
 
 
-def constrained(step: Callable, plan: Plan, mesh: Mesh, args: tuple) -> Callable:
-    """`step` re-evaluated from its jaxpr with `with_sharding_constraint` on the planned
-    activations (graph rewriting without touching the user's code)."""
-    closed, out_shape = jax.make_jaxpr(step, return_shape=True)(*args)
-    out_tree = jax.tree_util.tree_structure(out_shape)
-    cons: dict[int, NamedSharding] = {}
-    for op_index, spec in plan.activation_constraints:
-        cons[op_index] = NamedSharding(mesh, partition_spec(spec))
-    # op index → top-level eqn: recorded by trace(); re-derive from a fresh trace of the same step
-    from .trace import trace
-
-    graph = trace(step, *args)
-    by_eqn = {graph.ops[i].top_eqn: s for i, s in cons.items() if i < len(graph.ops)
-              and not graph.ops[i].nested}
+def constrained(traced: Traced, plan: Plan, mesh: Mesh) -> Callable:
+    """The traced step re-evaluated from its jaxpr with `with_sharding_constraint` on the planned
+    activations (graph rewriting without touching the user's code). Constraints name ops by their
+    stable key (`op_keys`); this trace's keys map them to its top-level eqns."""
+    graph = traced.graph
+    index = {k: i for i, k in enumerate(op_keys(graph))}
+    by_eqn: dict[int, NamedSharding] = {}
+    for key, spec in plan.activation_constraints:
+        i = index.get(key)
+        if i is not None and not graph.ops[i].nested:
+            by_eqn[graph.ops[i].top_eqn] = NamedSharding(mesh, partition_spec(spec))
 
     def after(k: int, outs: list) -> list:
         s = by_eqn.get(k)
@@ -89,9 +89,9 @@ def constrained(step: Callable, plan: Plan, mesh: Mesh, args: tuple) -> Callable
 
     def run(*call_args):
         flat = jax.tree_util.tree_leaves(call_args)
-        return jax.tree_util.tree_unflatten(out_tree, jc.eval_jaxpr_with(closed, flat, after))
+        return jax.tree_util.tree_unflatten(traced.out_tree, jc.eval_jaxpr_with(traced.closed, flat, after))
 
-    run.__name__ = getattr(step, "__name__", "step")
+    run.__name__ = graph.name.rpartition(".")[2] or "step"
     return run
 
 
@@ -127,21 +127,20 @@ def shape_guarded(fn: Callable, args: tuple) -> Callable:
     return guarded
 
 
-def jit_step(step: Callable, plan: Plan, mesh: Mesh, args: tuple, donate: bool = True,
+def jit_step(traced: Traced, plan: Plan, mesh: Mesh, args: tuple, donate: bool = True,
              guard: bool = False) -> Callable:
-    """`jax.jit` of the constrained step; with `guard`, tracing it for arguments unlike `args`
-    raises ShapesChanged (before anything runs or is donated)."""
-    if plan.stages:
+    """`jax.jit` of the traced step under the plan's constraints and shardings; with `guard`,
+    tracing it for arguments unlike `args` raises ShapesChanged (before anything runs or is donated)."""
+    if plan.is_pipeline:
         raise PlanError(f"autoshard: a pipeline plan ({len(plan.stages)} stages) cannot be run as one jit "
                         "program: that would silently drop its stages. Fix: run the step with "
                         "@autoshard(..., plan=plan) computing its gradients with autoshard.value_and_grad, or the "
                         "loss with autoshard.pipelined(loss_fn, params, batch, mesh=..., num_microbatches=..., "
                         "plan=plan), or use a tensor sharding plan (no pipeline=...).")
     ins, outs = shardings(plan, mesh)
-    fn = constrained(step, plan, mesh, args)
+    fn = constrained(traced, plan, mesh)
     if guard:
         fn = shape_guarded(fn, args)
-    out_tree = jax.tree_util.tree_structure(jax.eval_shape(step, *args))
-    outs = jax.tree_util.tree_unflatten(out_tree, outs)
+    outs = jax.tree_util.tree_unflatten(traced.out_tree, outs)
     return jax.jit(fn, in_shardings=ins, out_shardings=outs,
                    donate_argnums=donated_argnums(plan, len(args)) if donate else ())

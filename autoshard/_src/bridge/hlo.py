@@ -19,8 +19,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from ..core.attribution import parse_scope
-
-COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+from ..core.collectives import BY_HLO_OPCODE
 
 _DTYPE_BYTES = {
     "pred": 1, "s4": 1, "u4": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "f8e4m3fnuz": 1,
@@ -40,7 +39,7 @@ _TRIP = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"?(\d+)"?')
 class Collective:
     """One collective of the compiled program (one element of a combined tuple collective)."""
 
-    kind: str                      # one of COLLECTIVES
+    kind: str                      # a collective kind (core.collectives.KINDS)
     bytes: int                     # per-device buffer bytes per execution
     count: int                     # executions per step (trip counts of enclosing loops)
     axes: tuple[str, ...]          # mesh axes its groups span
@@ -209,9 +208,10 @@ def collectives(hlo: str, mesh_names: Sequence[str], mesh_sizes: Sequence[int]) 
     ndev = int(np.prod(mesh_sizes)) if len(mesh_sizes) else 1
     out: list[Collective] = []
     for ins in instrs:
-        kind = ins.op[:-len("-start")] if ins.op.endswith("-start") else ins.op
-        if kind not in COLLECTIVES:
+        spec = BY_HLO_OPCODE.get(ins.op[:-len("-start")] if ins.op.endswith("-start") else ins.op)
+        if spec is None:
             continue
+        kind = spec.kind
         if kind == "collective-permute":
             pairs = re.search(r"source_target_pairs=(\{[\d,{}\s]*\})", ins.attrs)
             groups_text = pairs.group(1) if pairs else "{}"
@@ -225,13 +225,12 @@ def collectives(hlo: str, mesh_names: Sequence[str], mesh_sizes: Sequence[int]) 
         result = array_bytes(ins.shape)
         operands = [by_name.get(o) for o in ins.operands]
         operand_bytes = [sum(array_bytes(o.shape)) if o is not None else None for o in operands]
-        if ins.op.endswith("-start") and kind in ("all-gather", "collective-permute"):
+        if ins.op.endswith("-start") and spec.hlo_start_tuple:
             result = result[len(result) // 2:] if len(result) > 1 else result  # (operands, results[, ctx])
             result = [b for b in result if b]
         n = len(operands)
         for k in range(max(n, 1)):
-            if kind in ("all-reduce", "reduce-scatter", "all-to-all", "collective-permute") and n and \
-                    operand_bytes[k] is not None:
+            if spec.hlo_buffer == "operand" and n and operand_bytes[k] is not None:
                 b = operand_bytes[k]
             else:
                 b = result[k] if k < len(result) else (result[0] if result else 0)

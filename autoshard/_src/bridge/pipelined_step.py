@@ -28,6 +28,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from ..core.errors import PlanError
 from ..plan.plan import Plan
+from .cut import pipelined
 
 
 @dataclasses.dataclass
@@ -165,8 +166,6 @@ def pipelined_step(fn: Callable, plan: Plan, mesh: Any, args: tuple, *, num_micr
     """(step, the Pipelined it runs, in_shardings, out_shardings) for a pipeline `plan` on `mesh`:
     the step's arguments and results are stored ZeRO-style (`state_sharding`), except the leaves the
     loss receives as its batch, split over the data axes (`batch_sharding`)."""
-    from .cut import pipelined
-
     replicas = [s.replicas for s in plan.stages]
     if "pipe" not in mesh.axis_names:
         mesh = _graph_mesh(plan, mesh)

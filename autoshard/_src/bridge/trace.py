@@ -8,6 +8,7 @@ stacks of nested eqns are relative, so each is joined with its enclosing eqn's.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -214,6 +215,17 @@ class _Builder:
         return None
 
 
+@dataclasses.dataclass(frozen=True)
+class Traced:
+    """One trace of a step, shared by everything that needs it: the OpGraph (planning and the
+    fingerprint), the closed jaxpr it was built from (emission re-evaluates it with sharding
+    constraints) and the output pytree structure (out shardings)."""
+
+    graph: OpGraph
+    closed: Any                     # jax.core.ClosedJaxpr
+    out_tree: Any                   # PyTreeDef of the step's outputs
+
+
 def trace(fn: Callable, *args: Any, name: str | None = None,
           optimizer_scopes: tuple[str, ...] = ("optimizer",), keep_eqns: bool = False) -> OpGraph:
     """Trace `fn(*args)` into an OpGraph.
@@ -223,6 +235,12 @@ def trace(fn: Callable, *args: Any, name: str | None = None,
     flops, module path, phase; program inputs carry their pytree keypaths. `keep_eqns=True` also
     keeps, in `graph.eqns`, the jaxpr equation of every leaf op (for profiling ops on a device).
     """
+    return trace_step(fn, *args, name=name, optimizer_scopes=optimizer_scopes, keep_eqns=keep_eqns).graph
+
+
+def trace_step(fn: Callable, *args: Any, name: str | None = None,
+               optimizer_scopes: tuple[str, ...] = ("optimizer",), keep_eqns: bool = False) -> Traced:
+    """`trace`, keeping the jaxpr and output structure with the graph (one `jax.make_jaxpr`)."""
     if not callable(fn):
         raise NotCallableError(
             f"autoshard.trace: the step function must be callable, got a "
@@ -265,4 +283,4 @@ def trace(fn: Callable, *args: Any, name: str | None = None,
         graph.eqns = b.eqns
     infer_phases(graph, optimizer_scopes)
     attribute_modules(graph)
-    return graph
+    return Traced(graph, closed, jax.tree_util.tree_structure(out_shape))

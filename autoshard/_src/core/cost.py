@@ -16,11 +16,10 @@ import numbers
 from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
-from ..core.errors import ConfigError
-from .hardware import COLLECTIVE_KINDS, HardwareSpec, get_hardware
+from .collectives import COLLECTIVES, KINDS
+from .errors import ConfigError
+from .hardware import HardwareSpec, get_hardware
 from .mesh import MeshSpec, axis_links, mesh_spec
-
-KINDS = COLLECTIVE_KINDS
 
 
 def _check_kind(kind: str) -> None:
@@ -34,35 +33,30 @@ def bytes_on_wire(kind: str, nbytes: float, n: int) -> float:
     `nbytes` is the per-device size of the FULL buffer: the unreduced input of an all-reduce or
     reduce-scatter, the gathered output of an all-gather, the whole send buffer of an all-to-all.
 
-    * all-reduce = reduce-scatter + all-gather: 2(n-1)/n * B
-    * all-gather (B = output), reduce-scatter (B = input): (n-1)/n * B
-    * all-to-all: each of the n-1 peers gets B/n: (n-1)/n * B
-    * collective-permute: B (one send to one peer)
-
-    n == 1 moves nothing.
+    Formulas per kind: collectives.py. n == 1 moves nothing.
     """
     _check_kind(kind)
     if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1:
         raise ConfigError(f"autoshard: collective group size n={n!r} must be an int >= 1.")
     if not nbytes >= 0:
         raise ConfigError(f"autoshard: collective nbytes={nbytes!r} must be >= 0.")
-    if n == 1:
-        return 0.0
-    if kind == "collective-permute":
-        return float(nbytes)
-    factor = 2 if kind == "all-reduce" else 1
-    return factor * (n - 1) / n * nbytes
+    return COLLECTIVES[kind].bytes_on_wire(float(nbytes), int(n))
 
 
 def latency_steps(kind: str, n: int) -> int:
     """Sequential ring steps, each paying the link latency once: all-reduce 2(n-1) (reduce-scatter
     then all-gather), all-gather / reduce-scatter / all-to-all n-1, collective-permute 1; n == 1: 0."""
     _check_kind(kind)
+    return COLLECTIVES[kind].latency_steps(n)
+
+
+def alpha_beta(kind: str, n: int, bandwidth: float, latency: float, efficiency: float) -> tuple[float, float]:
+    """(seconds per collective, seconds per full-buffer byte) of `kind` over `n` devices on one link
+    class: time(B) = alpha + beta * B. The one place the alpha-beta model is written down."""
+    _check_kind(kind)
     if n <= 1:
-        return 0
-    if kind == "collective-permute":
-        return 1
-    return 2 * (n - 1) if kind == "all-reduce" else n - 1
+        return 0.0, 0.0
+    return latency_steps(kind, n) * latency, bytes_on_wire(kind, 1.0, n) / (bandwidth * efficiency)
 
 
 @runtime_checkable
@@ -113,8 +107,8 @@ class AnalyticalCostModel:
         n = math.prod(self.mesh.axis_size(a) for a in active)
         bandwidth = min(self.links[a].bandwidth for a in active)
         latency = max(self.links[a].latency for a in active)
-        efficiency = self.hardware.collective_efficiency[kind]
-        return latency_steps(kind, n) * latency + bytes_on_wire(kind, nbytes, n) / (bandwidth * efficiency)
+        alpha, beta = alpha_beta(kind, n, bandwidth, latency, self.hardware.collective_efficiency[kind])
+        return alpha + beta * nbytes
 
     def compute(self, flops: float, bytes_accessed: float, dtype: str = "float32") -> float:
         """Roofline: max(flops / (peak(dtype) * compute_efficiency), bytes_accessed / memory_bandwidth)."""

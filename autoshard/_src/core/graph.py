@@ -206,3 +206,17 @@ def fingerprint(graph: OpGraph) -> str:
     for op in graph.ops:
         h.update(f"{op.primitive}{op.in_shapes}{op.out_shapes};".encode())
     return h.hexdigest()[:16]
+
+
+def op_keys(graph: OpGraph) -> list[str]:
+    """A stable name per op: "<module>/<primitive>:<k>", the k-th op of that primitive attributed to
+    that module in program order ("<root>" outside every module). Unlike op indices, keys survive
+    unrelated changes elsewhere in the program and read well in a plan file."""
+    seen: dict[tuple[str, str], int] = {}
+    out = []
+    for op in graph.ops:
+        key = (op.module or "<root>", op.primitive)
+        k = seen.get(key, 0)
+        seen[key] = k + 1
+        out.append(f"{key[0]}/{key[1]}:{k}")
+    return out

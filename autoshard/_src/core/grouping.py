@@ -25,7 +25,7 @@ import re
 from collections import Counter, defaultdict
 from collections.abc import Iterable
 
-from ..core.errors import GroupingError
+from .errors import GroupingError
 from .graph import OpGraph
 
 _NUMBERED = re.compile(r"^(.*?)(\d+)$")

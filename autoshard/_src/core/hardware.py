@@ -22,9 +22,9 @@ import types
 from collections.abc import Mapping
 from typing import Any
 
-from ..core.errors import HardwareError
+from .collectives import DEFAULT_EFFICIENCY, KINDS
+from .errors import HardwareError
 
-COLLECTIVE_KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 FLOAT_DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -77,13 +77,13 @@ class HardwareSpec:
             if not _positive(rate):
                 raise bad(f"flops[{dtype!r}]", rate, "must be a finite number > 0 (flop/s)")
         eff = self.collective_efficiency
-        missing = [k for k in COLLECTIVE_KINDS if not isinstance(eff, Mapping) or k not in eff]
+        missing = [k for k in KINDS if not isinstance(eff, Mapping) or k not in eff]
         if missing:
             raise bad("collective_efficiency", eff, f"lacks kinds {missing}; give a fraction in (0, 1] for each "
-                      f"of {list(COLLECTIVE_KINDS)}")
+                      f"of {list(KINDS)}")
         for kind, frac in eff.items():
-            if kind not in COLLECTIVE_KINDS:
-                raise bad("collective_efficiency", eff, f"has unknown kind {kind!r}; valid: {list(COLLECTIVE_KINDS)}")
+            if kind not in KINDS:
+                raise bad("collective_efficiency", eff, f"has unknown kind {kind!r}; valid: {list(KINDS)}")
             if not (_number(frac) and 0 < frac <= 1):
                 raise bad(f"collective_efficiency[{kind!r}]", frac, "must be in (0, 1]")
         # read-only copies: a frozen spec must not change under a planner that cached it
@@ -113,11 +113,7 @@ def _positive(x: Any) -> bool:
     return _number(x) and 0 < x < math.inf
 
 
-# TAP §4.6: "AlltoAll and AllGather take more time to communicate the same amount of messages compared
-# to the heavily optimized AllReduce in NCCL". TAP gives no numbers; these fractions keep that order
-# and sit near nccl-tests bus bandwidth on NVLink (~75-85% of link rate for all-reduce).
-_EFFICIENCY = {"all-reduce": 0.8, "reduce-scatter": 0.75, "all-gather": 0.7, "all-to-all": 0.55,
-               "collective-permute": 0.7}
+_EFFICIENCY = DEFAULT_EFFICIENCY   # per collective kind: see collectives.py (TAP §4.6's ordering)
 _LATENCY_NOTE = ("Latencies (NVLink 2 us, InfiniBand 5 us, Ethernet 30 us per collective step) are "
                  "order-of-magnitude estimates, not datasheet values.")
 _EFF_NOTE = "Collective efficiencies: estimates ordered as TAP §4.6 observes (all-reduce > all-gather > all-to-all)."

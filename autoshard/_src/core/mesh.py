@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from ..core.errors import MeshError
+from .errors import MeshError
 from .hardware import HardwareSpec
 
 

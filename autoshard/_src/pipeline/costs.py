@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from ..core.cost import AnalyticalCostModel, CostModel, bytes_on_wire, latency_steps
+from ..core.cost import AnalyticalCostModel, CostModel, alpha_beta
 from ..core.errors import PipelineError
 from ..core.hardware import HardwareSpec, get_hardware
 from .atomic import AtomicPartition, non_constant_ops
@@ -64,7 +64,7 @@ class RangeTables:
 class PipelineCosts:
     """Item weights per atomic component, aggregated over any grouping of components into units."""
 
-    def __init__(self, atomic: AtomicPartition, hardware: Any = "v100-sxm", *,
+    def __init__(self, atomic: AtomicPartition, hardware: Any, *,
                  cost_model: CostModel | None = None, batch: int | None = None,
                  op_time: Sequence[float] | None = None) -> None:
         self.atomic = atomic
@@ -211,19 +211,15 @@ class PipelineCosts:
         """(latency, seconds per byte) of a stage-to-stage send on the intra-node link (RaNNC
         estimates stage communication with the intra-node bandwidth, §III-B footnote 3)."""
         hw = self.hardware
-        beta = bytes_on_wire("collective-permute", 1.0, 2) / (
-            hw.intra_node_bandwidth * hw.collective_efficiency["collective-permute"])
-        return latency_steps("collective-permute", 2) * hw.intra_node_latency, beta
+        return alpha_beta("collective-permute", 2, hw.intra_node_bandwidth, hw.intra_node_latency,
+                          hw.collective_efficiency["collective-permute"])
 
     def allreduce(self, n: int, inter_node: bool) -> tuple[float, float]:
         """(latency, seconds per byte) of a ring all-reduce over n devices (_cost formulas)."""
         hw = self.hardware
-        if n <= 1:
-            return 0.0, 0.0
         bw, lat = ((hw.inter_node_bandwidth, hw.inter_node_latency) if inter_node
                    else (hw.intra_node_bandwidth, hw.intra_node_latency))
-        beta = bytes_on_wire("all-reduce", 1.0, n) / (bw * hw.collective_efficiency["all-reduce"])
-        return latency_steps("all-reduce", n) * lat, beta
+        return alpha_beta("all-reduce", n, bw, lat, hw.collective_efficiency["all-reduce"])
 
 
 def stage_cost(t: dict[str, Any], cut_in: Any, cut_out: Any, *, fraction: Any, inflight: Any,

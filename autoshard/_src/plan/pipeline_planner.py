@@ -20,30 +20,7 @@ from ..core.version import VERSION
 from ..pipeline.partition import PartitionProblem, Profiler, StagePartition, max_over_mean
 from ..pipeline.registry import AUTO, get_partitioner, partitioner_names
 from ..pipeline.schedules.simulate import simulate
-from .plan import ParamReport, PipelineStage, Plan
-
-PROFILES = ("model", "measured")
-
-
-def check_pipeline_request(pipeline: str, schedule: str, profile: str, options: Mapping[str, Any],
-                           mesh: MeshSpec) -> None:
-    """Raise PlanError unless the registered partitioner `pipeline` can plan with these arguments."""
-    part = get_partitioner(pipeline) if pipeline != AUTO else None
-    if profile not in PROFILES:
-        raise PlanError(f"autoshard.plan: profile={profile!r} is unknown; valid: {list(PROFILES)} ('model' "
-                        "prices ops with the hardware spec's roofline, 'measured' times them on the local device).")
-    if part is None:
-        return
-    if schedule not in part.schedules:
-        raise PlanError(f"autoshard.plan: schedule={schedule!r} is not supported by the {pipeline} partitioner; "
-                        f"valid: {list(part.schedules)}.")
-    unknown = sorted(set(options) - part.options)
-    if unknown:
-        raise PlanError(f"autoshard.plan: pipeline_options keys {unknown} are unknown for pipeline={pipeline!r}; "
-                        f"valid: {sorted(part.options)}.")
-    why = part.unsupported(mesh, options)
-    if why:
-        raise PlanError(f"autoshard.plan: {why}.")
+from .plan import ParamReport, Plan, Stage
 
 
 def _modules(graph: OpGraph, ops: tuple[int, ...]) -> tuple[str, ...]:
@@ -66,9 +43,9 @@ def pipeline_plan(graph: OpGraph, *, mesh: MeshSpec, hw: HardwareSpec, memory_bu
                   pipeline: str, schedule: str = "1f1b", profile: str = "model",
                   options: Mapping[str, Any] | None = None, profiler: Profiler | None = None) -> Plan:
     """The pipeline plan of the traced step `graph` by the registered partitioner `pipeline` (or
-    "auto": the best of all that apply). `profiler` times ops on the local device for profile="measured"."""
+    "auto": the best of all that apply). `profiler` times ops on the local device for profile="measured".
+    The arguments are validated by `Config`."""
     options = dict(options or {})
-    check_pipeline_request(pipeline, schedule, profile, options, mesh)
     if profile == "measured" and profiler is None:
         raise PlanError("autoshard.plan: profile='measured' needs the step itself to time its ops; plan with "
                         "autoshard.plan(step, *args, ...), not from a graph alone.")
@@ -85,12 +62,6 @@ def _auto(graph: OpGraph, mesh: MeshSpec, hw: HardwareSpec, memory_budget: float
     trace; the plan with the shortest simulated step wins (the same event simulator times all), and
     the plan records every candidate's step or why it had none."""
     parts = [get_partitioner(n) for n in partitioner_names()]
-    valid = set().union(*(p.options for p in parts))
-    unknown = sorted(set(options) - valid)
-    if unknown:
-        raise PlanError(f"autoshard.plan: pipeline_options keys {unknown} are unknown for pipeline='auto'; valid: "
-                        f"{sorted(valid)} (each goes to the partitioner it names in "
-                        f"{dict((p.name, sorted(p.options)) for p in parts)}).")
     skipped: dict[str, str] = {}
     chosen_parts = []
     for p in parts:
@@ -127,11 +98,12 @@ def _auto(graph: OpGraph, mesh: MeshSpec, hw: HardwareSpec, memory_budget: float
 
 def _plan_from_partition(graph: OpGraph, part: StagePartition, problem: PartitionProblem, pipeline: str) -> Plan:
     hw, mesh = problem.hardware, problem.mesh
-    stages = tuple(PipelineStage(
-        index=i, units=st.units, ops=st.ops, modules=_modules(graph, st.ops), params=_params(graph, st.ops),
-        replicas=st.replicas, microbatch_size=st.microbatch_size, predicted_forward=st.forward,
-        predicted_backward=st.backward, memory=st.memory, microbatches=st.microbatches, after=st.after)
-        for i, st in enumerate(part.stages))
+    # each stage is data parallel over its replicas (its tensor part: the batch split over "data")
+    stages = tuple(Stage(
+        index=i, mesh=(("data", st.replicas),), replicas=st.replicas, microbatch_size=st.microbatch_size,
+        predicted_forward=st.forward, predicted_backward=st.backward, memory=st.memory,
+        microbatches=st.microbatches, after=st.after, units=st.units, ops=st.ops, modules=_modules(graph, st.ops),
+        params=_params(graph, st.ops)) for i, st in enumerate(part.stages))
     fwd, bwd = [s.predicted_forward for s in stages], [s.predicted_backward for s in stages]
     # the stages through the event simulator: RaNNC's DP optimises a formula (max forward + max
     # backward per extra micro-batch); the simulator runs the schedule's actual order
@@ -169,12 +141,11 @@ def _plan_from_partition(graph: OpGraph, part: StagePartition, problem: Partitio
                 input_specs_flat=tuple(tuple(() for _ in graph.values[v].shape) for v in graph.inputs),
                 output_keypaths=tuple(graph.output_keypaths),
                 output_specs_flat=tuple(tuple(() for _ in graph.values[v].shape) for v in graph.outputs),
-                activation_constraints=(), factors=(), storage="replicated", predicted=predicted,
-                params=tuple(reports), warnings=part.warnings, provenance=provenance, stages=stages,
-                microbatches=microbatches)
+                stages=stages, predicted=predicted, params=tuple(reports), warnings=part.warnings,
+                provenance=provenance, schedule=part.schedule.name, microbatches=microbatches)
 
 
-def stage_depth(stages: tuple[PipelineStage, ...]) -> int:
+def stage_depth(stages: tuple[Stage, ...]) -> int:
     """Stages on the longest path of the stage DAG."""
     after = {s.index: s.after for s in stages}
     depth: dict[int, int] = {}

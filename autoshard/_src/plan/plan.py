@@ -1,5 +1,12 @@
 """Plan: the frozen, JSON-round-tripping result of planning (contract in shared/DESIGN.md).
 
+One type for tensor, pipeline and (next) 3-D plans: a plan is a list of stages, each with the ops
+it runs, its device group (a submesh), its tensor sharding (factors -> mesh axes, storage mode,
+activation constraints), its replicas and micro-batches and its predicted costs; plus the
+whole step's input/output specs, the schedule, the mesh, hardware, predictions and provenance. A
+tensor plan is one stage over the whole mesh; a RaNNC or GraphPipe plan is stages that are data
+parallel inside.
+
 Specs are stored as plain data keyed by pytree keypath — per dimension a tuple of mesh axis names,
 `()` for unsplit — so a plan is readable, diffable (tests/golden) and editable. `input_specs` turns
 them into a pytree of `jax.sharding.PartitionSpec` shaped like the step's arguments.
@@ -13,9 +20,11 @@ from collections.abc import Mapping
 from typing import Any, Protocol
 
 from ..core.errors import PlanError
+from .explain import explain_pipeline, explain_tensor
+from .specs import Spec, as_spec
 
-Spec = tuple[tuple[str, ...], ...]
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2   # 2: stages for every plan, activation constraints keyed by op key (1: by op index)
+Factor = tuple[int, str, int, tuple[str, ...]]     # (id, description, size, mesh axes)
 
 
 class ArgStructure(Protocol):
@@ -25,13 +34,6 @@ class ArgStructure(Protocol):
     keypaths: tuple[str, ...]
 
     def partition_specs(self, specs: tuple[Spec, ...]) -> Any: ...
-
-
-def spec_str(spec: Spec) -> str:
-    parts = []
-    for axes in spec:
-        parts.append("None" if not axes else (axes[0] if len(axes) == 1 else "(" + ",".join(axes) + ")"))
-    return "P(" + ", ".join(parts) + ")"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,45 +47,52 @@ class ParamReport:
 
 
 @dataclasses.dataclass(frozen=True)
-class PipelineStage:
-    """One pipeline stage of a plan (contract: `.replicas`, `.microbatch_size`,
-    `.predicted_forward` / `.predicted_backward` seconds per micro-batch, `.memory` bytes per device)."""
+class Stage:
+    """One stage of a plan (contract: `.mesh`, `.replicas`, `.microbatch_size`, `.predicted_forward`
+    / `.predicted_backward` seconds per micro-batch, `.memory` bytes per device).
+
+    `mesh` is the stage's device group as named axes; `factors`, `storage` and
+    `activation_constraints` its tensor sharding over them. `ops` empty means every op of the step
+    (a one-stage tensor plan)."""
 
     index: int
-    units: tuple[int, ...]           # partitioner units it holds: RaNNC blocks, GraphPipe layer nodes
-    ops: tuple[int, ...]             # op indices of the traced step
-    modules: tuple[str, ...]         # top-level modules its forward ops come from, in order
-    params: tuple[str, ...]          # keypaths of the parameters it holds
-    replicas: int                    # devices running it (data parallel inside the stage)
-    microbatch_size: int             # samples per replica per micro-batch (the busiest replica)
-    predicted_forward: float         # seconds per micro-batch
-    predicted_backward: float
-    memory: float                    # peak bytes per device
-    microbatches: int = 1            # micro-batches per step (GraphPipe: per stage)
-    after: tuple[int, ...] = ()      # stages feeding this one (a chain for RaNNC, a DAG for GraphPipe)
+    mesh: tuple[tuple[str, int], ...]        # the stage's submesh, e.g. (("data", 2), ("model", 8))
+    replicas: int                            # data-parallel copies of the stage's work
+    microbatch_size: int                     # samples per replica per micro-batch (the busiest replica)
+    predicted_forward: float                 # seconds per micro-batch
+    predicted_backward: float                # seconds per micro-batch, incl. amortised gradient sync
+    memory: float                            # peak bytes per device
+    microbatches: int = 1                    # micro-batches per step (GraphPipe: per stage)
+    after: tuple[int, ...] = ()              # stages feeding this one (a chain, or a DAG)
+    units: tuple[int, ...] = ()              # partitioner units it holds: RaNNC blocks, GraphPipe layer nodes
+    ops: tuple[int, ...] = ()                # op indices of the traced step (empty: all)
+    modules: tuple[str, ...] = ()            # top-level modules its forward ops come from, in order
+    params: tuple[str, ...] = ()             # keypaths of the parameters it holds
+    factors: tuple[Factor, ...] = ()         # logical dims -> mesh axes of its submesh
+    storage: str = "replicated"              # replicated | zero1 | zero3
+    activation_constraints: tuple[tuple[str, Spec], ...] = ()   # (op key, spec of output 0), see op_keys
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> PipelineStage:
-        return cls(int(d["index"]), tuple(int(u) for u in d["units"]), tuple(int(o) for o in d["ops"]),
-                   tuple(d["modules"]), tuple(d["params"]), int(d["replicas"]), int(d["microbatch_size"]),
-                   float(d["predicted_forward"]), float(d["predicted_backward"]), float(d["memory"]),
-                   int(d["microbatches"]), tuple(int(a) for a in d["after"]))
-
-
-def _span(units: tuple[int, ...]) -> str:
-    if not units:
-        return "-"
-    if list(units) == list(range(units[0], units[-1] + 1)):
-        return f"{units[0]}-{units[-1]}" if len(units) > 1 else str(units[0])
-    return f"{len(units)} ({units[0]}..{units[-1]})"
+    def from_dict(cls, d: Mapping[str, Any]) -> Stage:
+        ints = lambda xs: tuple(int(x) for x in xs)  # noqa: E731
+        return cls(
+            index=int(d["index"]), mesh=tuple((str(n), int(s)) for n, s in d["mesh"]), replicas=int(d["replicas"]),
+            microbatch_size=int(d["microbatch_size"]), predicted_forward=float(d["predicted_forward"]),
+            predicted_backward=float(d["predicted_backward"]), memory=float(d["memory"]),
+            microbatches=int(d["microbatches"]), after=ints(d["after"]), units=ints(d["units"]), ops=ints(d["ops"]),
+            modules=tuple(d["modules"]), params=tuple(d["params"]),
+            factors=tuple((int(i), str(desc), int(size), tuple(ax)) for i, desc, size, ax in d["factors"]),
+            storage=str(d["storage"]),
+            activation_constraints=tuple((str(k), as_spec(s)) for k, s in d["activation_constraints"]))
 
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """A sharding plan for one traced step on one mesh and hardware."""
+    """A plan for one traced step on one mesh and hardware: one stage (tensor sharding) or several
+    (a pipeline, `schedule` naming the order they run in)."""
 
     mesh: tuple[tuple[str, int], ...]
     hardware: str
@@ -91,16 +100,32 @@ class Plan:
     input_specs_flat: tuple[Spec, ...]
     output_keypaths: tuple[str, ...]
     output_specs_flat: tuple[Spec, ...]
-    activation_constraints: tuple[tuple[int, Spec], ...]   # (op index in the trace, spec of output 0)
-    factors: tuple[tuple[int, str, int, tuple[str, ...]], ...]  # (id, description, size, axes)
-    storage: str
+    stages: tuple[Stage, ...]
     predicted: Mapping[str, Any]
     params: tuple[ParamReport, ...]
     warnings: tuple[str, ...]
     provenance: Mapping[str, Any]
-    stages: tuple[PipelineStage, ...] = ()   # pipeline plans only (pipeline="rannc" or "graphpipe")
+    schedule: str | None = None              # pipeline schedule name; None for a one-stage tensor plan
     microbatches: int = 1
     _args: ArgStructure | None = dataclasses.field(default=None, compare=False, repr=False)
+
+    # --- stages ------------------------------------------------------------------------------
+    @property
+    def is_pipeline(self) -> bool:
+        return self.schedule is not None
+
+    @property
+    def factors(self) -> tuple[Factor, ...]:
+        """A tensor plan's logical dims -> mesh axes (its one stage's); () for pipeline plans."""
+        return () if self.is_pipeline else self.stages[0].factors
+
+    @property
+    def storage(self) -> str:
+        return "replicated" if self.is_pipeline else self.stages[0].storage
+
+    @property
+    def activation_constraints(self) -> tuple[tuple[str, Spec], ...]:
+        return () if self.is_pipeline else self.stages[0].activation_constraints
 
     # --- pytrees -------------------------------------------------------------------------------
     @property
@@ -144,14 +169,16 @@ class Plan:
             d = json.loads(text)
         except json.JSONDecodeError as err:
             raise PlanError(f"Plan.from_json: not JSON ({err}).") from err
-        if not isinstance(d, dict) or d.get("format_version") != FORMAT_VERSION:
-            raise PlanError(f"Plan.from_json: expected an autoshard plan of format_version "
-                            f"{FORMAT_VERSION}, got {d.get('format_version') if isinstance(d, dict) else d!r}.")
-        d.pop("format_version")
-
-        def spec(s) -> Spec:
-            return tuple(tuple(a) for a in s)
-
+        version = d.get("format_version") if isinstance(d, dict) else None
+        if version != FORMAT_VERSION:
+            old = isinstance(version, int) and version < FORMAT_VERSION
+            raise PlanError(
+                f"Plan.from_json: expected an autoshard plan of format_version {FORMAT_VERSION}, got "
+                f"{version if isinstance(d, dict) else d!r}"
+                + (". The file was written by an earlier autoshard (plans now hold stages, and activation "
+                   "constraints are keyed by op name, not trace position). Fix: re-plan with "
+                   "autoshard.plan(step, *args, ...) and save the new plan." if old else "."))
+        spec = as_spec
         return cls(
             mesh=tuple((n, int(s)) for n, s in d["mesh"]),
             hardware=d["hardware"],
@@ -159,16 +186,14 @@ class Plan:
             input_specs_flat=tuple(spec(s) for s in d["input_specs_flat"]),
             output_keypaths=tuple(d["output_keypaths"]),
             output_specs_flat=tuple(spec(s) for s in d["output_specs_flat"]),
-            activation_constraints=tuple((int(i), spec(s)) for i, s in d["activation_constraints"]),
-            factors=tuple((int(i), desc, int(size), tuple(ax)) for i, desc, size, ax in d["factors"]),
-            storage=d["storage"],
             predicted=_freeze(d["predicted"]),
             params=tuple(ParamReport(p["keypath"], tuple(p["shape"]), p["dtype"], spec(p["spec"]),
                                      int(p["bytes_per_device"]), p["grad_sync"]) for p in d["params"]),
             warnings=tuple(d["warnings"]),
             provenance=_freeze(d["provenance"]),
-            stages=tuple(PipelineStage.from_dict(s) for s in d.get("stages", ())),
-            microbatches=int(d.get("microbatches", 1)),
+            stages=tuple(Stage.from_dict(s) for s in d["stages"]),
+            schedule=d["schedule"],
+            microbatches=int(d["microbatches"]),
         )
 
     # --- reports -------------------------------------------------------------------------------
@@ -177,126 +202,9 @@ class Plan:
         return dict(self.mesh)
 
     def explain(self) -> str:
-        if self.stages:
-            return self._explain_pipeline()
-        p = self.predicted
-        lines = [
-            f"autoshard plan on mesh {' x '.join(f'{n}={s}' for n, s in self.mesh)}, "
-            f"hardware {self.hardware}, storage {self.storage}",
-            f"predicted step {p['step_time'] * 1e3:.3f} ms "
-            f"(compute {p['breakdown']['compute'] * 1e3:.3f} ms, forward comm "
-            f"{p['breakdown']['fwd_comm'] * 1e3:.3f} ms, backward comm {p['breakdown']['bwd_comm'] * 1e3:.3f} ms, "
-            f"grad sync {p['breakdown']['grad_sync'] * 1e3:.3f} ms (overlapped), storage comm "
-            f"{p['breakdown']['storage_comm'] * 1e3:.3f} ms); memory "
-            f"{p['memory']['total'] / 2**30:.3f} GiB per device of {p['memory_budget'] / 2**30:.2f} GiB",
-            "",
-            "logical dims (factors) -> mesh axes:",
-        ]
-        for _, desc, size, axes in self.factors:
-            lines.append(f"  {desc:<40} size {size:<8} -> {', '.join(axes) if axes else 'replicated'}")
-        lines.append("")
-        if p.get("collectives"):
-            lines.append("predicted collectives per step (per-device buffer bytes):")
-            for c in p["collectives"]:
-                lines.append(f"  {c['kind']:<15} over {','.join(c['axes']):<12} {c['phase']:<9} "
-                             f"x{c['count']:<6g} {c['bytes']:>16,.0f} B")
-            lines.append("")
-        rows = [("parameter", "shape", "spec", "bytes/device", "gradient sync")]
-        for r in self.params:
-            rows.append((r.keypath, "x".join(map(str, r.shape)) or "scalar", spec_str(r.spec),
-                         f"{r.bytes_per_device:,}", r.grad_sync))
-        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-        for k, r in enumerate(rows):
-            lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)))
-            if k == 0:
-                lines.append("  ".join("-" * w for w in widths))
-        if "experts" in p:
-            lines.append("")
-            lines.append("vs expert plans (same cost model):")
-            lines.extend(_expert_lines(p))
-        for w in self.warnings:
-            lines.append(f"warning: {w}")
-        return "\n".join(lines)
-
-
-    def _explain_pipeline(self) -> str:
-        p, pp = self.predicted, self.predicted["pipeline"]
-        unit = pp["unit"]
-        lines = [
-            f"autoshard pipeline plan ({pp['method']}, {pp['schedule']} schedule, profile {pp['profile']}) on "
-            f"{pp['devices']} devices (mesh {' x '.join(f'{n}={s}' for n, s in self.mesh)}), hardware {self.hardware}"
-            + (f", {pp['devices_used']} of them used" if pp["devices_used"] != pp["devices"] else ""),
-            f"{len(self.stages)} stages (depth {pp['depth']}) x {pp['pipelines']} pipeline copies, "
-            f"{self.microbatches} micro-batches of batch {pp['batch_size']}; predicted step "
-            f"{p['step_time'] * 1e3:.3f} ms, throughput {pp['batch_size'] / p['step_time']:.4g} samples/s, "
-            f"max/mean stage time {pp['max_over_mean']:.3f}; peak memory {p['memory']['total'] / 2**30:.3f} GiB "
-            f"per device of {p['memory_budget'] / 2**30:.2f} GiB",
-            f"search {pp['search_seconds']:.3f} s over {pp['units']} {unit}; event simulator: step "
-            f"{pp['simulated_step_time'] * 1e3:.3f} ms, bubble {pp['bubble_fraction']:.1%}, in flight per stage "
-            f"{list(pp['peak_inflight'])}",
-            "",
-        ]
-        dag = any(s.after != ((s.index - 1,) if s.index else ()) for s in self.stages)
-        rows = [("stage", *(("after",) if dag else ()), unit.split()[-1].rstrip("s"), "ops", "replicas", "micro-batch",
-                 "forward ms", "backward ms", "memory GiB", "modules")]
-        for s in self.stages:
-            mods = ", ".join(s.modules[:3]) + (f", ... ({len(s.modules)})" if len(s.modules) > 3 else "")
-            rows.append((str(s.index), *((",".join(map(str, s.after)) or "-",) if dag else ()), _span(s.units),
-                         str(len(s.ops)), str(s.replicas), f"{s.microbatch_size} x{s.microbatches}",
-                         f"{s.predicted_forward * 1e3:.3f}", f"{s.predicted_backward * 1e3:.3f}",
-                         f"{s.memory / 2**30:.3f}", mods or "-"))
-        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-        for k, r in enumerate(rows):
-            lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
-            if k == 0:
-                lines.append("  ".join("-" * w for w in widths))
-        lines.append("")
-        base = pp.get("baseline")
-        if base:
-            ratio = base["step_time"] / p["step_time"]
-            lines.append(f"vs {base['name']} ({base['stages']} stages, depth {base['depth']}, {base['microbatches']} "
-                         f"micro-batches): {base['step_time'] * 1e3:.3f} ms, max/mean {base['max_over_mean']:.3f}; "
-                         + (f"this plan is {ratio:.2f}x faster" if ratio >= 1 else
-                            f"the {base['name']} is {1 / ratio:.2f}x faster ({base['hint']})"))
-        else:
-            lines.append(f"vs {pp['baseline_name']}: none applies ({pp['baseline_reason']})")
-        auto = pp.get("auto")
-        if auto:
-            steps = auto["simulated_step_time"]
-            others = [f"{n} {t * 1e3:.3f} ms" for n, t in sorted(steps.items()) if n != auto["chosen"]]
-            others += [f"{n} skipped: {why}" for n, why in sorted(auto["skipped"].items())]
-            lines.append(f"pipeline='auto' chose {auto['chosen']} (simulated step {steps[auto['chosen']] * 1e3:.3f} ms)"
-                         + (f" over {'; '.join(others)}" if others else ""))
-        for w in self.warnings:
-            lines.append(f"warning: {w}")
-        return "\n".join(lines)
-
-
-_PARTS = {"compute": "compute", "fwd_comm": "forward communication", "bwd_comm": "backward communication",
-          "opt_comm": "optimizer communication", "grad_sync": "gradient sync", "storage_comm": "ZeRO gathers"}
-
-
-def _expert_lines(p: Mapping[str, Any]) -> list[str]:
-    """One line per expert: its step time and memory, and why the chosen plan differs."""
-    lines = []
-    t, bd = p["step_time"], p["breakdown"]
-    for name, e in p["experts"].items():
-        if "reason" in e:
-            lines.append(f"  {name:<15} not applicable: {e['reason']}")
-            continue
-        head = (f"  {name:<15} {e['step_time'] * 1e3:10.3f} ms  {e['memory'] / 2**30:8.3f} GiB"
-                + ("" if e["feasible"] else "  (exceeds the memory budget)"))
-        if not e["feasible"]:
-            lines.append(head + "; the chosen plan fits")
-        elif e["step_time"] > t * (1 + 1e-9):
-            # the component where the chosen plan saves most
-            diffs = {k: e["breakdown"][k] - bd[k] for k in _PARTS}
-            k = max(diffs, key=diffs.get)
-            lines.append(head + f"; chosen plan is {e['step_time'] / t:.2f}x faster: {_PARTS[k]} "
-                                f"{bd[k] * 1e3:.3f} ms instead of {e['breakdown'][k] * 1e3:.3f} ms")
-        else:
-            lines.append(head + "; ties with the chosen plan")
-    return lines
+        """A readable report: per-stage table for pipeline plans; factors, collectives, per-parameter
+        specs and the comparison with expert plans for tensor plans."""
+        return explain_pipeline(self) if self.is_pipeline else explain_tensor(self)
 
 
 def _freeze(x):

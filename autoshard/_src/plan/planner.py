@@ -3,21 +3,24 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from typing import Any
 
 import numpy as np
 
 from ..core.errors import InfeasiblePlanError, PlanError
-from ..core.graph import OpGraph, fingerprint
+from ..core.graph import OpGraph, fingerprint, op_keys
 from ..core.grouping import Grouping, group
 from ..core.hardware import HardwareSpec, hardware_dict
 from ..core.mesh import MeshSpec, candidate_meshes, mesh_spec
 from ..core.version import VERSION
+from ..pipeline.costs import traced_batch
 from ..tensor.experts import EXPERTS, expert_assignments
 from ..tensor.instances import input_maps, instance_maps
-from ..tensor.search import SearchOptions, SearchResult, search
-from .plan import ParamReport, Plan, Spec
+from ..tensor.search import PlanChoice, SearchOptions, SearchResult, search
+from .plan import ParamReport, Plan, Stage
+from .specs import Spec
 
 _CONSTRAINED = frozenset({"dot_general", "gather", "conv_general_dilated"})
 
@@ -187,6 +190,7 @@ def build_plan(graph: OpGraph, grouping: Grouping, mesh: MeshSpec, hw: HardwareS
             out_specs.append(tuple(() for _ in graph.values[vid].shape))
 
     op_map = instance_maps(graph, grouping, res.periods)
+    keys = op_keys(graph)
     constraints = []
     for op in graph.ops:
         if op.phase != "forward" or op.nested or op.primitive not in _CONSTRAINED:
@@ -196,7 +200,7 @@ def build_plan(graph: OpGraph, grouping: Grouping, mesh: MeshSpec, hw: HardwareS
             continue
         spec = _spec_for(fg.op_factors[src].out_factors, axes_of)
         if any(spec):
-            constraints.append((op.index, tuple(tuple(a) for a in spec)))
+            constraints.append((keys[op.index], tuple(tuple(a) for a in spec)))
 
     warnings = tuple(f"unknown primitive '{graph.ops[i].primitive}' in module "
                      f"'{graph.ops[i].module or '(root)'}': its operands are replicated"
@@ -218,10 +222,30 @@ def build_plan(graph: OpGraph, grouping: Grouping, mesh: MeshSpec, hw: HardwareS
     provenance = {"autoshard": VERSION, "fingerprint": fingerprint(graph),
                   "step": graph.name, "options": dataclasses.asdict(options),
                   "hardware": hardware_dict(hw)}
+    stage = _whole_mesh_stage(graph, mesh, b, batch_axes, tuple(_describe_factors(graph, res)), tuple(constraints))
     return Plan(
         mesh=tuple(mesh.axes), hardware=hw.name,
         input_keypaths=tuple(graph.values[v].keypath or "" for v in graph.inputs),
         input_specs_flat=tuple(specs), output_keypaths=tuple(graph.output_keypaths),
-        output_specs_flat=tuple(out_specs), activation_constraints=tuple(constraints),
-        factors=tuple(_describe_factors(graph, res)), storage=storage,
-        predicted=predicted, params=tuple(reports), warnings=warnings, provenance=provenance)
+        output_specs_flat=tuple(out_specs), stages=(stage,), predicted=predicted, params=tuple(reports),
+        warnings=warnings, provenance=provenance)
+
+
+def _whole_mesh_stage(graph: OpGraph, mesh: MeshSpec, choice: PlanChoice, batch_axes: set[str],
+                      factors: tuple, constraints: tuple) -> Stage:
+    """A tensor plan as its one stage: every op on the whole mesh, replicated over the axes that split
+    the batch. Its step time is split into forward and backward by the compute's flop shares (the
+    search prices a whole step; communication stays with the phase it belongs to)."""
+    replicas = math.prod(mesh.axis_size(a) for a in mesh.names if a in batch_axes)
+    flops = graph.flops_by_phase()
+    total = sum(flops.values()) or 1.0
+    bd = choice.breakdown
+    forward = bd["compute"] * flops["forward"] / total + bd["fwd_comm"]
+    modules = tuple(dict.fromkeys("/".join(op.module.split("/")[:2]) for op in graph.ops
+                                  if op.phase == "forward" and op.module))
+    return Stage(index=0, mesh=tuple(mesh.axes), replicas=replicas,
+                 microbatch_size=max(1, traced_batch(graph) // replicas), predicted_forward=forward,
+                 predicted_backward=max(choice.step_time - forward, 0.0), memory=choice.memory["total"],
+                 modules=modules, params=tuple(graph.values[v].keypath or "" for v in graph.inputs
+                                               if graph.values[v].role == "parameter"),
+                 factors=factors, storage=choice.storage, activation_constraints=constraints)

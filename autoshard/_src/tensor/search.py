@@ -25,6 +25,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from ..core.collectives import KINDS
 from ..core.cost import AnalyticalCostModel, CostModel
 from ..core.graph import OpGraph, nbytes
 from ..core.grouping import Grouping
@@ -103,7 +104,7 @@ class _Evaluator:
         self.nm = nm
         self.msize = np.array([_mask_size(mesh, m) for m in range(nm)], dtype=np.float64)
         self.coll = {}
-        for kind in ("all-reduce", "all-gather", "reduce-scatter"):
+        for kind in KINDS:   # every collective kind the cost model knows
             alpha = np.array([cost.collective(kind, 0.0, _mask_axes(mesh, m)) for m in range(nm)])
             beta = np.array([(cost.collective(kind, 1e9, _mask_axes(mesh, m)) - alpha[m]) / 1e9
                              for m in range(nm)])

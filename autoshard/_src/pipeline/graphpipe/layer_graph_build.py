@@ -81,7 +81,7 @@ KERNEL_OPS = frozenset({"dot_general", "conv_general_dilated", "reduce_sum", "re
                         "dynamic_slice", "dynamic_update_slice", "reduce_window_sum", "select_and_scatter_add"})
 
 
-def layer_graph(graph: OpGraph, hardware: Any = "v100-sxm", *, batch_size: int | None = None,
+def layer_graph(graph: OpGraph, hardware: Any, *, batch_size: int | None = None,
                 depth: int | None = None, cost_model: CostModel | None = None,
                 kernel_overhead: float = 0.0, op_time: Sequence[float] | None = None,
                 op_curves: Any = None) -> LayerGraph:
@@ -136,7 +136,7 @@ def curve_sizes(batch: int) -> list[int]:
     return [2 ** k for k in range(max(1, math.ceil(math.log2(batch)) + 1))]
 
 
-def op_curves(graph: OpGraph, hardware: Any = "v100-sxm", *, batch_size: int | None = None,
+def op_curves(graph: OpGraph, hardware: Any, *, batch_size: int | None = None,
               cost_model: CostModel | None = None, kernel_overhead: float = 0.0) -> np.ndarray:
     """[ops, K] roofline seconds of each op (times its repeat count) at micro-batch `curve_sizes`."""
     costs = PipelineCosts(atomic_partition(graph), hardware, cost_model=cost_model, batch=batch_size)

@@ -29,7 +29,7 @@ bottleneck time-per-sample (TPS) is minimal and every device fits its memory:
   the step estimate t*·(B + (h-1)·b) picks b (the largest b within 1% of the best estimate: fewer
   micro-batches cost less in the simulator and on real devices), trading fill/drain ((h-1)·b)
   against per-sample efficiency (t*(b) falls with b on memory-bound layers). Sizes are tried
-  largest first and skipped once a lower bound on t (`_tps_floor`) times B exceeds the best
+  largest first and skipped once a lower bound on t (`tps_floor`) times B exceeds the best
   estimate, which is exact for this pick. The chosen plan is then scheduled (graph-1F1B) and
   simulated (`simulate`), and its memory re-checked with the schedule's actual in-flight counts.
 
@@ -116,7 +116,7 @@ class GraphPipePlan:
         }
 
 
-def graphpipe_partition(graph: LayerGraph, devices: int, hardware: Any = "v100-sxm", *,
+def graphpipe_partition(graph: LayerGraph, devices: int, hardware: Any, *,
                         memory_budget: float | None = None, max_microbatch_size: int | None = None,
                         per_stage_microbatch: bool = False) -> GraphPipePlan:
     """GraphPipe's graph pipeline (module doc) of `graph` on `devices` devices of `hardware`.
@@ -502,7 +502,7 @@ def _search_b(prob: _Problem, costs: _Costs, D: int, lo_t: float = 0.0,
     return float(cand[hi]), best
 
 
-def _tps_floor(graph: LayerGraph, D: int, b: int) -> float:
+def tps_floor(graph: LayerGraph, D: int, b: int) -> float:
     """A lower bound on the bottleneck TPS of any plan at micro-batch b: a stage on d devices
     runs p = ceil(b/d) <= b samples per replica, so TPS x d >= its compute(p) / p >= the sum over
     its nodes of their least seconds per sample at any size <= b, and the devices add up to <= D.
@@ -532,10 +532,10 @@ def _partition(graph: LayerGraph, tree: SPTree, devices: int, hardware: Any, bud
     found: list[_Best] = []
     # largest micro-batch first; a size whose estimate cannot come within the pick tolerance of the
     # best so far is skipped. Estimates are >= t x B, so only targets t <= bound / B matter, and t
-    # is at least _tps_floor (which grows as b shrinks: every smaller size is then skipped too).
+    # is at least tps_floor (which grows as b shrinks: every smaller size is then skipped too).
     bound = INF
     for b in reversed(_microbatch_sizes(B, max_mb)):
-        lo_t = _tps_floor(graph, D, b) * (1 - 1e-9)   # margins: rounding must not cut off t*
+        lo_t = tps_floor(graph, D, b) * (1 - 1e-9)   # margins: rounding must not cut off t*
         if lo_t * B > bound:
             break
         costs = _Costs(prob, hw, D, b, B, budget_)

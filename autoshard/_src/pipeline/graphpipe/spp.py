@@ -25,7 +25,7 @@ def linear_tree(graph: LayerGraph) -> SPTree:
     return leaves[0] if len(leaves) == 1 else SPTree("series", leaves)
 
 
-def spp_partition(graph: LayerGraph, devices: int, hardware: Any = "v100-sxm", *,
+def spp_partition(graph: LayerGraph, devices: int, hardware: Any, *,
                   memory_budget: float | None = None, max_microbatch_size: int | None = None,
                   per_stage_microbatch: bool = False) -> GraphPipePlan:
     """The best sequential pipeline of `graph` on `devices` devices (method "spp"); arguments and

@@ -76,12 +76,15 @@ class BlockPartition:
 
 
 def partition_blocks(atomic: AtomicPartition, k: int = 32, *, costs: PipelineCosts | None = None,
-                     hardware: Any = "v100-sxm", memory_budget: float | None = None,
+                     hardware: Any = None, memory_budget: float | None = None,
                      max_visits: int = 2000, refine: bool = True,
                      rebalance: float | None = 0.05) -> BlockPartition:
     """Group the atomic components of `atomic` into (at most, memory permitting exactly) k blocks."""
     if not isinstance(k, int) or k < 1:
         raise PipelineError(f"pipeline.partition_blocks: k={k!r} must be an int >= 1.")
+    if costs is None and hardware is None:
+        raise PipelineError("pipeline.partition_blocks: give costs= (a PipelineCosts) or hardware= (what to price "
+                            "the components on: a preset name, HardwareSpec or override dict).")
     t0 = time.perf_counter()
     costs = costs or PipelineCosts(atomic, hardware)
     budget = float(memory_budget if memory_budget is not None

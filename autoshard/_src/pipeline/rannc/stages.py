@@ -407,7 +407,7 @@ def _infeasible(problem: StageProblem, nodes: int, dpn: int, tried: dict[int, tu
         min_memory=found if not math.isinf(found) else floor, budget=problem.budget)
 
 
-def plan_stages(graph: OpGraph, devices: int, hardware: Any = "v100-sxm", *, k: int = 32,
+def plan_stages(graph: OpGraph, devices: int, hardware: Any, *, k: int = 32,
                 batch_size: int | None = None, schedule: str = "1f1b", recompute: bool = False,
                 memory_budget: float | None = None, use_blocks: bool = True, prune: bool = False,
                 exhaustive: bool = False, cost_model: Any = None, atomic: AtomicPartition | None = None,

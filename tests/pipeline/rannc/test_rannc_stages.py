@@ -18,7 +18,7 @@ from autoshard._src.pipeline.rannc.blocks import partition_blocks
 from autoshard._src.pipeline.rannc.stages import StageProblem, form_stage, form_stage_dp, min_peak_memory, plan_stages
 from autoshard._src.pipeline.rannc.uniform import best_uniform, uniform_split
 
-from ..autoshard._synthetic import model
+from ...core._synthetic import model
 from ._rannc_graphs import check_plan, random_step
 
 SETTINGS = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -232,7 +232,7 @@ def test_bad_arguments_are_typed_errors():
     atomic = atomic_partition(graph)
     costs = PipelineCosts(atomic, V100)
     with pytest.raises(PipelineError, match="k=0"):
-        partition_blocks(atomic, 0)
+        partition_blocks(atomic, 0, hardware="v100-sxm")
     with pytest.raises(PipelineError, match="multiple of the 8 devices per node"):
         plan_stages(graph, 12, V100, atomic=atomic)
     with pytest.raises(PipelineError, match="schedule"):

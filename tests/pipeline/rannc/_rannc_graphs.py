@@ -16,7 +16,7 @@ import networkx as nx
 
 from autoshard._src.core.graph import OpGraph
 
-from ..autoshard._synthetic import GraphBuilder
+from ...core._synthetic import GraphBuilder
 
 B, D = 8, 16
 

@@ -75,7 +75,7 @@ def test_zero_storage_matches_single_device(storage):
     if "gpt" not in _REF:
         _REF["gpt"] = _reference(m, 3)
     ref_losses, ref_params = _REF["gpt"]
-    opts = autoshard.SearchOptions(storage_modes=(storage,))
+    opts = {"storage_modes": (storage,)}
     step = autoshard.autoshard(m.train_step, mesh={"data": 4, "model": 2}, hardware=FAST_LINKS,
                                options=opts)
     params = m.init(jax.random.key(0))

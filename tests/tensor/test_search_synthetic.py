@@ -1,6 +1,6 @@
 """search() on hand-built training steps: pure Python, no jax, milliseconds.
 
-`mlp_step` (tests/autoshard/_synthetic.py) builds an MLP training step as plain data: a data input,
+`mlp_step` (tests/core/_synthetic.py) builds an MLP training step as plain data: a data input,
 kernels (role "parameter"), the forward chain and loss, the backward pass (weight gradients
 contracting over the batch, input gradients) and an optimizer update with one moment per kernel
 (role "state"). The search must find data parallelism, tensor parallelism or ZeRO storage as the
@@ -18,7 +18,7 @@ from autoshard._src.core.hardware import get_hardware
 from autoshard._src.core.mesh import mesh_spec
 from autoshard._src.tensor.search import SearchOptions, search
 
-from ._synthetic import GraphBuilder, mlp_step, remainder_grouping
+from ..core._synthetic import GraphBuilder, mlp_step, remainder_grouping
 
 H100 = get_hardware("h100-sxm")
 MESH8 = mesh_spec({"x": 8})

@@ -41,7 +41,7 @@ def _branch_of(name: str) -> str:
 
 def test_structure(traced):
     name, m, _, graph = traced
-    lg = layer_graph(graph)
+    lg = layer_graph(graph, "v100-sxm")
     c = m.config
     names = [n.name for n in lg.nodes]
     assert len(set(names)) == len(names)
@@ -99,7 +99,7 @@ def test_costs_and_bytes_add_up(traced):
 
 def test_deterministic_and_hardware(traced):
     _, _, _, graph = traced
-    a, b = layer_graph(graph), layer_graph(graph)
+    a, b = layer_graph(graph, "v100-sxm"), layer_graph(graph, "v100-sxm")
     assert a == b
     fast = layer_graph(graph, "a100-sxm")
     assert fast.edges == a.edges and [n.name for n in fast.nodes] == [n.name for n in a.nodes]
@@ -108,13 +108,13 @@ def test_deterministic_and_hardware(traced):
 
 def test_depth_override():
     m, _, graph = _trace("mmt")
-    auto = layer_graph(graph)
+    auto = layer_graph(graph, "v100-sxm")
     # depth=3 cuts every module at 3 components: the layers (the automatic level) and, as nodes
     # of their own, the branches' in_proj and ln_f (pos_emb is constant: no data flows through it)
-    fine = {n.name for n in layer_graph(graph, depth=3).nodes}
+    fine = {n.name for n in layer_graph(graph, "v100-sxm", depth=3).nodes}
     assert fine == {n.name for n in auto.nodes} | {f"MMT/branch_{b}/{x}" for b in range(4)
                                                    for x in ("in_proj", "ln_f")}
-    coarse = layer_graph(graph, depth=2)               # whole branches: 4 parallel nodes and the head
+    coarse = layer_graph(graph, "v100-sxm", depth=2)               # whole branches: 4 parallel nodes and the head
     assert [n.name for n in coarse.nodes] == [f"MMT/branch_{b}" for b in range(4)] + ["MMT/head"]
     assert coarse.edges == tuple((b, 4) for b in range(4))
     assert sum(n.forward for n in coarse.nodes) == pytest.approx(sum(n.forward for n in auto.nodes))
@@ -122,18 +122,18 @@ def test_depth_override():
 
 def test_branch_count_follows_the_config():
     m, _, graph = _trace("candle_uno", num_branches=3)
-    lg = layer_graph(graph)
+    lg = layer_graph(graph, "v100-sxm")
     assert len(lg.sources) == 3 and len(lg) == 3 * 4 + 5
 
 
 def test_sequential_model_is_a_chain():
     m, _, graph = _trace("mmt", num_branches=1, num_layers=3)
-    lg = layer_graph(graph)
+    lg = layer_graph(graph, "v100-sxm")
     # one branch: the head has one producer, so it is merged into the last layer
     assert [n.name for n in lg.nodes] == [f"MMT/branch_0/layer_{i}" for i in range(3)]
     assert lg.edges == ((0, 1), (1, 2))
     m, _, graph = _trace("gpt")
-    lg = layer_graph(graph)
+    lg = layer_graph(graph, "v100-sxm")
     assert lg.edges == tuple((i, i + 1) for i in range(len(lg) - 1))
     assert [n.name for n in lg.nodes] == [f"GPT/block_{i}" for i in range(m.config.num_layers)]
 
@@ -141,17 +141,17 @@ def test_sequential_model_is_a_chain():
 def test_errors_name_the_argument():
     _, _, graph = _trace("candle_uno")
     with pytest.raises(PipelineError, match="depth=0"):
-        layer_graph(graph, depth=0)
+        layer_graph(graph, "v100-sxm", depth=0)
     with pytest.raises(PipelineError, match="depth=9 is deeper"):
-        layer_graph(graph, depth=9)
+        layer_graph(graph, "v100-sxm", depth=9)
     with pytest.raises(PipelineError, match="batch_size=0"):
-        layer_graph(graph, batch_size=0)
+        layer_graph(graph, "v100-sxm", batch_size=0)
     with pytest.raises(PipelineError, match="OpGraph"):
-        layer_graph("not a graph")
+        layer_graph("not a graph", "v100-sxm")
     for op in graph.ops:            # no repeated modules: no layer level to cut at
         op.module = "CandleUno/x" if op.module else ""
     with pytest.raises(PipelineError, match="pass depth="):
-        layer_graph(graph)
+        layer_graph(graph, "v100-sxm")
 
 
 @pytest.mark.parametrize("name, kw", [("candle_uno", {"hidden": 512, "feature_dim": 512}),
@@ -197,7 +197,7 @@ def test_measured_op_curves_drive_the_micro_batch_size():
     sums, and GraphPipe follows them: flat costs (a kernel costs the same at any size) want large
     micro-batches, linear costs (no per-micro-batch overhead) small ones (a shorter fill/drain)."""
     from autoshard._src.pipeline.graphpipe.layer_graph_build import curve_sizes
-    from pipeline import graphpipe_partition
+    from pipeline.graphpipe import graphpipe_partition
 
     m, _, graph = _trace("candle_uno")
     sizes = curve_sizes(m.config.batch_size)
@@ -220,10 +220,10 @@ def test_measured_op_curves_are_checked():
     _, _, graph = _trace("candle_uno")
     n = len(graph.ops)
     with pytest.raises(PipelineError, match=rf"shape \(3, 4\); the graph has {n} ops and batch 8, so give \({n}, 4\)"):
-        layer_graph(graph, op_curves=np.ones((3, 4)))
+        layer_graph(graph, "v100-sxm", op_curves=np.ones((3, 4)))
     bad = np.ones((n, 4))
     bad[5, 2] = -1.0
     with pytest.raises(PipelineError, match=r"op_curves\[5, 2\] = -1.0"):
-        layer_graph(graph, op_curves=bad)
+        layer_graph(graph, "v100-sxm", op_curves=bad)
     with pytest.raises(PipelineError, match="kernel_overhead=5e-06 .* pass one"):
-        layer_graph(graph, op_curves=np.ones((n, 4)), kernel_overhead=5e-6)
+        layer_graph(graph, "v100-sxm", op_curves=np.ones((n, 4)), kernel_overhead=5e-6)

@@ -11,7 +11,7 @@ from autoshard import AutoshardError, PipelineError
 from autoshard._src.pipeline.atomic import atomic_partition
 from autoshard._src.pipeline.costs import PipelineCosts
 
-from ..autoshard._synthetic import GraphBuilder, mlp_step
+from ...core._synthetic import GraphBuilder, mlp_step
 from ._rannc_graphs import B, D, component_dag, convex, random_step
 
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -1,6 +1,6 @@
 """Golden plans: the planner's choice for each debug model and mesh, diffed key by key against
 tests/golden/<model>/<mesh>.json. A planner change that moves a plan shows up here as a readable
-diff; if the change is intended, regenerate with `pytest tests/autoshard/test_golden.py --regen-golden`
+diff; if the change is intended, regenerate with `pytest tests/golden --regen-golden`
 and review the JSON diff in the commit."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 import autoshard
 import models
 
-GOLDEN = Path(__file__).resolve().parent.parent / "golden"
+GOLDEN = Path(__file__).resolve().parent
 MODELS = ["mlp", "gpt", "gpt_nnx", "bert"]
 MESHES = {"1x8": {"a": 1, "b": 8}, "2x4": {"data": 2, "model": 4}, "4x2": {"data": 4, "model": 2},
           "8x1": {"a": 8, "b": 1}, "2x2x2": {"x": 2, "y": 2, "z": 2}}

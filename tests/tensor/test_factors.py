@@ -13,7 +13,7 @@ import pytest
 from autoshard._src.core.graph import nbytes
 from autoshard._src.tensor.factors import analyze
 
-from ._synthetic import GraphBuilder
+from ..core._synthetic import GraphBuilder
 
 
 def analyze_all(g: GraphBuilder, same_ops=()):

@@ -16,7 +16,7 @@ from autoshard._src.pipeline.graphpipe.layer_graph import LayerGraph, LayerNode,
 from autoshard._src.pipeline.graphpipe.partition import _Costs, _microbatch_sizes, _Problem, _search_b
 from autoshard._src.pipeline.graphpipe.sp import SPTree, sp_decompose
 from autoshard._src.pipeline.graphpipe.spp import linear_tree
-from pipeline import GraphPipePlan, graphpipe_partition, spp_partition
+from pipeline.graphpipe import GraphPipePlan, graphpipe_partition, spp_partition
 
 MS = 1e-3
 
@@ -75,7 +75,7 @@ def test_figure2_depth_two_vs_four():
     # Fig. 2: three 2-node branches and a join as heavy as a branch, on 4 devices: GraphPipe runs
     # the branches as concurrent stages (depth 2); SPP linearises them into a chain of 4.
     g = branchy(3, 2, 64, join_f=2 * MS, name="fig2")
-    gp, spp = graphpipe_partition(g, 4), spp_partition(g, 4)
+    gp, spp = graphpipe_partition(g, 4, "v100-sxm"), spp_partition(g, 4, "v100-sxm")
     check_plan(g, gp)
     check_plan(g, spp)
     assert gp.method == "graphpipe" and spp.method == "spp"
@@ -90,7 +90,7 @@ def test_chain_graph_graphpipe_equals_spp():
     nodes = [node(f"l{i}", f=(1 + (i % 3)) * MS, out=2e5) for i in range(9)]
     g = chain_graph(nodes, 64, "chain")
     for devices in (2, 4, 6):
-        gp, spp = graphpipe_partition(g, devices), spp_partition(g, devices)
+        gp, spp = graphpipe_partition(g, devices, "v100-sxm"), spp_partition(g, devices, "v100-sxm")
         check_plan(g, gp)
         check_plan(g, spp)
         assert gp.throughput == spp.throughput
@@ -101,7 +101,7 @@ def test_chain_graph_graphpipe_equals_spp():
 @pytest.mark.parametrize("devices", [4, 5, 8])
 def test_equal_branches_graphpipe_at_least_spp(devices):
     g = branchy(4, 3, 128, join_f=3 * MS, out=1e5)
-    gp, spp = graphpipe_partition(g, devices), spp_partition(g, devices)
+    gp, spp = graphpipe_partition(g, devices, "v100-sxm"), spp_partition(g, devices, "v100-sxm")
     check_plan(g, gp)
     check_plan(g, spp)
     assert gp.throughput >= spp.throughput * (1 - 1e-9)
@@ -110,17 +110,17 @@ def test_equal_branches_graphpipe_at_least_spp(devices):
 
 def test_memory_budget_respected_and_binding():
     g = branchy(3, 3, 64, join_f=1 * MS)
-    free = graphpipe_partition(g, 4, memory_budget=1e12)
+    free = graphpipe_partition(g, 4, "v100-sxm", memory_budget=1e12)
     budget = 0.5 * max(s.memory for s in free.stages) + 1e7
-    tight = graphpipe_partition(g, 4, memory_budget=budget)
+    tight = graphpipe_partition(g, 4, "v100-sxm", memory_budget=budget)
     check_plan(g, tight, budget)
     for fn in (graphpipe_partition, spp_partition):
-        check_plan(g, fn(g, 3, memory_budget=budget), budget)
+        check_plan(g, fn(g, 3, "v100-sxm", memory_budget=budget), budget)
 
 
 def test_max_microbatch_size():
     g = branchy(2, 2, 64, join_f=1 * MS)
-    plan = graphpipe_partition(g, 4, max_microbatch_size=2)
+    plan = graphpipe_partition(g, 4, "v100-sxm", max_microbatch_size=2)
     check_plan(g, plan)
     assert all(s.microbatch_size <= 2 for s in plan.stages)
     assert _microbatch_sizes(48, None) == [1, 2, 4, 8, 16]
@@ -129,13 +129,14 @@ def test_max_microbatch_size():
 def test_infeasible_names_graph_budget_and_best():
     g = branchy(2, 2, 16, join_f=1 * MS, name="tiny-mem")
     with pytest.raises(InfeasiblePlanError) as err:
-        graphpipe_partition(g, 2, memory_budget=1e6)
+        graphpipe_partition(g, 2, "v100-sxm", memory_budget=1e6)
     e = err.value
     assert e.budget == 1e6 and e.min_memory > 1e6 and math.isfinite(e.min_memory)
     msg = str(e)
     assert "tiny-mem" in msg and "2 devices" in msg and "memory_budget" in msg
     # the reported least memory is achievable: with that budget a plan exists
-    check_plan(g, graphpipe_partition(g, 2, memory_budget=e.min_memory * (1 + 1e-9)), e.min_memory * (1 + 1e-9))
+    roomy = e.min_memory * (1 + 1e-9)
+    check_plan(g, graphpipe_partition(g, 2, "v100-sxm", memory_budget=roomy), roomy)
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -150,9 +151,9 @@ def test_bad_arguments(kwargs, match):
     g = branchy(2, 1, 8, join_f=1 * MS)
     for fn in (graphpipe_partition, spp_partition):
         with pytest.raises(PipelineError, match=match):
-            fn(g, **kwargs)
+            fn(g, hardware="v100-sxm", **kwargs)
     with pytest.raises(PipelineError, match="LayerGraph"):
-        graphpipe_partition("not a graph", 2)
+        graphpipe_partition("not a graph", 2, "v100-sxm")
 
 
 # --- brute force: the DP is optimal over the space it searches ---------------------------------
@@ -327,7 +328,7 @@ def test_curves_set_stage_costs_and_favour_larger_microbatches():
     g = chain_graph(nodes, 256, "ff")
     linear = chain_graph([dataclasses.replace(n, forward_curve=(), backward_curve=()) for n in nodes], 256)
     for devices in (1, 2, 4):
-        plan, flat = graphpipe_partition(g, devices), graphpipe_partition(linear, devices)
+        plan, flat = graphpipe_partition(g, devices, "v100-sxm"), graphpipe_partition(linear, devices, "v100-sxm")
         check_plan(g, plan)
         for s in plan.stages:   # compute at the replica's share of the micro-batch, from the curves
             p = -(-s.microbatch_size // s.devices)
@@ -346,13 +347,13 @@ def test_light_join_shares_a_stage_with_a_branch_end():
     # join needs a stage (and a device) of its own; with them it rides with a branch's last layer.
     g = branchy(4, 4, 256, join_f=1e-4 * MS, out=1e5)
     join = len(g) - 1
-    plan = graphpipe_partition(g, 16)
+    plan = graphpipe_partition(g, 16, "v100-sxm")
     check_plan(g, plan)
     host = next(s for s in plan.stages if join in s.nodes)
     assert len(host.nodes) > 1 and plan.depth > 1
     prob = _Problem(g, sp_decompose(g), variants=False)
     assert prob.R < _Problem(g, sp_decompose(g)).R   # the variants' moved tails deepen the tree
-    assert plan.throughput >= spp_partition(g, 16).throughput * (1 - 1e-9)
+    assert plan.throughput >= spp_partition(g, 16, "v100-sxm").throughput * (1 - 1e-9)
 
 
 # --- per-stage micro-batch sizes (opt-in) ------------------------------------------------------
@@ -371,8 +372,8 @@ def test_per_stage_microbatch_sizes_shorten_the_fill(sats, want):
     # small micro-batches, so the step is shorter (Table 2 schedules the unequal sizes).
     g = chain_graph([saturating_node(f"s{i}", s) for i, s in enumerate(sats)], 16, "fig5")
     budget = 30e9
-    uniform = graphpipe_partition(g, 3, memory_budget=budget)
-    per = graphpipe_partition(g, 3, memory_budget=budget, per_stage_microbatch=True)
+    uniform = graphpipe_partition(g, 3, "v100-sxm", memory_budget=budget)
+    per = graphpipe_partition(g, 3, "v100-sxm", memory_budget=budget, per_stage_microbatch=True)
     check_plan(g, uniform, budget)
     check_plan(g, per, budget)
     assert len({s.microbatch_size for s in uniform.stages}) == 1
@@ -389,8 +390,8 @@ def test_per_stage_microbatch_never_slower(seed):
     g = LayerGraph(tuple(ff_node(n.name, f=n.forward, w=float(rng.uniform(1, 20)) * MS) for n in g.nodes),
                    g.edges, g.batch_size, g.name)
     for fn in (graphpipe_partition, spp_partition):
-        base, per = fn(g, 6), fn(g, 6, per_stage_microbatch=True)
+        base, per = fn(g, 6, "v100-sxm"), fn(g, 6, "v100-sxm", per_stage_microbatch=True)
         check_plan(g, per)
         assert per.step_time <= base.step_time * (1 + 1e-12)
     with pytest.raises(PipelineError, match="per_stage_microbatch='yes' must be True or False"):
-        graphpipe_partition(g, 6, per_stage_microbatch="yes")
+        graphpipe_partition(g, 6, "v100-sxm", per_stage_microbatch="yes")

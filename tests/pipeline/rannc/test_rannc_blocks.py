@@ -10,7 +10,7 @@ from autoshard._src.pipeline.atomic import atomic_partition
 from autoshard._src.pipeline.costs import PipelineCosts
 from autoshard._src.pipeline.rannc.blocks import partition_blocks
 
-from ..autoshard._synthetic import model
+from ...core._synthetic import model
 from ._rannc_graphs import component_dag, convex, random_step
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -34,7 +34,7 @@ def check_blocks(atomic, bp, budget=None):
        p_skip=st.floats(0.0, 0.6), p_const=st.floats(0.0, 0.5), rebalance=st.sampled_from([None, 0.0, 0.05, 1.0]))
 def test_blocks_partition_convex_topological_and_exactly_k(seed, n, k, p_skip, p_const, rebalance):
     atomic = atomic_partition(random_step(seed, n, p_const=p_const, p_skip=p_skip))
-    bp = partition_blocks(atomic, k, rebalance=rebalance)
+    bp = partition_blocks(atomic, k, hardware="v100-sxm", rebalance=rebalance)
     check_blocks(atomic, bp)
     assert len(bp) == min(k, len(atomic))     # memory is no constraint here: compaction reaches k
 
@@ -58,12 +58,12 @@ def test_blocks_fit_memory_and_stay_convex_under_a_tiny_search_budget(seed, n, k
 def test_transformer_blocks_are_balanced():
     graph = model([f"M/block_{i}" for i in range(48)])
     atomic = atomic_partition(graph)
-    paper = partition_blocks(atomic, 16, rebalance=None)
+    paper = partition_blocks(atomic, 16, hardware="v100-sxm", rebalance=None)
     check_blocks(atomic, paper)
     assert len(paper) == 16
     assert paper.stats["levels"] >= 1
     assert paper.stats["merges"] == len(atomic) - 16 - paper.stats["compaction_merges"]
-    bp = partition_blocks(atomic, 16)
+    bp = partition_blocks(atomic, 16, hardware="v100-sxm")
     check_blocks(atomic, bp)
     work, before = np.array(bp.work), np.array(paper.work)
     assert bp.stats["rebalanced"] and len(bp) == 16
@@ -74,7 +74,7 @@ def test_transformer_blocks_are_balanced():
 def test_rebalancing_keeps_the_least_communication_among_balanced_cuts():
     """A chain whose values alternate big/small: balanced cuts exist at every other position and
     the cut must pick the small tensors."""
-    from ..autoshard._synthetic import GraphBuilder
+    from ...core._synthetic import GraphBuilder
 
     g = GraphBuilder()
     h = g.input((8, 16), (2, "x"), role="data")
@@ -95,7 +95,7 @@ def test_rebalancing_spends_no_block_on_a_cheap_cut():
     """200 equal ops, then a scalar loss: a cut before the loss crosses 4 bytes, so with only a cap
     the fewest-bytes cut made the loss a block of its own (0.0x the mean) and the layers 31 blocks;
     the lower bound of the balance band keeps every block near the mean."""
-    from ..autoshard._synthetic import GraphBuilder
+    from ...core._synthetic import GraphBuilder
 
     g = GraphBuilder()
     h = g.input((8, 64), (2, "x"), role="data")

@@ -1,0 +1,184 @@
+"""One frozen, validated `Config`: everything a plan and a decorated step are made from (pure).
+
+Built once, from keywords, a TOML file, or both (keywords win); unknown keys are errors. Planning
+and the decorator read nothing else, so defaults live here and nowhere else:
+
+* hardware: `None` means the local device's preset, resolved by the jax bridge when planning
+  (`cpu-sim` on CPU, `h100-sxm` / `a100-sxm` / `v100-sxm` by device kind); pass a preset name,
+  a `HardwareSpec` or overrides such as `{"base": "h100-sxm", "memory_bytes": 40e9}` to plan for
+  other hardware (e.g. 1024 GPUs from a laptop).
+* schedule: "1f1b"; profile: "model" (roofline on the hardware spec); memory budget: the
+  planner's default share of device memory; donate: True (state arguments are consumed).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+import tomllib
+import types
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from ..core.errors import ConfigError
+from ..core.hardware import HardwareSpec, get_hardware
+from ..core.mesh import MeshSpec, mesh_spec
+from ..pipeline.registry import AUTO, get_partitioner, partitioner_names
+from ..pipeline.schedules.registry import schedule_names
+from ..tensor.search import SearchOptions
+
+PROFILES = ("model", "measured")
+_PIPELINE_ONLY = ("schedule", "profile", "pipeline_options", "num_microbatches")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """How to plan and run a step. `mesh`: a MeshSpec (from a dict, a jax Mesh or a MeshSpec) or
+    "auto": the planner chooses the factorisation of `devices` (None: the local device count).
+    `search`: tensor search options (`SearchOptions` or a dict of its fields). `pipeline`: None
+    (tensor sharding only), a registered partitioner name (`pipeline.partitioner_names()`) or "auto"."""
+
+    mesh: MeshSpec | str | None = None
+    devices: int | None = None
+    hardware: HardwareSpec | None = None
+    memory_budget: float | None = None
+    search: SearchOptions = SearchOptions()
+    pipeline: str | None = None
+    schedule: str = "1f1b"
+    profile: str = "model"
+    pipeline_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    num_microbatches: int | None = None
+    donate: bool = True
+    cache_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)
+        if self.mesh is not None and self.mesh != "auto":
+            set_("mesh", mesh_spec(self.mesh))
+        if self.devices is not None and (isinstance(self.devices, bool) or not isinstance(self.devices, int)
+                                         or self.devices < 1):
+            raise ConfigError(f"autoshard: devices={self.devices!r} must be an int >= 1.")
+        if self.hardware is not None:
+            set_("hardware", get_hardware(self.hardware))
+        if self.memory_budget is not None and not _positive(self.memory_budget):
+            raise ConfigError(f"autoshard: memory_budget={self.memory_budget!r} must be a finite number of bytes > 0 "
+                              "per device (or None for the planner's default share of device memory).")
+        set_("search", _search_options(self.search, self.memory_budget))
+        set_("pipeline_options", types.MappingProxyType(dict(self.pipeline_options or {})))
+        if not isinstance(self.donate, bool):
+            raise ConfigError(f"autoshard: donate={self.donate!r} must be True or False.")
+        self._check_pipeline()
+
+    def _check_pipeline(self) -> None:
+        if self.pipeline is None:
+            given = [k for k in _PIPELINE_ONLY if getattr(self, k) != _DEFAULTS[k]]
+            if given:
+                verb = "apply" if len(given) > 1 else "applies"
+                raise ConfigError(f"autoshard: {', '.join(given)} {verb} to pipeline plans only; pass "
+                                  "pipeline='rannc', 'graphpipe' or 'auto' as well, or drop them.")
+            return
+        if self.pipeline != AUTO:
+            part = get_partitioner(self.pipeline)
+            parts = [part]
+            if self.schedule not in part.schedules:
+                raise ConfigError(f"autoshard: schedule={self.schedule!r} is not supported by the {self.pipeline} "
+                                  f"partitioner; valid: {list(part.schedules)}.")
+        else:
+            parts = [get_partitioner(n) for n in partitioner_names()]
+            if self.schedule not in schedule_names():
+                raise ConfigError(f"autoshard: schedule={self.schedule!r} is unknown; registered: {schedule_names()}.")
+        if self.profile not in PROFILES:
+            raise ConfigError(f"autoshard: profile={self.profile!r} is unknown; valid: {list(PROFILES)} ('model' "
+                              "prices ops with the hardware spec's roofline, 'measured' times them on the local "
+                              "device).")
+        valid = set().union(*(p.options for p in parts))
+        unknown = sorted(set(self.pipeline_options) - valid)
+        if unknown:
+            raise ConfigError(f"autoshard: pipeline_options keys {unknown} are unknown for pipeline={self.pipeline!r}; "
+                              f"valid: {sorted(valid)}.")
+        if self.num_microbatches is not None and (isinstance(self.num_microbatches, bool)
+                                                  or not isinstance(self.num_microbatches, int)
+                                                  or self.num_microbatches < 1):
+            raise ConfigError(f"autoshard: num_microbatches={self.num_microbatches!r} must be an int >= 1.")
+        if self.pipeline != AUTO and isinstance(self.mesh, MeshSpec):
+            why = parts[0].unsupported(self.mesh, self.pipeline_options)
+            if why:
+                raise ConfigError(f"autoshard: {why}.")
+
+    # --- building ---------------------------------------------------------------------------
+    @classmethod
+    def make(cls, config: str | Path | Mapping[str, Any] | Config | None = None, **kwargs: Any) -> Config:
+        """A Config from a TOML file path (or a mapping of the same keys, or a Config) overridden by
+        keyword arguments; keywords that are None are not given. `options=` is `search=`."""
+        if "options" in kwargs:
+            if kwargs.get("search") is not None:
+                raise ConfigError("autoshard: pass search options once: options= or search=, not both.")
+            kwargs["search"] = kwargs.pop("options")
+        base: dict[str, Any]
+        if config is None:
+            base = {}
+        elif isinstance(config, Config):
+            base = {f.name: getattr(config, f.name) for f in dataclasses.fields(cls)}
+        elif isinstance(config, Mapping):
+            base = dict(config)
+        else:
+            base = load_toml(config)
+        base.update({k: v for k, v in kwargs.items() if v is not None})
+        return cls.from_mapping(base)
+
+    @classmethod
+    def from_mapping(cls, data: Mapping[str, Any], where: str = "autoshard") -> Config:
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - fields)
+        if unknown:
+            raise ConfigError(f"{where}: unknown key(s) {unknown}; valid keys: {sorted(fields)}.")
+        return cls(**data)
+
+    def replace(self, **changes: Any) -> Config:
+        return dataclasses.replace(self, **changes)
+
+
+_DEFAULTS = {f.name: (f.default if f.default is not dataclasses.MISSING else f.default_factory())
+             for f in dataclasses.fields(Config)}
+
+
+def load_toml(path: str | Path) -> dict[str, Any]:
+    """The keys of an autoshard TOML config: mesh (table axis -> size, or "auto"), devices, hardware
+    (preset name or table), memory_budget, [search] (or [options]), pipeline, schedule, profile,
+    [pipeline_options], num_microbatches, donate, cache_dir."""
+    p = Path(path)
+    try:
+        data = tomllib.loads(p.read_text())
+    except FileNotFoundError as err:
+        raise ConfigError(f"autoshard config {str(p)!r} does not exist.") from err
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(f"autoshard config {str(p)!r} is not valid TOML: {err}.") from err
+    if "options" in data:
+        data["search"] = data.pop("options")
+    fields = {f.name for f in dataclasses.fields(Config)}
+    unknown = sorted(set(data) - fields)
+    if unknown:
+        raise ConfigError(f"autoshard config {str(p)!r}: unknown key(s) {unknown}; valid keys: {sorted(fields)}.")
+    if isinstance(data.get("search"), Mapping):
+        _search_options(data["search"], None, where=f"autoshard config {str(p)!r}: [search]")
+    return data
+
+
+def _search_options(value: Any, memory_budget: float | None, where: str = "autoshard: search") -> SearchOptions:
+    if isinstance(value, Mapping):
+        names = {f.name for f in dataclasses.fields(SearchOptions)} - {"memory_budget"}
+        bad = sorted(set(value) - names)
+        if bad:
+            raise ConfigError(f"{where}: unknown key(s) {bad}; valid: {sorted(names)}.")
+        value = SearchOptions(**{k: tuple(v) if isinstance(v, list) else v for k, v in value.items()})
+    if not isinstance(value, SearchOptions):
+        raise ConfigError(f"{where}={value!r} must be a SearchOptions or a dict of its fields.")
+    if memory_budget is not None:
+        value = dataclasses.replace(value, memory_budget=float(memory_budget))
+    return value
+
+
+def _positive(x: Any) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool) and 0 < x < math.inf

@@ -1,0 +1,139 @@
+"""Plan reports: the text of `Plan.explain()` for tensor and pipeline plans (pure: no jax import)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from .specs import spec_str
+
+
+def _span(units: tuple[int, ...]) -> str:
+    if not units:
+        return "-"
+    if list(units) == list(range(units[0], units[-1] + 1)):
+        return f"{units[0]}-{units[-1]}" if len(units) > 1 else str(units[0])
+    return f"{len(units)} ({units[0]}..{units[-1]})"
+
+
+def explain_tensor(self: Any) -> str:
+    """Tensor plan report: factors -> axes, predicted collectives, per-parameter specs, vs experts."""
+    p = self.predicted
+    lines = [
+        f"autoshard plan on mesh {' x '.join(f'{n}={s}' for n, s in self.mesh)}, "
+        f"hardware {self.hardware}, storage {self.storage}",
+        f"predicted step {p['step_time'] * 1e3:.3f} ms "
+        f"(compute {p['breakdown']['compute'] * 1e3:.3f} ms, forward comm "
+        f"{p['breakdown']['fwd_comm'] * 1e3:.3f} ms, backward comm {p['breakdown']['bwd_comm'] * 1e3:.3f} ms, "
+        f"grad sync {p['breakdown']['grad_sync'] * 1e3:.3f} ms (overlapped), storage comm "
+        f"{p['breakdown']['storage_comm'] * 1e3:.3f} ms); memory "
+        f"{p['memory']['total'] / 2**30:.3f} GiB per device of {p['memory_budget'] / 2**30:.2f} GiB",
+        "",
+        "logical dims (factors) -> mesh axes:",
+    ]
+    for _, desc, size, axes in self.factors:
+        lines.append(f"  {desc:<40} size {size:<8} -> {', '.join(axes) if axes else 'replicated'}")
+    lines.append("")
+    if p.get("collectives"):
+        lines.append("predicted collectives per step (per-device buffer bytes):")
+        for c in p["collectives"]:
+            lines.append(f"  {c['kind']:<15} over {','.join(c['axes']):<12} {c['phase']:<9} "
+                         f"x{c['count']:<6g} {c['bytes']:>16,.0f} B")
+        lines.append("")
+    rows = [("parameter", "shape", "spec", "bytes/device", "gradient sync")]
+    for r in self.params:
+        rows.append((r.keypath, "x".join(map(str, r.shape)) or "scalar", spec_str(r.spec),
+                     f"{r.bytes_per_device:,}", r.grad_sync))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for k, r in enumerate(rows):
+        lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)))
+        if k == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    if "experts" in p:
+        lines.append("")
+        lines.append("vs expert plans (same cost model):")
+        lines.extend(_expert_lines(p))
+    for w in self.warnings:
+        lines.append(f"warning: {w}")
+    return "\n".join(lines)
+
+
+def explain_pipeline(self: Any) -> str:
+    """Pipeline plan report: stage table, simulated step, vs the partitioner's baseline."""
+    p, pp = self.predicted, self.predicted["pipeline"]
+    unit = pp["unit"]
+    lines = [
+        f"autoshard pipeline plan ({pp['method']}, {pp['schedule']} schedule, profile {pp['profile']}) on "
+        f"{pp['devices']} devices (mesh {' x '.join(f'{n}={s}' for n, s in self.mesh)}), hardware {self.hardware}"
+        + (f", {pp['devices_used']} of them used" if pp["devices_used"] != pp["devices"] else ""),
+        f"{len(self.stages)} stages (depth {pp['depth']}) x {pp['pipelines']} pipeline copies, "
+        f"{self.microbatches} micro-batches of batch {pp['batch_size']}; predicted step "
+        f"{p['step_time'] * 1e3:.3f} ms, throughput {pp['batch_size'] / p['step_time']:.4g} samples/s, "
+        f"max/mean stage time {pp['max_over_mean']:.3f}; peak memory {p['memory']['total'] / 2**30:.3f} GiB "
+        f"per device of {p['memory_budget'] / 2**30:.2f} GiB",
+        f"search {pp['search_seconds']:.3f} s over {pp['units']} {unit}; event simulator: step "
+        f"{pp['simulated_step_time'] * 1e3:.3f} ms, bubble {pp['bubble_fraction']:.1%}, in flight per stage "
+        f"{list(pp['peak_inflight'])}",
+        "",
+    ]
+    dag = any(s.after != ((s.index - 1,) if s.index else ()) for s in self.stages)
+    rows = [("stage", *(("after",) if dag else ()), unit.split()[-1].rstrip("s"), "ops", "replicas", "micro-batch",
+             "forward ms", "backward ms", "memory GiB", "modules")]
+    for s in self.stages:
+        mods = ", ".join(s.modules[:3]) + (f", ... ({len(s.modules)})" if len(s.modules) > 3 else "")
+        rows.append((str(s.index), *((",".join(map(str, s.after)) or "-",) if dag else ()), _span(s.units),
+                     str(len(s.ops)), str(s.replicas), f"{s.microbatch_size} x{s.microbatches}",
+                     f"{s.predicted_forward * 1e3:.3f}", f"{s.predicted_backward * 1e3:.3f}",
+                     f"{s.memory / 2**30:.3f}", mods or "-"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for k, r in enumerate(rows):
+        lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
+        if k == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    lines.append("")
+    base = pp.get("baseline")
+    if base:
+        ratio = base["step_time"] / p["step_time"]
+        lines.append(f"vs {base['name']} ({base['stages']} stages, depth {base['depth']}, {base['microbatches']} "
+                     f"micro-batches): {base['step_time'] * 1e3:.3f} ms, max/mean {base['max_over_mean']:.3f}; "
+                     + (f"this plan is {ratio:.2f}x faster" if ratio >= 1 else
+                        f"the {base['name']} is {1 / ratio:.2f}x faster ({base['hint']})"))
+    else:
+        lines.append(f"vs {pp['baseline_name']}: none applies ({pp['baseline_reason']})")
+    auto = pp.get("auto")
+    if auto:
+        steps = auto["simulated_step_time"]
+        others = [f"{n} {t * 1e3:.3f} ms" for n, t in sorted(steps.items()) if n != auto["chosen"]]
+        others += [f"{n} skipped: {why}" for n, why in sorted(auto["skipped"].items())]
+        lines.append(f"pipeline='auto' chose {auto['chosen']} (simulated step {steps[auto['chosen']] * 1e3:.3f} ms)"
+                     + (f" over {'; '.join(others)}" if others else ""))
+    for w in self.warnings:
+        lines.append(f"warning: {w}")
+    return "\n".join(lines)
+
+
+_PARTS = {"compute": "compute", "fwd_comm": "forward communication", "bwd_comm": "backward communication",
+          "opt_comm": "optimizer communication", "grad_sync": "gradient sync", "storage_comm": "ZeRO gathers"}
+
+
+def _expert_lines(p: Mapping[str, Any]) -> list[str]:
+    """One line per expert: its step time and memory, and why the chosen plan differs."""
+    lines = []
+    t, bd = p["step_time"], p["breakdown"]
+    for name, e in p["experts"].items():
+        if "reason" in e:
+            lines.append(f"  {name:<15} not applicable: {e['reason']}")
+            continue
+        head = (f"  {name:<15} {e['step_time'] * 1e3:10.3f} ms  {e['memory'] / 2**30:8.3f} GiB"
+                + ("" if e["feasible"] else "  (exceeds the memory budget)"))
+        if not e["feasible"]:
+            lines.append(head + "; the chosen plan fits")
+        elif e["step_time"] > t * (1 + 1e-9):
+            # the component where the chosen plan saves most
+            diffs = {k: e["breakdown"][k] - bd[k] for k in _PARTS}
+            k = max(diffs, key=diffs.get)
+            lines.append(head + f"; chosen plan is {e['step_time'] / t:.2f}x faster: {_PARTS[k]} "
+                                f"{bd[k] * 1e3:.3f} ms instead of {e['breakdown'][k] * 1e3:.3f} ms")
+        else:
+            lines.append(head + "; ties with the chosen plan")
+    return lines

@@ -1,0 +1,43 @@
+"""One entry from a traced step and a Config to a Plan: tensor or pipeline (pure: no jax import)."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from ..core.errors import ConfigError
+from ..core.graph import OpGraph
+from ..core.grouping import group
+from ..core.hardware import HardwareSpec
+from ..core.mesh import MeshSpec
+from ..pipeline.partition import Profiler
+from .config import Config
+from .pipeline_planner import pipeline_plan
+from .plan import Plan
+from .planner import tensor_plan
+
+
+def make_plan(graph: OpGraph, config: Config, hardware: HardwareSpec, *, profiler: Profiler | None = None,
+              trace_seconds: float = 0.0) -> Plan:
+    """The plan of the traced step `graph` under `config` on `hardware` (the config's, or the local
+    device's when it names none: the bridge resolves that). `profiler` serves profile="measured".
+    The plan's `predicted["timing"]` holds the seconds spent tracing, grouping and searching."""
+    if config.mesh is None:
+        raise ConfigError("autoshard: no mesh given; pass mesh={'data': 2, 'model': 4} (axis name -> size), a jax "
+                          "Mesh, or 'auto' with devices=<count>, or a config file with [mesh].")
+    t0 = time.perf_counter()
+    if config.pipeline is None:
+        grouping = group(graph)
+        group_seconds = time.perf_counter() - t0
+        plan = tensor_plan(graph, mesh=config.mesh, hw=hardware, options=config.search, devices=config.devices,
+                           grouping=grouping)
+    else:
+        group_seconds = 0.0
+        mesh = MeshSpec((("data", config.devices),)) if config.mesh == "auto" else config.mesh
+        plan = pipeline_plan(graph, mesh=mesh, hw=hardware, memory_budget=config.memory_budget,
+                             pipeline=config.pipeline, schedule=config.schedule, profile=config.profile,
+                             options=config.pipeline_options, profiler=profiler)
+    timing = {"trace_seconds": trace_seconds, "group_seconds": group_seconds,
+              "search_seconds": plan.predicted["search_seconds"],
+              "total_seconds": trace_seconds + time.perf_counter() - t0}
+    return dataclasses.replace(plan, predicted={**plan.predicted, "timing": timing})
