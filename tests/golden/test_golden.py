@@ -37,6 +37,11 @@ def _summary(plan: autoshard.Plan) -> dict:
         "memory_total": p["memory"]["total"],
         "comm_bytes": dict(sorted(p["comm_bytes"].items())),
         "warnings": list(plan.warnings),
+        "stages": [{"mesh": dict(st.mesh), "replicas": st.replicas, "microbatch_size": st.microbatch_size,
+                    "storage": st.storage, "activation_constraints": {k: [list(d) for d in sp]
+                                                                      for k, sp in st.activation_constraints}}
+                   for st in plan.stages],
+        "schedule": plan.schedule,
     }
 
 

@@ -140,6 +140,62 @@ def pipelined(loss_fn: Callable, params: Any, batch: Any, *, mesh: Any, num_micr
     if not callable(loss_fn):
         raise PipelineError(f"autoshard.pipelined: loss_fn must be callable, got {type(loss_fn).__name__}.")
     mesh = _mesh(mesh)
+    S, axes, B, mb = _split_batch(mesh, batch, num_microbatches, pipe_axis, data_axes)
+    closed, prog, treedef, keys, p_leaves = _trace(loss_fn, params, batch, mb)
+    if check_loss:
+        _check_chunk_mean(loss_fn, params, batch, B // mb, mb, mesh)
+    g = _analyse(prog, closed, keys)
+    rate, bandwidth = _rates(hardware, p_leaves)
+    dag = plan_edges(_plan_stages(plan, S)) if plan is not None else None
+    if dag is None:     # a chain: stage s sends s+1 everything made so far that is used later
+        cut = _chain_cut(g, plan, S, rate, bandwidth)
+    else:               # a DAG (GraphPipe): each value goes straight to the stages using it
+        cut = _dag_cut(g, plan, S, dag)
+        if schedule == "1f1b":
+            schedule = "graph-1f1b"     # 1F1B generalised to a DAG of stages
+    _check_sends(g, cut.sends)
+    holders, owner = _holders(g, cut.stage)
+    needs_batch_only = _batch_only_needs(g, cut, S)
+    fns = [_stage_fn(s, prog, cut.stage, needs_batch_only[s], [cut.sends[u] for u in cut.preds[s]],
+                     None if s == cut.sink else cut.sends[s], keys, holders, g.loss_key) for s in range(S)]
+    tied = [[(h, _dict_path(keys[i])) for h in sorted(holders[i])] for i in range(len(keys)) if len(holders[i]) > 1]
+    program = pipeline_value_and_grad(fns, mesh, num_microbatches=num_microbatches, schedule=schedule,
+                                      edges=cut.edges, pipe_axis=pipe_axis, data_axes=axes, tied=tied)
+    infos = _stage_infos(g, cut, S, holders, owner)
+    return Pipelined(program, infos, treedef, keys, tuple(owner), tuple(map(tuple, holders)))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Eqns:
+    """The traced loss, flattened, and what the cut reads of it (lists are indexed by eqn)."""
+
+    prog: Any
+    keys: tuple[str, ...]            # the parameter leaves' keypaths
+    param_key: dict[Any, int]        # value key -> parameter leaf index
+    producer: dict[int, int]         # value key -> the eqn making it
+    key_ins: list[list[Any]]         # each eqn's non-literal inputs
+    batch_only: list[bool]           # no parameter upstream
+    flops: list[float]               # per micro-batch, forward
+    modules: list[str]
+    avals: dict[int, Any]
+    nbytes: dict[int, int]
+    loss_key: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class _Cut:
+    """Which stage runs each eqn and which values travel between stages."""
+
+    stage: list[int]                       # per eqn (-1: batch-only, recomputed where needed)
+    edges: list[tuple[int, int]] | None    # the stage DAG (None: a chain)
+    sends: dict[int, list[Any]]            # stage -> the values it sends each successor
+    sink: int                              # the stage returning the loss
+    preds: list[list[int]]                 # per stage: the stages it receives from
+
+
+def _split_batch(mesh: Mesh, batch: Any, num_microbatches: Any, pipe_axis: str,
+                 data_axes: tuple[str, ...] | None) -> tuple[int, tuple[str, ...], int, int]:
+    """(stages, data axes, batch size, micro-batch size per replica), or a PipelineError."""
     if pipe_axis not in mesh.axis_names:
         raise PipelineError(
             f"autoshard.pipelined: the mesh {dict(mesh.shape)} has no {pipe_axis!r} axis; its size is the stage count.")
@@ -158,8 +214,12 @@ def pipelined(loss_fn: Callable, params: Any, batch: Any, *, mesh: Any, num_micr
         raise PipelineError(
             f"autoshard.pipelined: batch size {B} does not split into {num_microbatches} micro-batches x {dp} "
             f"data-parallel replicas (mesh {dict(mesh.shape)}); use a multiple of {num_microbatches * dp}.")
-    mb = B // (num_microbatches * dp)
+    return S, axes, B, B // (num_microbatches * dp)
 
+
+def _trace(loss_fn: Callable, params: Any, batch: Any, mb: int) -> tuple[Any, Any, Any, tuple[str, ...], list]:
+    """(closed jaxpr, flattened program, params treedef, leaf keypaths, leaves) of the loss traced at
+    the micro-batch shape."""
     p_leaves_kp, treedef = jax.tree_util.tree_flatten_with_path(params)
     keys = tuple(jc.keystr(kp) for kp, _ in p_leaves_kp)
     p_struct = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
@@ -175,8 +235,10 @@ def pipelined(loss_fn: Callable, params: Any, batch: Any, *, mesh: Any, num_micr
         raise PipelineError(
             f"autoshard.pipelined: loss_fn must return one scalar float loss (the micro-batch mean); it returns "
             f"{[(a.shape, str(a.dtype)) for a in closed.out_avals]}.")
-    if check_loss:
-        _check_chunk_mean(loss_fn, params, batch, B // mb, mb, mesh)
+    return closed, prog, treedef, keys, [x for _, x in p_leaves_kp]
+
+
+def _analyse(prog: Any, closed: Any, keys: tuple[str, ...]) -> _Eqns:
     n_params = len(keys)
     param_key = {k: i for i, k in enumerate(prog.inputs[:n_params])}   # value key -> leaf index
     batch_keys = set(prog.inputs[n_params:])
@@ -196,89 +258,110 @@ def pipelined(loss_fn: Callable, params: Any, batch: Any, *, mesh: Any, num_micr
     modules = [parse_scope(fe.scope)[0] for fe in eqns]
     avals = _avals(prog, closed)
     nbytes = {k: int(np.prod(a.shape)) * jnp.dtype(a.dtype).itemsize for k, a in avals.items()}
-    live = _live_bytes(key_ins, producer, batch_only, nbytes, prog.outputs[0])
+    return _Eqns(prog, keys, param_key, producer, key_ins, batch_only, flops, modules, avals, nbytes,
+                 prog.outputs[0])
+
+
+def _rates(hardware: Any, p_leaves: list) -> tuple[float, float]:
+    """(flop rate for the parameters' dtype, link bandwidth) of `hardware` (None: the local device)."""
     hw = get_hardware(hardware) if hardware is not None else local_hardware()
-    biggest = max(p_leaves_kp, key=lambda kv: kv[1].size)[1] if p_leaves_kp else None
+    biggest = max(p_leaves, key=lambda x: x.size) if p_leaves else None
     rate = hw.peak_flops(biggest.dtype if biggest is not None else jnp.float32) * hw.compute_efficiency
-    loss_key = prog.outputs[0]
-    dag = plan_edges(_plan_stages(plan, S)) if plan is not None else None
-    if dag is None:     # a chain: stage s sends s+1 everything made so far that is used later
-        anchor = _anchors(plan, S, keys, key_ins, param_key, batch_only, flops, modules, live, rate,
-                          hw.intra_node_bandwidth)
-        stage = [-1] * len(eqns)
-        for e in range(len(eqns)):
-            if batch_only[e]:
-                continue
-            ins = [stage[producer[k]] for k in key_ins[e] if k in producer and not batch_only[producer[k]]]
-            stage[e] = max([anchor[e], *ins])
-        sink, edges = S - 1, None
-        made_at = {k: stage[producer[k]] for k in producer if not batch_only[producer[k]]}
-        last_use: dict[int, int] = {}
-        for e, ins in enumerate(key_ins):
-            if not batch_only[e]:
-                for k in ins:
-                    if k in made_at:
-                        last_use[k] = max(last_use.get(k, -1), stage[e])
-        if not jc.is_literal(loss_key) and loss_key in made_at:
-            last_use[loss_key] = S - 1
-        sends = {s: [k for k in sorted(made_at) if made_at[k] <= s < last_use.get(k, -1)] for s in range(S - 1)}
-        preds: list[list[int]] = [[s - 1] if s else [] for s in range(S)]
-    else:               # a DAG (GraphPipe): each value goes straight to the stages using it
-        plan_anchor = _plan_anchors(plan, S, keys, key_ins, param_key, batch_only, modules)
-        stage, edges, sends, sink = dag_assign(S, dag, plan_anchor, key_ins, [fe.outputs for fe in eqns],
-                                               batch_only, None if jc.is_literal(loss_key) else loss_key)
-        preds = [[u for u, v in edges if v == s] for s in range(S)]
-        if schedule == "1f1b":
-            schedule = "graph-1f1b"     # 1F1B generalised to a DAG of stages
+    return rate, hw.intra_node_bandwidth
+
+
+def _chain_cut(g: _Eqns, plan: Any, S: int, flop_rate: float, link_bandwidth: float) -> _Cut:
+    """A chain: every eqn at the latest of its anchor and its inputs' stages; stage s sends s+1
+    everything made so far that is used later."""
+    n = len(g.key_ins)
+    live = _live_bytes(g.key_ins, g.producer, g.batch_only, g.nbytes, g.loss_key)
+    anchor = _anchors(plan, S, g.keys, g.key_ins, g.param_key, g.batch_only, g.flops, g.modules, live, flop_rate,
+                      link_bandwidth)
+    stage = [-1] * n
+    for e in range(n):
+        if g.batch_only[e]:
+            continue
+        ins = [stage[g.producer[k]] for k in g.key_ins[e] if k in g.producer and not g.batch_only[g.producer[k]]]
+        stage[e] = max([anchor[e], *ins])
+    made_at = {k: stage[g.producer[k]] for k in g.producer if not g.batch_only[g.producer[k]]}
+    last_use: dict[int, int] = {}
+    for e, ins in enumerate(g.key_ins):
+        if not g.batch_only[e]:
+            for k in ins:
+                if k in made_at:
+                    last_use[k] = max(last_use.get(k, -1), stage[e])
+    if not jc.is_literal(g.loss_key) and g.loss_key in made_at:
+        last_use[g.loss_key] = S - 1
+    sends = {s: [k for k in sorted(made_at) if made_at[k] <= s < last_use.get(k, -1)] for s in range(S - 1)}
+    return _Cut(stage, None, sends, S - 1, [[s - 1] if s else [] for s in range(S)])
+
+
+def _dag_cut(g: _Eqns, plan: Any, S: int, dag: list[tuple[int, int]]) -> _Cut:
+    """A DAG (GraphPipe): `cut_dag.assign` places the eqns; each value goes straight to the stages using it."""
+    plan_anchor = _plan_anchors(plan, S, g.keys, g.key_ins, g.param_key, g.batch_only, g.modules)
+    stage, edges, sends, sink = dag_assign(S, dag, plan_anchor, g.key_ins, [fe.outputs for fe in g.prog.eqns],
+                                           g.batch_only, None if jc.is_literal(g.loss_key) else g.loss_key)
+    return _Cut(stage, edges, sends, sink, [[u for u, v in edges if v == s] for s in range(S)])
+
+
+def _check_sends(g: _Eqns, sends: dict[int, list[Any]]) -> None:
+    """Stages exchange only floating-point values: name the first other value that would travel."""
+    eqns = g.prog.eqns
     for a, ks in sends.items():
-        bad = [k for k in ks if not jnp.issubdtype(avals[k].dtype, jnp.floating)]
+        bad = [k for k in ks if not jnp.issubdtype(g.avals[k].dtype, jnp.floating)]
         if bad:
             k = bad[0]
-            where = f"eqn '{eqns[producer[k]].eqn.primitive.name}' in {eqns[producer[k]].scope or 'the top level'}"
+            where = f"eqn '{eqns[g.producer[k]].eqn.primitive.name}' in {eqns[g.producer[k]].scope or 'the top level'}"
             raise PipelineError(
-                f"autoshard.pipelined: a {avals[k].dtype}{list(avals[k].shape)} value made by {where} in stage {a} "
+                f"autoshard.pipelined: a {g.avals[k].dtype}{list(g.avals[k].shape)} value made by {where} in stage {a} "
                 f"is used in a later stage; stages exchange only floating-point values. Compute it from the batch "
                 f"alone (then every stage recomputes it) or keep its producer and users together.")
 
+
+def _holders(g: _Eqns, stage: list[int]) -> tuple[list[set[int]], list[int]]:
+    """(the stages holding each parameter leaf, its owner: the first of them)."""
     # holders: every stage reading a parameter keeps a copy (tied embeddings: the first and the last
     # stage), the runtime sums the copies' gradients once per step; unread ones live on stage 0
-    holders: list[set[int]] = [set() for _ in range(n_params)]
-    for e, ins in enumerate(key_ins):
+    holders: list[set[int]] = [set() for _ in range(len(g.keys))]
+    for e, ins in enumerate(g.key_ins):
         for k in ins:
-            if k in param_key and not batch_only[e]:
-                holders[param_key[k]].add(stage[e])
+            if k in g.param_key and not g.batch_only[e]:
+                holders[g.param_key[k]].add(stage[e])
     holders = [h or {0} for h in holders]
-    owner = [min(h) for h in holders]
+    return holders, [min(h) for h in holders]
 
-    # per stage: the batch-only eqns it must recompute, then its own eqns, in program order
+
+def _batch_only_needs(g: _Eqns, cut: _Cut, S: int) -> list[list[int]]:
+    """Per stage: the batch-only eqns it must recompute (it then runs them and its own eqns in program order)."""
+    eqns = g.prog.eqns
     needs_batch_only: list[list[int]] = []
     for s in range(S):
-        want = {k for e in range(len(eqns)) if stage[e] == s for k in key_ins[e]}
-        if s == sink and not jc.is_literal(loss_key):
-            want.add(loss_key)
+        want = {k for e in range(len(eqns)) if cut.stage[e] == s for k in g.key_ins[e]}
+        if s == cut.sink and not jc.is_literal(g.loss_key):
+            want.add(g.loss_key)
         chosen: set[int] = set()
         for e in range(len(eqns) - 1, -1, -1):
-            if batch_only[e] and (any(k in want for k in eqns[e].outputs)):
+            if g.batch_only[e] and (any(k in want for k in eqns[e].outputs)):
                 chosen.add(e)
-                want.update(key_ins[e])
+                want.update(g.key_ins[e])
         needs_batch_only.append(sorted(chosen))
+    return needs_batch_only
 
-    recv = [[k for u in preds[s] for k in sends[u]] for s in range(S)]
-    fns = [_stage_fn(s, prog, stage, needs_batch_only[s], [sends[u] for u in preds[s]],
-                     None if s == sink else sends[s], keys, holders, loss_key) for s in range(S)]
-    tied = [[(h, _dict_path(keys[i])) for h in sorted(holders[i])] for i in range(n_params) if len(holders[i]) > 1]
-    program = pipeline_value_and_grad(fns, mesh, num_microbatches=num_microbatches, schedule=schedule,
-                                      edges=edges, pipe_axis=pipe_axis, data_axes=axes, tied=tied)
+
+def _stage_infos(g: _Eqns, cut: _Cut, S: int, holders: list[set[int]], owner: list[int]) -> tuple[StageInfo, ...]:
+    """What each stage runs, holds and receives (`Pipelined.stages`)."""
+    keys = g.keys
+    recv = [[k for u in cut.preds[s] for k in cut.sends[u]] for s in range(S)]
     infos = []
     for s in range(S):
-        mine = [e for e in range(len(eqns)) if stage[e] == s]
-        mods = list(dict.fromkeys(modules[e] for e in mine))
-        infos.append(StageInfo(s, len(mine), float(sum(flops[e] for e in mine)), tuple(m for m in mods if m),
+        mine = [e for e in range(len(g.prog.eqns)) if cut.stage[e] == s]
+        mods = list(dict.fromkeys(g.modules[e] for e in mine))
+        infos.append(StageInfo(s, len(mine), float(sum(g.flops[e] for e in mine)), tuple(m for m in mods if m),
                                tuple(k for k, o in zip(keys, owner, strict=True) if o == s), len(recv[s]),
-                               int(sum(nbytes[k] for k in recv[s])),
+                               int(sum(g.nbytes[k] for k in recv[s])),
                                tuple(k for k, h, o in zip(keys, holders, owner, strict=True) if s in h and o != s),
-                               tuple(tuple(int(d) for d in avals[k].shape) for k in recv[s]), tuple(preds[s])))
-    return Pipelined(program, tuple(infos), treedef, keys, tuple(owner), tuple(map(tuple, holders)))
+                               tuple(tuple(int(d) for d in g.avals[k].shape) for k in recv[s]), tuple(cut.preds[s])))
+    return tuple(infos)
 
 
 def _check_chunk_mean(loss_fn: Callable, params: Any, batch: Any, chunks: int, mb: int, mesh: Mesh) -> None:

@@ -315,135 +315,20 @@ class PipelineProgram:
         return B
 
     def _build(self, params: StackedParams, batch: Any, B: int) -> Callable:
+        """The jitted step for one batch shape: a shape pass over the stages, then the SPMD tick loop."""
         S, M, dp = self.num_stages, self.num_microbatches, self.data_parallel
-        sched, st, fns = self.schedule, self._static, self.stage_fns
+        sched, st = self.schedule, self._static
         preds = [sched.predecessors(s) for s in range(S)]
         succs = [sched.successors(s) for s in range(S)]
         local_mb = B // (M * dp)
-
-        # Shapes of every stage's output on one local micro-batch, in topological order.
-        mb_struct = jax.tree.map(lambda x: jax.ShapeDtypeStruct((local_mb, *x.shape[1:]), x.dtype), batch)
-        p_structs = [jax.tree.unflatten(lay.treedef, [jax.ShapeDtypeStruct(s, d)
-                                                      for s, d in zip(lay.shapes, lay.dtypes, strict=True)])
-                     for lay in params.layouts]
-        outs: dict[int, Any] = {}
-        for s in _topological(S, sched.edges):
-            try:
-                outs[s] = jax.eval_shape(fns[s], p_structs[s], mb_struct, *[outs[u] for u in preds[s]])
-            except Exception as e:  # the user's function failed on these shapes: say which stage
-                raise PipelineError(
-                    f"pipeline runtime: stage {s} failed on a micro-batch of {local_mb} samples with inputs from "
-                    f"stages {list(preds[s])}: {type(e).__name__}: {e}") from e
-            if not succs[s]:
-                y = outs[s]
-                scalar = isinstance(y, jax.ShapeDtypeStruct) and y.shape == ()
-                if not (scalar and jnp.issubdtype(y.dtype, jnp.floating)):
-                    raise PipelineError(
-                        f"pipeline runtime: stage {s} has no successor, so it must return the scalar float loss of "
-                        f"its micro-batch; it returned {jax.tree.map(lambda x: (x.shape, str(x.dtype)), y)}.")
-        out_lay = {s: _layout(outs[s], f"stage {s}'s output") for s in range(S) if succs[s]}
-        A = max([1, *(lay.size for lay in out_lay.values())])
-        act_dtype = _buffer_dtype(list(out_lay.values()))
-        P_width = params.flat.shape[1]
-        p_dtype = params.flat.dtype
-        n_in_max, n_out_max = st.in_slot.shape[1], st.out_slot.shape[1]
-
-        def stage_call(s, flat_p, act_buf, grad_buf, batch_m, m):
-            p = params.layouts[s].unpack(flat_p)
-            xs = [out_lay[u].unpack(act_buf[k, st_in_slot[s, k, m]]) for k, u in enumerate(preds[s])]
-            return p, xs
-
-        st_in_slot, st_out_slot = jnp.asarray(st.in_slot), jnp.asarray(st.out_slot)
-        zeros = (jnp.zeros((A,), act_dtype), jnp.zeros((n_in_max, A), act_dtype),
-                 jnp.zeros((P_width,), p_dtype), jnp.zeros((), jnp.float32))
-
-        def forward(s):
-            def run(flat_p, act_buf, grad_buf, batch_m, m):
-                p, xs = stage_call(s, flat_p, act_buf, grad_buf, batch_m, m)
-                y = fns[s](p, batch_m, *xs)
-                if not succs[s]:
-                    return zeros[0], zeros[1], zeros[2], y.astype(jnp.float32) / M
-                return out_lay[s].pack(y, A, act_dtype), zeros[1], zeros[2], zeros[3]
-            return run
-
-        def backward(s):
-            def run(flat_p, act_buf, grad_buf, batch_m, m):
-                p, xs = stage_call(s, flat_p, act_buf, grad_buf, batch_m, m)
-                y, vjp = jax.vjp(lambda p_, *xs_: fns[s](p_, batch_m, *xs_), p, *xs)
-                if succs[s]:
-                    g = sum(grad_buf[j, st_out_slot[s, j, m]] for j in range(len(succs[s])))
-                    ct = out_lay[s].unpack(g)
-                else:
-                    ct = jnp.asarray(1.0 / M, y.dtype)
-                dp_, *dxs = vjp(ct)
-                rows = [out_lay[u].pack(dx, A, act_dtype) for u, dx in zip(preds[s], dxs, strict=True)]
-                rows += [zeros[0]] * (n_in_max - len(rows))
-                return zeros[0], jnp.stack(rows), params.layouts[s].pack(dp_, P_width, p_dtype), zeros[3]
-            return run
-
-        def idle(flat_p, act_buf, grad_buf, batch_m, m):
-            return zeros
-
-        branches = [forward(s) for s in range(S)] + [backward(s) for s in range(S)] + [idle]
-        groups = _matchings(sched.edges)
+        out_lay = _output_layouts(self.stage_fns, params.layouts, batch, local_mb, sched.edges, preds, succs)
+        bufs = _buffers(st, M, preds, succs, params, out_lay)
+        branches = _branches(bufs, self.stage_fns)
         kind_t, mb_t = jnp.asarray(st.kind), jnp.asarray(st.microbatch)
-
-        def lookup(pairs, key):   # per receiving rank: sender (or -1) and the edge index at each end
-            src = np.full(S, -1, np.int32)
-            k_in = np.zeros(S, np.int32)
-            k_out = np.zeros(S, np.int32)
-            for a, b in pairs:
-                if key == "fwd":
-                    src[b], k_in[b] = a, preds[b].index(a)
-                else:
-                    src[a], k_out[a] = b, succs[a].index(b)
-                    k_in[b] = preds[b].index(a)      # which input-gradient row rank b sends
-            return jnp.asarray(src), jnp.asarray(k_in), jnp.asarray(k_out)
-
-        tables = [(pairs, lookup(pairs, "fwd"), lookup(pairs, "bwd")) for pairs in groups]
+        tables = _edge_tables(sched.edges, preds, succs, S)
         pipe, data_axes = self.pipe_axis, self.data_axes
         ties = [self._tie_offsets(group, params.layouts) for group in self.tied]
-
-        def body(flat, batch_mb):
-            r = lax.axis_index(pipe)
-            flat_p = flat[0]
-
-            def tick(t, carry):
-                act_buf, grad_buf, gacc, loss = carry
-                k, m = kind_t[t, r], mb_t[t, r]
-                idx = jnp.where(k == FORWARD, r, jnp.where(k == BACKWARD, S + r, 2 * S))
-                batch_m = jax.tree.map(lambda x: lax.dynamic_index_in_dim(x, m, 0, keepdims=False), batch_mb)
-                act_out, grads_out, dparam, dloss = lax.switch(idx, branches, flat_p, act_buf, grad_buf, batch_m, m)
-                def deliver(buf, recv, src, row, slots, kind):
-                    # keep what arrived only if the sender ran that kind of task this tick
-                    valid = (src >= 0) & (kind_t[t, jnp.maximum(src, 0)] == kind)
-                    slot = slots[r, row, mb_t[t, jnp.maximum(src, 0)]]
-                    return buf.at[row, slot].set(jnp.where(valid, recv, buf[row, slot]))
-
-                for pairs, (f_src, f_kin, _), (b_src, b_kin, b_kout) in tables:
-                    recv = lax.ppermute(act_out, pipe, perm=pairs)
-                    act_buf = deliver(act_buf, recv, f_src[r], f_kin[r], st_in_slot, FORWARD)
-                    recv = lax.ppermute(grads_out[b_kin[r]], pipe, perm=[(b, a) for a, b in pairs])
-                    grad_buf = deliver(grad_buf, recv, b_src[r], b_kout[r], st_out_slot, BACKWARD)
-                return act_buf, grad_buf, gacc + dparam, loss + dloss
-
-            carry = (jnp.zeros((n_in_max, st.num_in_slots, A), act_dtype),
-                     jnp.zeros((n_out_max, st.num_out_slots, A), act_dtype),
-                     jnp.zeros((P_width,), p_dtype), jnp.zeros((), jnp.float32))
-            _, _, gacc, loss = lax.fori_loop(0, st.kind.shape[0], tick, carry)
-            for members, offsets, n in ties:    # copies of one parameter: every copy gets the sum
-                off = jnp.asarray(offsets)[r]
-                mine = lax.dynamic_slice_in_dim(gacc, off, n)
-                total = mine
-                for j in range(1, len(members)):
-                    perm = [(members[i], members[(i + j) % len(members)]) for i in range(len(members))]
-                    total = total + lax.ppermute(mine, pipe, perm=perm)
-                member = jnp.isin(r, jnp.asarray(members))
-                gacc = lax.dynamic_update_slice_in_dim(gacc, jnp.where(member, total, mine), off, 0)
-            loss = lax.psum(loss, pipe)
-            if data_axes:
-                loss, gacc = lax.pmean(loss, data_axes), lax.pmean(gacc, data_axes)
-            return loss, gacc[None]
+        body = _spmd_body(bufs, st, branches, tables, kind_t, mb_t, ties, pipe, data_axes)
 
         data_spec = data_axes if len(data_axes) != 1 else data_axes[0]
         batch_spec = jax.tree.map(lambda x: P(None, data_spec or None), batch)
@@ -455,6 +340,183 @@ class PipelineProgram:
             return mapped(flat, batch_mb)
 
         return jax.jit(step)
+
+
+def _output_layouts(fns: Sequence[Callable], layouts: tuple[Layout, ...], batch: Any, local_mb: int,
+                    edges: Sequence[tuple[int, int]], preds: list, succs: list) -> dict[int, Layout]:
+    """The flat layout of every non-sink stage's output on one local micro-batch, from shapes evaluated in
+    topological order; a sink must return the scalar float loss."""
+    mb_struct = jax.tree.map(lambda x: jax.ShapeDtypeStruct((local_mb, *x.shape[1:]), x.dtype), batch)
+    p_structs = [jax.tree.unflatten(lay.treedef, [jax.ShapeDtypeStruct(s, d)
+                                                  for s, d in zip(lay.shapes, lay.dtypes, strict=True)])
+                 for lay in layouts]
+    S = len(fns)
+    outs: dict[int, Any] = {}
+    for s in _topological(S, edges):
+        try:
+            outs[s] = jax.eval_shape(fns[s], p_structs[s], mb_struct, *[outs[u] for u in preds[s]])
+        except Exception as e:  # the user's function failed on these shapes: say which stage
+            raise PipelineError(
+                f"pipeline runtime: stage {s} failed on a micro-batch of {local_mb} samples with inputs from "
+                f"stages {list(preds[s])}: {type(e).__name__}: {e}") from e
+        if not succs[s]:
+            y = outs[s]
+            scalar = isinstance(y, jax.ShapeDtypeStruct) and y.shape == ()
+            if not (scalar and jnp.issubdtype(y.dtype, jnp.floating)):
+                raise PipelineError(
+                    f"pipeline runtime: stage {s} has no successor, so it must return the scalar float loss of "
+                    f"its micro-batch; it returned {jax.tree.map(lambda x: (x.shape, str(x.dtype)), y)}.")
+    return {s: _layout(outs[s], f"stage {s}'s output") for s in range(S) if succs[s]}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Buffers:
+    """What the traced tick loop closes over: the stage DAG, flat layouts, buffer shapes and the slot
+    tables and zero rows (device arrays made once, outside the trace)."""
+
+    M: int
+    preds: list
+    succs: list
+    layouts: tuple[Layout, ...]      # stage parameters
+    out_lay: dict[int, Layout]       # stage outputs (stages with successors)
+    A: int                           # activation row width
+    act_dtype: Any
+    P_width: int                     # parameter row width
+    p_dtype: Any
+    n_in_max: int
+    n_out_max: int
+    in_slot: jax.Array               # _Plan.in_slot
+    out_slot: jax.Array              # _Plan.out_slot
+    zeros: tuple[jax.Array, ...]     # a branch's four results, all zero
+
+
+def _buffers(st: _Plan, M: int, preds: list, succs: list, params: StackedParams,
+             out_lay: dict[int, Layout]) -> _Buffers:
+    A = max([1, *(lay.size for lay in out_lay.values())])
+    act_dtype = _buffer_dtype(list(out_lay.values()))
+    P_width = params.flat.shape[1]
+    p_dtype = params.flat.dtype
+    n_in_max, n_out_max = st.in_slot.shape[1], st.out_slot.shape[1]
+    st_in_slot, st_out_slot = jnp.asarray(st.in_slot), jnp.asarray(st.out_slot)
+    zeros = (jnp.zeros((A,), act_dtype), jnp.zeros((n_in_max, A), act_dtype),
+             jnp.zeros((P_width,), p_dtype), jnp.zeros((), jnp.float32))
+    return _Buffers(M, preds, succs, params.layouts, out_lay, A, act_dtype, P_width, p_dtype, n_in_max, n_out_max,
+                    st_in_slot, st_out_slot, zeros)
+
+
+def _branches(bufs: _Buffers, fns: Sequence[Callable]) -> list[Callable]:
+    """`lax.switch`'s branches, one signature for all: stage s's forward at s, its backward at S + s,
+    idle at 2S. Each returns (activation row, input-gradient rows, parameter gradient, loss)."""
+    S, M, A, act_dtype, zeros = len(fns), bufs.M, bufs.A, bufs.act_dtype, bufs.zeros
+    preds, succs, out_lay = bufs.preds, bufs.succs, bufs.out_lay
+
+    def stage_call(s, flat_p, act_buf, grad_buf, batch_m, m):
+        p = bufs.layouts[s].unpack(flat_p)
+        xs = [out_lay[u].unpack(act_buf[k, bufs.in_slot[s, k, m]]) for k, u in enumerate(preds[s])]
+        return p, xs
+
+    def forward(s):
+        def run(flat_p, act_buf, grad_buf, batch_m, m):
+            p, xs = stage_call(s, flat_p, act_buf, grad_buf, batch_m, m)
+            y = fns[s](p, batch_m, *xs)
+            if not succs[s]:
+                return zeros[0], zeros[1], zeros[2], y.astype(jnp.float32) / M
+            return out_lay[s].pack(y, A, act_dtype), zeros[1], zeros[2], zeros[3]
+        return run
+
+    def backward(s):
+        def run(flat_p, act_buf, grad_buf, batch_m, m):
+            p, xs = stage_call(s, flat_p, act_buf, grad_buf, batch_m, m)
+            y, vjp = jax.vjp(lambda p_, *xs_: fns[s](p_, batch_m, *xs_), p, *xs)
+            if succs[s]:
+                g = sum(grad_buf[j, bufs.out_slot[s, j, m]] for j in range(len(succs[s])))
+                ct = out_lay[s].unpack(g)
+            else:
+                ct = jnp.asarray(1.0 / M, y.dtype)
+            dp_, *dxs = vjp(ct)
+            rows = [out_lay[u].pack(dx, A, act_dtype) for u, dx in zip(preds[s], dxs, strict=True)]
+            rows += [zeros[0]] * (bufs.n_in_max - len(rows))
+            return zeros[0], jnp.stack(rows), bufs.layouts[s].pack(dp_, bufs.P_width, bufs.p_dtype), zeros[3]
+        return run
+
+    def idle(flat_p, act_buf, grad_buf, batch_m, m):
+        return zeros
+
+    return [forward(s) for s in range(S)] + [backward(s) for s in range(S)] + [idle]
+
+
+def _edge_tables(edges: Sequence[tuple[int, int]], preds: list, succs: list, S: int) -> list:
+    """Per matching (one ppermute per direction and tick): its pairs and, for each direction, per
+    receiving rank the sender (or -1) and the edge index at each end."""
+
+    def lookup(pairs, key):
+        src = np.full(S, -1, np.int32)
+        k_in = np.zeros(S, np.int32)
+        k_out = np.zeros(S, np.int32)
+        for a, b in pairs:
+            if key == "fwd":
+                src[b], k_in[b] = a, preds[b].index(a)
+            else:
+                src[a], k_out[a] = b, succs[a].index(b)
+                k_in[b] = preds[b].index(a)      # which input-gradient row rank b sends
+        return jnp.asarray(src), jnp.asarray(k_in), jnp.asarray(k_out)
+
+    return [(pairs, lookup(pairs, "fwd"), lookup(pairs, "bwd")) for pairs in _matchings(edges)]
+
+
+def _spmd_body(bufs: _Buffers, st: _Plan, branches: list[Callable], tables: list, kind_t: jax.Array,
+               mb_t: jax.Array, ties: list, pipe: str, data_axes: tuple[str, ...]) -> Callable:
+    """The per-device program: the tick loop, then tied copies' gradient sums and the loss/gradient
+    reductions over pipe and data axes."""
+    S = len(bufs.preds)
+
+    def body(flat, batch_mb):
+        r = lax.axis_index(pipe)
+        flat_p = flat[0]
+
+        def tick(t, carry):
+            act_buf, grad_buf, gacc, loss = carry
+            k, m = kind_t[t, r], mb_t[t, r]
+            idx = jnp.where(k == FORWARD, r, jnp.where(k == BACKWARD, S + r, 2 * S))
+            batch_m = jax.tree.map(lambda x: lax.dynamic_index_in_dim(x, m, 0, keepdims=False), batch_mb)
+            act_out, grads_out, dparam, dloss = lax.switch(idx, branches, flat_p, act_buf, grad_buf, batch_m, m)
+            def deliver(buf, recv, src, row, slots, kind):
+                # keep what arrived only if the sender ran that kind of task this tick
+                valid = (src >= 0) & (kind_t[t, jnp.maximum(src, 0)] == kind)
+                slot = slots[r, row, mb_t[t, jnp.maximum(src, 0)]]
+                return buf.at[row, slot].set(jnp.where(valid, recv, buf[row, slot]))
+
+            for pairs, (f_src, f_kin, _), (b_src, b_kin, b_kout) in tables:
+                recv = lax.ppermute(act_out, pipe, perm=pairs)
+                act_buf = deliver(act_buf, recv, f_src[r], f_kin[r], bufs.in_slot, FORWARD)
+                recv = lax.ppermute(grads_out[b_kin[r]], pipe, perm=[(b, a) for a, b in pairs])
+                grad_buf = deliver(grad_buf, recv, b_src[r], b_kout[r], bufs.out_slot, BACKWARD)
+            return act_buf, grad_buf, gacc + dparam, loss + dloss
+
+        carry = (jnp.zeros((bufs.n_in_max, st.num_in_slots, bufs.A), bufs.act_dtype),
+                 jnp.zeros((bufs.n_out_max, st.num_out_slots, bufs.A), bufs.act_dtype),
+                 jnp.zeros((bufs.P_width,), bufs.p_dtype), jnp.zeros((), jnp.float32))
+        _, _, gacc, loss = lax.fori_loop(0, st.kind.shape[0], tick, carry)
+        gacc = _sum_tied(gacc, r, ties, pipe)
+        loss = lax.psum(loss, pipe)
+        if data_axes:
+            loss, gacc = lax.pmean(loss, data_axes), lax.pmean(gacc, data_axes)
+        return loss, gacc[None]
+
+    return body
+
+
+def _sum_tied(gacc: jax.Array, r: jax.Array, ties: list, pipe: str) -> jax.Array:
+    for members, offsets, n in ties:    # copies of one parameter: every copy gets the sum
+        off = jnp.asarray(offsets)[r]
+        mine = lax.dynamic_slice_in_dim(gacc, off, n)
+        total = mine
+        for j in range(1, len(members)):
+            perm = [(members[i], members[(i + j) % len(members)]) for i in range(len(members))]
+            total = total + lax.ppermute(mine, pipe, perm=perm)
+        member = jnp.isin(r, jnp.asarray(members))
+        gacc = lax.dynamic_update_slice_in_dim(gacc, jnp.where(member, total, mine), off, 0)
+    return gacc
 
 
 def _topological(n: int, edges: Sequence[tuple[int, int]]) -> list[int]:

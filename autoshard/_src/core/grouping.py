@@ -173,6 +173,11 @@ def _pattern(paths: Iterable[tuple[str, ...]]) -> str:
     return "/".join(out)
 
 
+_Node = tuple[str, ...]
+# (depth, member nodes, reference forward composition, per member (missing, extra) forward ops)
+_Cluster = tuple[int, list[_Node], Counter, dict[_Node, tuple[int, int]]]
+
+
 def group(graph: OpGraph, min_duplicate: int = 2, tolerance: float = 0.1,
           descend_fraction: float = 0.8) -> Grouping:
     """Group `graph` into unique block types with their instances (TAP PruneGraph).
@@ -187,20 +192,81 @@ def group(graph: OpGraph, min_duplicate: int = 2, tolerance: float = 0.1,
                             "(a block type needs at least two instances).")
     if not 0.0 <= tolerance < 1.0:
         raise GroupingError(f"autoshard.group: tolerance={tolerance!r} must be in [0, 1).")
-    ops = graph.ops
+    tree = _ModuleTree(graph, tolerance)
+    clusters = _cluster_by_composition(_candidate_buckets(tree), tree, tolerance)
+    repeated = _repeated_clusters(clusters, tree, min_duplicate)
+    block_types, levels = _select_block_types(repeated, tree, descend_fraction)
+    in_block = {i for bt in block_types for inst in bt.instances for i in inst.ops}
+    remainder = tuple(i for i in range(len(graph.ops)) if i not in in_block)
+    levels.sort(key=lambda c: (c.depth, c.name))
+    return Grouping(graph, tuple(block_types), remainder, tuple(levels), min_duplicate)
 
-    # ops by module, then the module tree (few distinct modules, so this is cheap)
-    by_module: dict[tuple[str, ...], list[int]] = defaultdict(list)
-    for op in ops:
-        by_module[tuple(op.module.split("/")) if op.module else ()].append(op.index)
-    node_modules: dict[tuple[str, ...], list[tuple[str, ...]]] = defaultdict(list)
-    for mod in by_module:
-        for d in range(1, len(mod) + 1):
-            node_modules[mod[:d]].append(mod)
 
-    # per-module forward composition, interned
+class _ModuleTree:
+    """The module tree of a graph, precomputed once: ops and forward composition per module,
+    parameters per module, and the trip count of the loop bodies (nn.scan) among its nodes."""
+
+    def __init__(self, graph: OpGraph, tolerance: float) -> None:
+        self.ops = graph.ops
+        # ops by module, then the module tree (few distinct modules, so this is cheap)
+        self.by_module: dict[_Node, list[int]] = defaultdict(list)
+        for op in self.ops:
+            self.by_module[tuple(op.module.split("/")) if op.module else ()].append(op.index)
+        self.node_modules: dict[_Node, list[_Node]] = defaultdict(list)
+        for mod in self.by_module:
+            for d in range(1, len(mod) + 1):
+                self.node_modules[mod[:d]].append(mod)
+        self.fwd_key, self.kinds = _forward_compositions(self.ops, self.by_module)
+        self.params_of = _params_by_module(graph)
+        self.trip_of = _loop_bodies(self, tolerance)
+
+    def fwd_total(self, node: _Node) -> int:
+        """Forward ops under the node."""
+        return sum(sum(self.fwd_key[m].values()) for m in self.node_modules[node])
+
+    def composition(self, node: _Node) -> Counter:
+        """Forward op kinds under the node, by sub-module relative to it."""
+        c: Counter = Counter()
+        for mod in self.node_modules[node]:
+            rel = "/".join(mod[len(node):])
+            for k, n in self.fwd_key[mod].items():
+                c[(rel, k)] += n
+        return c
+
+    def param_sig(self, node: _Node) -> tuple:
+        """Sorted (relative keypath, shape, dtype) of the parameters under the node."""
+        out = []
+        for mod in self.node_modules[node]:
+            rel = "/".join(mod[len(node):])
+            for leaf, shape, dtype in self.params_of.get(mod, ()):
+                out.append((f"{rel}/{leaf}" if rel else leaf, shape, dtype))
+        return tuple(sorted(out))
+
+    def node_ops(self, node: _Node) -> list[int]:
+        """Indices of all ops under the node, in program order."""
+        out: list[int] = []
+        for mod in self.node_modules[node]:
+            out.extend(self.by_module[mod])
+        out.sort()
+        return out
+
+    def multiplicity(self, node: _Node) -> int:
+        """How many times the node's body runs per step: product of enclosing layer loops."""
+        mult = 1
+        for k in range(1, len(node) + 1):
+            mult *= self.trip_of.get(node[:k], 1)
+        return mult
+
+    def instance_count(self, members: list[_Node]) -> int:
+        """Instances of a group: its members times their loop multiplicities."""
+        return sum(self.multiplicity(n) for n in members)
+
+
+def _forward_compositions(ops, by_module: dict[_Node, list[int]]) -> tuple[dict[_Node, Counter], list[tuple]]:
+    """Per module, the count of each forward op kind (primitive, shapes) by interned id; and the
+    kinds, indexed by id."""
     key_ids: dict[tuple, int] = {}
-    fwd_key: dict[tuple[str, ...], Counter] = {}
+    fwd_key: dict[_Node, Counter] = {}
     for mod, idxs in by_module.items():
         c: Counter = Counter()
         for i in idxs:
@@ -209,9 +275,12 @@ def group(graph: OpGraph, min_duplicate: int = 2, tolerance: float = 0.1,
                 k = (op.primitive, op.in_shapes, op.out_shapes)
                 c[key_ids.setdefault(k, len(key_ids))] += 1
         fwd_key[mod] = c
+    return fwd_key, list(key_ids)  # id -> (primitive, in_shapes, out_shapes)
 
-    # parameters by module
-    params_of: dict[tuple[str, ...], list[tuple[str, tuple[int, ...], str]]] = defaultdict(list)
+
+def _params_by_module(graph: OpGraph) -> dict[_Node, list[tuple[str, tuple[int, ...], str]]]:
+    """(leaf name, shape, dtype) of the parameters of each module."""
+    params_of: dict[_Node, list[tuple[str, tuple[int, ...], str]]] = defaultdict(list)
     for vid in graph.inputs:
         v = graph.values[vid]
         if v.role != "parameter":
@@ -221,44 +290,20 @@ def group(graph: OpGraph, min_duplicate: int = 2, tolerance: float = 0.1,
         if leaf in (".value", ".raw_value") and len(v.keypath_parts) > 1:
             leaf = str(v.keypath_parts[-2])
         params_of[tuple(m.split("/"))].append((leaf, v.shape, v.dtype))
+    return params_of
 
-    kinds = list(key_ids)  # id -> (primitive, in_shapes, out_shapes)
 
-    def fwd_total(node: tuple[str, ...]) -> int:
-        return sum(sum(fwd_key[m].values()) for m in node_modules[node])
-
-    def composition(node: tuple[str, ...]) -> Counter:
-        c: Counter = Counter()
-        for mod in node_modules[node]:
-            rel = "/".join(mod[len(node):])
-            for k, n in fwd_key[mod].items():
-                c[(rel, k)] += n
-        return c
-
-    def param_sig(node: tuple[str, ...]) -> tuple:
-        out = []
-        for mod in node_modules[node]:
-            rel = "/".join(mod[len(node):])
-            for leaf, shape, dtype in params_of.get(mod, ()):
-                out.append((f"{rel}/{leaf}" if rel else leaf, shape, dtype))
-        return tuple(sorted(out))
-
-    def node_ops(node: tuple[str, ...]) -> list[int]:
-        out: list[int] = []
-        for mod in node_modules[node]:
-            out.extend(by_module[mod])
-        out.sort()
-        return out
-
+def _loop_bodies(tree: _ModuleTree, tolerance: float) -> dict[_Node, int]:
+    """Trip count of each node that is the body of a loop over layers (nn.scan)."""
     # Loops over layers (nn.scan): each loop of forward ops with a known trip count >= 2 has a
     # body node, the longest common module prefix of its forward ops ("GPT/blocks"). The node must
     # be (nearly) all loop: invariants hoisted out of the body are tolerated, other content not.
-    loop_mods: dict[int, set[tuple[str, ...]]] = defaultdict(set)
+    loop_mods: dict[int, set[_Node]] = defaultdict(set)
     loop_trip: dict[int, int] = {}
     loop_ops: Counter = Counter()
-    for mod, idxs in by_module.items():
+    for mod, idxs in tree.by_module.items():
         for i in idxs:
-            op = ops[i]
+            op = tree.ops[i]
             if op.phase != "forward":
                 continue
             for loop in op.loops:
@@ -266,36 +311,38 @@ def group(graph: OpGraph, min_duplicate: int = 2, tolerance: float = 0.1,
                     loop_mods[loop.uid].add(mod)
                     loop_trip[loop.uid] = loop.trip_count
                     loop_ops[loop.uid] += 1
-    trip_of: dict[tuple[str, ...], int] = {}
-    best_loop: dict[tuple[str, ...], int] = {}
+    trip_of: dict[_Node, int] = {}
+    best_loop: dict[_Node, int] = {}
     for uid in sorted(loop_mods):
         node = _common_prefix(sorted(loop_mods[uid]))
-        if not node or loop_ops[uid] < (1.0 - tolerance) * fwd_total(node):
+        if not node or loop_ops[uid] < (1.0 - tolerance) * tree.fwd_total(node):
             continue
         if node not in best_loop or loop_ops[uid] > loop_ops[best_loop[node]]:
             best_loop[node], trip_of[node] = uid, loop_trip[uid]
+    return trip_of
 
-    def multiplicity(node: tuple[str, ...]) -> int:
-        """How many times the node's body runs per step: product of enclosing layer loops."""
-        mult = 1
-        for k in range(1, len(node) + 1):
-            mult *= trip_of.get(node[:k], 1)
-        return mult
 
-    # candidate groups per depth: loop bodies and numbered nodes, by name stem and parameters
-    buckets: dict[tuple, list[tuple[str, ...]]] = defaultdict(list)
-    for node in node_modules:
-        if not fwd_total(node):
+def _candidate_buckets(tree: _ModuleTree) -> dict[tuple, list[_Node]]:
+    """Candidate groups per depth: loop bodies and numbered nodes, by name stem and parameters."""
+    buckets: dict[tuple, list[_Node]] = defaultdict(list)
+    for node in tree.node_modules:
+        if not tree.fwd_total(node):
             continue  # no forward ops: nothing to search over
         stem = _stem(node[-1])
-        if node in trip_of:
-            buckets[(len(node), "scan:" + node[-1], param_sig(node))].append(node)
+        if node in tree.trip_of:
+            buckets[(len(node), "scan:" + node[-1], tree.param_sig(node))].append(node)
         elif stem is not None:
-            buckets[(len(node), stem, param_sig(node))].append(node)
+            buckets[(len(node), stem, tree.param_sig(node))].append(node)
+    return buckets
 
-    clusters: list[tuple[int, list[tuple[str, ...]], Counter, dict]] = []
+
+def _cluster_by_composition(buckets: dict[tuple, list[_Node]], tree: _ModuleTree,
+                            tolerance: float) -> list[_Cluster]:
+    """Split each bucket into clusters of nodes within `tolerance` of the most common exact
+    forward composition among the nodes not yet clustered."""
+    clusters: list[_Cluster] = []
     for (depth, _, _), nodes in buckets.items():
-        comps = {n: composition(n) for n in nodes}
+        comps = {n: tree.composition(n) for n in nodes}
         remaining = sorted(nodes, key=_natural)
         while remaining:
             exact = Counter(frozenset(comps[n].items()) for n in remaining)
@@ -313,64 +360,77 @@ def group(graph: OpGraph, min_duplicate: int = 2, tolerance: float = 0.1,
                     rest.append(n)
             clusters.append((depth, members, ref, diffs))
             remaining = rest
+    return clusters
 
-    def instance_count(members: list[tuple[str, ...]]) -> int:
-        return sum(multiplicity(n) for n in members)
 
-    repeated = [c for c in clusters if instance_count(c[1]) >= min_duplicate]
-    repeated.sort(key=lambda c: (c[0], -instance_count(c[1]), _natural(c[1][0])))
+def _repeated_clusters(clusters: list[_Cluster], tree: _ModuleTree, min_duplicate: int) -> list[_Cluster]:
+    """Clusters with at least `min_duplicate` instances: shallowest first, then most instances."""
+    repeated = [c for c in clusters if tree.instance_count(c[1]) >= min_duplicate]
+    repeated.sort(key=lambda c: (c[0], -tree.instance_count(c[1]), _natural(c[1][0])))
+    return repeated
 
+
+def _best_inner_coverage(depth: int, members: list[_Node], repeated: list[_Cluster],
+                         fwd_count: dict[_Node, int]) -> float:
+    """Largest share of the members' forward ops held by one deeper repeated group."""
+    total = sum(fwd_count[m] for m in members) or 1
+    best = 0
+    for d2, inner, _, _ in repeated:
+        if d2 <= depth:
+            continue
+        held = sum(fwd_count[n] for n in inner if any(n[:depth] == m for m in members))
+        best = max(best, held)
+    return best / total
+
+
+def _select_block_types(repeated: list[_Cluster], tree: _ModuleTree,
+                        descend_fraction: float) -> tuple[list[BlockType], list[Candidate]]:
+    """Walk the repeated clusters shallowest first: a cluster becomes a block type unless it lies
+    inside one already selected or most of its forward ops lie in a deeper cluster. Returns the
+    block types and every cluster as a Candidate (unsorted)."""
     # forward ops of each repeated node, to decide when to descend
-    fwd_count = {n: fwd_total(n) for c in repeated for n in c[1]}
-
-    def best_inner_coverage(depth: int, members: list[tuple[str, ...]]) -> float:
-        """Largest share of the members' forward ops held by one deeper repeated group."""
-        total = sum(fwd_count[m] for m in members) or 1
-        best = 0
-        for d2, inner, _, _ in repeated:
-            if d2 <= depth:
-                continue
-            held = sum(fwd_count[n] for n in inner if any(n[:depth] == m for m in members))
-            best = max(best, held)
-        return best / total
-
-    selected_paths: list[tuple[str, ...]] = []
+    fwd_count = {n: tree.fwd_total(n) for c in repeated for n in c[1]}
+    selected_paths: list[_Node] = []
     block_types: list[BlockType] = []
     levels: list[Candidate] = []
     for depth, members, ref, diffs in repeated:
         name = _pattern(members)
-        if members[0] in trip_of:
-            name += f"[scan x{trip_of[members[0]]}]"
+        if members[0] in tree.trip_of:
+            name += f"[scan x{tree.trip_of[members[0]]}]"
         fwd = sum(ref.values())
         inside = any(m[:len(s)] == s for m in members for s in selected_paths)
-        descend = not inside and best_inner_coverage(depth, members) >= descend_fraction
+        descend = not inside and _best_inner_coverage(depth, members, repeated, fwd_count) >= descend_fraction
         select = not inside and not descend
-        levels.append(Candidate(name, depth, instance_count(members), fwd, select))
+        levels.append(Candidate(name, depth, tree.instance_count(members), fwd, select))
         if not select:
             continue
         selected_paths.extend(members)
-        instances: list[BlockInstance] = []
-        for m in members:
-            o = tuple(node_ops(m))
-            miss, extra = diffs[m]
-            mult = multiplicity(m)
-            for it in range(mult) if mult > 1 else [None]:
-                instances.append(BlockInstance("/".join(m), o, it, miss, extra))
-        # describe the type by a member that matches the reference composition exactly
-        ref_node = next((m for m in members if diffs[m] == (0, 0)), members[0])
-        per_phase = dict.fromkeys(PHASE_ORDER, 0)
-        flops = 0.0
-        for i in node_ops(ref_node):
-            per_phase[ops[i].phase] += 1
-            flops += ops[i].flops * ops[i].repeat
-        flops /= multiplicity(ref_node)
-        psig = param_sig(ref_node)
-        composition_key = sorted((rel, kinds[k], n) for (rel, k), n in ref.items())
-        digest = hashlib.sha1(repr((composition_key, psig)).encode()).hexdigest()[:12]
-        block_types.append(BlockType(name, depth, digest, tuple(instances), psig, per_phase,
-                                     flops, scanned=any(multiplicity(m) > 1 for m in members)))
+        block_types.append(_block_type(name, depth, members, ref, diffs, tree))
+    return block_types, levels
 
-    in_block = {i for bt in block_types for inst in bt.instances for i in inst.ops}
-    remainder = tuple(i for i in range(len(ops)) if i not in in_block)
-    levels.sort(key=lambda c: (c.depth, c.name))
-    return Grouping(graph, tuple(block_types), remainder, tuple(levels), min_duplicate)
+
+def _block_type(name: str, depth: int, members: list[_Node], ref: Counter,
+                diffs: dict[_Node, tuple[int, int]], tree: _ModuleTree) -> BlockType:
+    """The BlockType of a selected cluster: its instances (one per loop iteration of scanned
+    members), and ops per phase, FLOPs and signature of a reference member."""
+    instances: list[BlockInstance] = []
+    for m in members:
+        o = tuple(tree.node_ops(m))
+        miss, extra = diffs[m]
+        mult = tree.multiplicity(m)
+        for it in range(mult) if mult > 1 else [None]:
+            instances.append(BlockInstance("/".join(m), o, it, miss, extra))
+    # describe the type by a member that matches the reference composition exactly
+    ref_node = next((m for m in members if diffs[m] == (0, 0)), members[0])
+    per_phase = dict.fromkeys(PHASE_ORDER, 0)
+    flops = 0.0
+    ops = tree.ops
+    for i in tree.node_ops(ref_node):
+        per_phase[ops[i].phase] += 1
+        flops += ops[i].flops * ops[i].repeat
+    flops /= tree.multiplicity(ref_node)
+    psig = tree.param_sig(ref_node)
+    composition_key = sorted((rel, tree.kinds[k], n) for (rel, k), n in ref.items())
+    digest = hashlib.sha1(repr((composition_key, psig)).encode()).hexdigest()[:12]
+    return BlockType(name, depth, digest, tuple(instances), psig, per_phase,
+                     flops, scanned=any(tree.multiplicity(m) > 1 for m in members))

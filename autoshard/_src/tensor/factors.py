@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -222,105 +222,154 @@ def _link_same(uf: _UnionFind, a: int, sa: tuple, b: int, sb: tuple, dims_a: Seq
 
 
 def _link_op(uf: _UnionFind, op: Op, values) -> None:
-    p = op.primitive
-    params = op.params
-    ins, outs = op.inputs, op.outputs
-    ish, osh = op.in_shapes, op.out_shapes
-    if not outs:
+    """Link the dims of an op's operands and results that must share a factor (rule per primitive)."""
+    if not op.outputs:
         return
-    o, so = outs[0], osh[0]
-    if p in ELEMENTWISE:
-        for v, s in zip(ins, ish, strict=True):
-            if len(s) == len(so):
-                _link_same(uf, v, s, o, so, range(len(s)), range(len(so)))
-        for v2, s2 in zip(outs[1:], osh[1:], strict=False):
-            if s2 == so:
-                _link_same(uf, v2, s2, o, so, range(len(s2)), range(len(so)))
-    elif p == "broadcast_in_dim":
-        bd = params.get("broadcast_dimensions", ())
-        _link_same(uf, ins[0], ish[0], o, so, range(len(ish[0])), bd)
-    elif p == "transpose":
-        perm = params.get("permutation", ())
-        _link_same(uf, ins[0], ish[0], o, so, perm, range(len(so)))
-    elif p == "reshape":
-        for da, db in _reshape_pairs(ish[0], so):
-            uf.union(_key(ins[0], da, len(ish[0])), _key(o, db, len(so)))
-    elif p == "squeeze":
-        dims = set(params.get("dimensions", ()))
-        kept = [d for d in range(len(ish[0])) if d not in dims]
-        _link_same(uf, ins[0], ish[0], o, so, kept, range(len(so)))
-    elif p == "expand_dims":
-        dims = set(params.get("dimensions", ()))
-        kept = [d for d in range(len(so)) if d not in dims]
-        _link_same(uf, ins[0], ish[0], o, so, range(len(ish[0])), kept)
-    elif p == "dot_general" and "contracting" in params:
-        (lc, rc), (lb, rb) = params["contracting"], params["batch"]
-        (lv, sl), (r, sr) = (ins[0], ish[0]), (ins[1], ish[1])
-        _link_same(uf, lv, sl, r, sr, lc, rc)
-        _link_same(uf, lv, sl, r, sr, lb, rb)
-        lfree = [d for d in range(len(sl)) if d not in lc and d not in lb]
-        rfree = [d for d in range(len(sr)) if d not in rc and d not in rb]
-        nb = len(lb)
-        _link_same(uf, lv, sl, o, so, lb, range(nb))
-        _link_same(uf, lv, sl, o, so, lfree, range(nb, nb + len(lfree)))
-        _link_same(uf, r, sr, o, so, rfree, range(nb + len(lfree), len(so)))
-    elif p in REDUCTIONS:
-        axes = set(params.get("axes", ()))
-        kept = [d for d in range(len(ish[0])) if d not in axes]
-        _link_same(uf, ins[0], ish[0], o, so, kept, range(len(so)))
-    elif p in CUMULATIVE or p in ("sort", "rev", "reduce_precision"):
-        for v, s in zip(ins, ish, strict=True):
-            if s == so:
-                _link_same(uf, v, s, o, so, range(len(s)), range(len(so)))
-        for v2, s2 in zip(outs[1:], osh[1:], strict=False):  # sort's extra outputs (argsort)
-            if s2 == so:
-                _link_same(uf, v2, s2, o, so, range(len(s2)), range(len(so)))
-    elif p == "split":
-        axis = params.get("axis", 0)
-        for v2, s2 in zip(outs, osh, strict=True):
-            keep = [d for d in range(len(s2)) if d != axis]
-            _link_same(uf, ins[0], ish[0], v2, s2, keep, keep)
-    elif p in _WINDOWED:
-        # pooling: dims the window leaves whole (batch, channels) keep their factor
-        for v, s in zip(ins, ish, strict=True):
-            if len(s) == len(so):
-                _link_same(uf, v, s, o, so, range(len(s)), range(len(so)))
-    elif p in ("slice", "dynamic_slice", "dynamic_update_slice", "pad", "concatenate"):
-        # dims that keep their size keep their factor; resized dims start new ones
-        for v, s in zip(ins, ish, strict=True):
-            if len(s) == len(so):
-                _link_same(uf, v, s, o, so, range(len(s)), range(len(so)))
-    elif p == "gather" and "dimension_numbers" in params:
-        offset, collapsed, _, obatch, ibatch = _dn5(params["dimension_numbers"])
-        (t, st), (ix, si) = (ins[0], ish[0]), (ins[1], ish[1])
-        window = [d for d in range(len(st)) if d not in collapsed and d not in obatch]
-        slice_sizes = params.get("slice_sizes", st)
-        pairs = [(d, od) for d, od in zip(window, offset, strict=False) if slice_sizes[d] == st[d]]
-        _link_same(uf, t, st, o, so, [a for a, _ in pairs], [b for _, b in pairs])
-        out_batch = [d for d in range(len(so)) if d not in offset]
-        idx_batch = list(range(len(si) - 1))  # index_vector_dim is last in lax.gather
-        _link_same(uf, ix, si, o, so, idx_batch, out_batch)
-        _link_same(uf, t, st, ix, si, obatch, ibatch)
-    elif p in ("scatter-add", "scatter_add", "scatter") and "dimension_numbers" in params:
-        window, inserted, _, obatch, ibatch = _dn5(params["dimension_numbers"])
-        (t, st), (ix, si), (u, su) = (ins[0], ish[0]), (ins[1], ish[1]), (ins[2], ish[2])
-        _link_same(uf, t, st, o, so, range(len(st)), range(len(so)))
-        tw = [d for d in range(len(st)) if d not in inserted and d not in obatch]
-        _link_same(uf, t, st, u, su, tw, window)
-        scat = [d for d in range(len(su)) if d not in window]
-        _link_same(uf, u, su, ix, si, scat, range(len(si) - 1))
-        _link_same(uf, t, st, ix, si, obatch, ibatch)
-    elif p == "conv_general_dilated" and "lhs_spec" in params:
-        ls, rs, os_ = params["lhs_spec"], params["rhs_spec"], params["out_spec"]
-        (x, sx), (w, sw) = (ins[0], ish[0]), (ins[1], ish[1])
-        _link_same(uf, x, sx, o, so, [ls[0]], [os_[0]])          # batch
-        _link_same(uf, w, sw, o, so, [rs[0]], [os_[1]])          # output features
-        _link_same(uf, x, sx, o, so, ls[2:], os_[2:])            # spatial (same size only)
-        if params.get("feature_group_count", 1) > 1:
-            # grouped/depthwise: each output channel reads its own group's input channels
-            _link_same(uf, x, sx, o, so, [ls[1]], [os_[1]])
-        else:
-            _link_same(uf, x, sx, w, sw, [ls[1]], [rs[1]])       # input features (contracted)
+    rule = _LINK_RULES.get(op.primitive)
+    if rule is not None:
+        rule(uf, op)
+
+
+def _link_equal_rank(uf: _UnionFind, op: Op) -> None:
+    """Operands of the result's rank link to it dim by dim (equal sizes only)."""
+    o, so = op.outputs[0], op.out_shapes[0]
+    for v, s in zip(op.inputs, op.in_shapes, strict=True):
+        if len(s) == len(so):
+            _link_same(uf, v, s, o, so, range(len(s)), range(len(so)))
+
+
+def _link_extra_outputs(uf: _UnionFind, op: Op) -> None:
+    """Further results of the first result's shape link to it dim by dim."""
+    o, so = op.outputs[0], op.out_shapes[0]
+    for v2, s2 in zip(op.outputs[1:], op.out_shapes[1:], strict=False):
+        if s2 == so:
+            _link_same(uf, v2, s2, o, so, range(len(s2)), range(len(so)))
+
+
+def _link_elementwise(uf: _UnionFind, op: Op) -> None:
+    _link_equal_rank(uf, op)
+    _link_extra_outputs(uf, op)
+
+
+def _link_same_shape(uf: _UnionFind, op: Op) -> None:
+    """Cumulative ops, sort, rev: operands of the result's shape link to it dim by dim."""
+    o, so = op.outputs[0], op.out_shapes[0]
+    for v, s in zip(op.inputs, op.in_shapes, strict=True):
+        if s == so:
+            _link_same(uf, v, s, o, so, range(len(s)), range(len(so)))
+    _link_extra_outputs(uf, op)  # sort's extra outputs (argsort)
+
+
+def _link_broadcast_in_dim(uf: _UnionFind, op: Op) -> None:
+    bd = op.params.get("broadcast_dimensions", ())
+    _link_same(uf, op.inputs[0], op.in_shapes[0], op.outputs[0], op.out_shapes[0],
+               range(len(op.in_shapes[0])), bd)
+
+
+def _link_transpose(uf: _UnionFind, op: Op) -> None:
+    perm = op.params.get("permutation", ())
+    so = op.out_shapes[0]
+    _link_same(uf, op.inputs[0], op.in_shapes[0], op.outputs[0], so, perm, range(len(so)))
+
+
+def _link_reshape(uf: _UnionFind, op: Op) -> None:
+    (i, si), (o, so) = (op.inputs[0], op.in_shapes[0]), (op.outputs[0], op.out_shapes[0])
+    for da, db in _reshape_pairs(si, so):
+        uf.union(_key(i, da, len(si)), _key(o, db, len(so)))
+
+
+def _link_squeeze(uf: _UnionFind, op: Op) -> None:
+    (i, si), (o, so) = (op.inputs[0], op.in_shapes[0]), (op.outputs[0], op.out_shapes[0])
+    dims = set(op.params.get("dimensions", ()))
+    kept = [d for d in range(len(si)) if d not in dims]
+    _link_same(uf, i, si, o, so, kept, range(len(so)))
+
+
+def _link_expand_dims(uf: _UnionFind, op: Op) -> None:
+    (i, si), (o, so) = (op.inputs[0], op.in_shapes[0]), (op.outputs[0], op.out_shapes[0])
+    dims = set(op.params.get("dimensions", ()))
+    kept = [d for d in range(len(so)) if d not in dims]
+    _link_same(uf, i, si, o, so, range(len(si)), kept)
+
+
+def _link_reduction(uf: _UnionFind, op: Op) -> None:
+    (i, si), (o, so) = (op.inputs[0], op.in_shapes[0]), (op.outputs[0], op.out_shapes[0])
+    axes = set(op.params.get("axes", ()))
+    kept = [d for d in range(len(si)) if d not in axes]
+    _link_same(uf, i, si, o, so, kept, range(len(so)))
+
+
+def _link_split(uf: _UnionFind, op: Op) -> None:
+    axis = op.params.get("axis", 0)
+    for v2, s2 in zip(op.outputs, op.out_shapes, strict=True):
+        keep = [d for d in range(len(s2)) if d != axis]
+        _link_same(uf, op.inputs[0], op.in_shapes[0], v2, s2, keep, keep)
+
+
+def _link_dot_general(uf: _UnionFind, op: Op) -> None:
+    params = op.params
+    if "contracting" not in params:
+        return
+    (lc, rc), (lb, rb) = params["contracting"], params["batch"]
+    (lv, sl), (r, sr) = (op.inputs[0], op.in_shapes[0]), (op.inputs[1], op.in_shapes[1])
+    o, so = op.outputs[0], op.out_shapes[0]
+    _link_same(uf, lv, sl, r, sr, lc, rc)
+    _link_same(uf, lv, sl, r, sr, lb, rb)
+    lfree = [d for d in range(len(sl)) if d not in lc and d not in lb]
+    rfree = [d for d in range(len(sr)) if d not in rc and d not in rb]
+    nb = len(lb)
+    _link_same(uf, lv, sl, o, so, lb, range(nb))
+    _link_same(uf, lv, sl, o, so, lfree, range(nb, nb + len(lfree)))
+    _link_same(uf, r, sr, o, so, rfree, range(nb + len(lfree), len(so)))
+
+
+def _link_gather(uf: _UnionFind, op: Op) -> None:
+    params = op.params
+    if "dimension_numbers" not in params:
+        return
+    offset, collapsed, _, obatch, ibatch = _dn5(params["dimension_numbers"])
+    (t, st), (ix, si) = (op.inputs[0], op.in_shapes[0]), (op.inputs[1], op.in_shapes[1])
+    o, so = op.outputs[0], op.out_shapes[0]
+    window = [d for d in range(len(st)) if d not in collapsed and d not in obatch]
+    slice_sizes = params.get("slice_sizes", st)
+    pairs = [(d, od) for d, od in zip(window, offset, strict=False) if slice_sizes[d] == st[d]]
+    _link_same(uf, t, st, o, so, [a for a, _ in pairs], [b for _, b in pairs])
+    out_batch = [d for d in range(len(so)) if d not in offset]
+    idx_batch = list(range(len(si) - 1))  # index_vector_dim is last in lax.gather
+    _link_same(uf, ix, si, o, so, idx_batch, out_batch)
+    _link_same(uf, t, st, ix, si, obatch, ibatch)
+
+
+def _link_scatter(uf: _UnionFind, op: Op) -> None:
+    if "dimension_numbers" not in op.params:
+        return
+    window, inserted, _, obatch, ibatch = _dn5(op.params["dimension_numbers"])
+    ins, ish = op.inputs, op.in_shapes
+    (t, st), (ix, si), (u, su) = (ins[0], ish[0]), (ins[1], ish[1]), (ins[2], ish[2])
+    o, so = op.outputs[0], op.out_shapes[0]
+    _link_same(uf, t, st, o, so, range(len(st)), range(len(so)))
+    tw = [d for d in range(len(st)) if d not in inserted and d not in obatch]
+    _link_same(uf, t, st, u, su, tw, window)
+    scat = [d for d in range(len(su)) if d not in window]
+    _link_same(uf, u, su, ix, si, scat, range(len(si) - 1))
+    _link_same(uf, t, st, ix, si, obatch, ibatch)
+
+
+def _link_conv(uf: _UnionFind, op: Op) -> None:
+    params = op.params
+    if "lhs_spec" not in params:
+        return
+    ls, rs, os_ = params["lhs_spec"], params["rhs_spec"], params["out_spec"]
+    (x, sx), (w, sw) = (op.inputs[0], op.in_shapes[0]), (op.inputs[1], op.in_shapes[1])
+    o, so = op.outputs[0], op.out_shapes[0]
+    _link_same(uf, x, sx, o, so, [ls[0]], [os_[0]])          # batch
+    _link_same(uf, w, sw, o, so, [rs[0]], [os_[1]])          # output features
+    _link_same(uf, x, sx, o, so, ls[2:], os_[2:])            # spatial (same size only)
+    if params.get("feature_group_count", 1) > 1:
+        # grouped/depthwise: each output channel reads its own group's input channels
+        _link_same(uf, x, sx, o, so, [ls[1]], [os_[1]])
+    else:
+        _link_same(uf, x, sx, w, sw, [ls[1]], [rs[1]])       # input features (contracted)
 
 
 _WINDOWED = frozenset({"reduce_window_sum", "reduce_window_max", "reduce_window_min", "reduce_window",
@@ -331,6 +380,31 @@ _KNOWN = (ELEMENTWISE | REDUCTIONS | CUMULATIVE | SOURCES | _WINDOWED | {"split"
     "scatter-add", "scatter_add", "scatter", "conv_general_dilated", "select_and_scatter_add",
     "reduce_window_sum", "reduce_window_max",
 })
+
+# primitive -> linking rule, in precedence order: a primitive listed twice ("reduce_precision")
+# keeps its first rule. Primitives without a rule (sources, unknown ops) link nothing.
+_LINK_RULES: dict[str, Callable[[_UnionFind, Op], None]] = {}
+for _names, _rule in (
+        (ELEMENTWISE, _link_elementwise),
+        (("broadcast_in_dim",), _link_broadcast_in_dim),
+        (("transpose",), _link_transpose),
+        (("reshape",), _link_reshape),
+        (("squeeze",), _link_squeeze),
+        (("expand_dims",), _link_expand_dims),
+        (("dot_general",), _link_dot_general),
+        (REDUCTIONS, _link_reduction),
+        ((*CUMULATIVE, "sort", "rev", "reduce_precision"), _link_same_shape),
+        (("split",), _link_split),
+        # pooling: dims the window leaves whole (batch, channels) keep their factor
+        (_WINDOWED, _link_equal_rank),
+        # dims that keep their size keep their factor; resized dims start new ones
+        (("slice", "dynamic_slice", "dynamic_update_slice", "pad", "concatenate"), _link_equal_rank),
+        (("gather",), _link_gather),
+        (("scatter-add", "scatter_add", "scatter"), _link_scatter),
+        (("conv_general_dilated",), _link_conv)):
+    for _name in _names:
+        _LINK_RULES.setdefault(_name, _rule)
+del _names, _rule, _name
 
 
 def _reshape_pairs(a: tuple[int, ...], b: tuple[int, ...]) -> list[tuple[int, int]]:

@@ -381,6 +381,31 @@ def search(graph: OpGraph, grouping: Grouping, mesh: MeshSpec, hw: HardwareSpec,
     """Find the fastest memory-feasible assignment of mesh axes to factors and a storage mode."""
     cost = cost or AnalyticalCostModel(mesh, hw)
     notes: list[str] = []
+    weights, ops, pairs, periods = _analysed_ops(graph, grouping)
+    fg = analyze(graph, ops, pairs)
+    grad_ops = _grad_ops(graph, [i for i, w in weights.items() if w > 0])
+    cands_t, masks_of = _candidate_factors(graph, fg, weights, mesh, options, notes)
+    plans = _enumerate_plans(fg, cands_t, masks_of)
+
+    budget = options.memory_budget if options.memory_budget is not None else 0.9 * hw.memory_bytes
+    in_map = input_maps(graph, grouping, tuple(periods))
+    ev = _Evaluator(graph, fg, weights, grad_ops, cands_t, mesh, hw, cost, options, in_map)
+    ev.budget = budget
+    bwd = sum(w for (_, _, kind), w, _, _ in ev.groups if kind in ("backward", "grad"))
+    allw = sum(w for _, w, _, _ in ev.groups) or 1.0
+    ev.bwd_share = bwd / allw
+
+    best = _best_choice(ev, plans, options.storage_modes, budget)
+    result = SearchResult(best, fg, cands_t, weights, grad_ops, budget, notes, tuple(periods))
+    result._evaluator = ev
+    return result
+
+
+def _analysed_ops(graph: OpGraph, grouping: Grouping
+                  ) -> tuple[dict[int, float], list[int], list[tuple[int, int]], list[int]]:
+    """The ops to analyse (the remainder and representative instances of each block type) with
+    the weight each stands for, the pairs of corresponding ops linking instances, and the period
+    of each block type."""
     weights: dict[int, float] = {}
     ops: list[int] = []
     pairs: list[tuple[int, int]] = []
@@ -413,9 +438,14 @@ def search(graph: OpGraph, grouping: Grouping, mesh: MeshSpec, hw: HardwareSpec,
             ops.extend(insts[k].ops)
             if k >= period:
                 pairs.extend(corresponding_ops(graph, insts[k % period].ops, insts[k].ops))
-    fg = analyze(graph, ops, pairs)
-    grad_ops = _grad_ops(graph, [i for i, w in weights.items() if w > 0])
+    return weights, ops, pairs, periods
 
+
+def _candidate_factors(graph: OpGraph, fg: FactorGraph, weights: dict[int, float], mesh: MeshSpec,
+                       options: SearchOptions, notes: list[str]
+                       ) -> tuple[tuple[int, ...], dict[int, list[int]]]:
+    """The factors the search may split (sorted) and, per factor, the axis masks that divide it.
+    Factors beyond the plan space cap are left out, with a note."""
     # factors worth splitting: those of parameters and data inputs, largest first, that some op
     # iterates over, except a stacked scan's layer axis: the loop slices it, and splitting it
     # would cost a gather per iteration that the op model does not see
@@ -446,8 +476,11 @@ def search(graph: OpGraph, grouping: Grouping, mesh: MeshSpec, hw: HardwareSpec,
             continue
         kept.append(f)
         total *= len(masks_of[f])
-    cands_t = tuple(sorted(kept))
+    return tuple(sorted(kept)), masks_of
 
+
+def _enumerate_plans(fg: FactorGraph, cands_t: tuple[int, ...], masks_of: dict[int, list[int]]) -> np.ndarray:
+    """Every assignment of axis masks to the candidate factors, plans[C, K], in canonical order."""
     plans = np.array(list(itertools.product(*(masks_of[f] for f in cands_t))) or [()],
                      dtype=np.int64).reshape(-1, len(cands_t))
     # factors that share a tensor cannot share an axis
@@ -455,18 +488,13 @@ def search(graph: OpGraph, grouping: Grouping, mesh: MeshSpec, hw: HardwareSpec,
     for a, b in itertools.combinations(range(len(cands_t)), 2):
         if cands_t[b] in fg.cooccur.get(cands_t[a], ()):
             ok &= (plans[:, a] & plans[:, b]) == 0
-    plans = plans[ok]
+    return plans[ok]
 
-    budget = options.memory_budget if options.memory_budget is not None else 0.9 * hw.memory_bytes
-    in_map = input_maps(graph, grouping, tuple(periods))
-    ev = _Evaluator(graph, fg, weights, grad_ops, cands_t, mesh, hw, cost, options, in_map)
-    ev.budget = budget
-    bwd = sum(w for (_, _, kind), w, _, _ in ev.groups if kind in ("backward", "grad"))
-    allw = sum(w for _, w, _, _ in ev.groups) or 1.0
-    ev.bwd_share = bwd / allw
 
+def _best_choice(ev: _Evaluator, plans: np.ndarray, storage_modes: tuple[str, ...], budget: float) -> PlanChoice:
+    """The best plan of each storage mode, then the best of those."""
     best = None
-    for storage in options.storage_modes:
+    for storage in storage_modes:
         res = ev.evaluate(plans, storage)
         feasible = res["memory"] <= budget
         # lexicographic: feasible first, then time (rounded so float noise cannot break ties), then
@@ -477,9 +505,7 @@ def search(graph: OpGraph, grouping: Grouping, mesh: MeshSpec, hw: HardwareSpec,
         choice = ev._choice(plans[i], res, i, storage, plans.shape[0])
         if best is None or _better(choice, best):
             best = choice
-    result = SearchResult(best, fg, cands_t, weights, grad_ops, budget, notes, tuple(periods))
-    result._evaluator = ev
-    return result
+    return best
 
 
 def _better(a: PlanChoice, b: PlanChoice) -> bool:
