@@ -21,6 +21,13 @@ ROOT = Path(__file__).resolve().parents[1]
 LAYERS = ["core", "tensor", "pipeline", "plan", "bridge", "cli"]
 PURE = ["core", "tensor", "pipeline", "plan"]
 JAX = ("jax", "jaxlib", "flax", "optax", "orbax")
+# run first in a subprocess: any import of a jax package fails loudly
+BLOCK_JAX = ("import importlib, sys\n"
+             "class Block:\n"
+             "    def find_spec(self, name, path=None, target=None):\n"
+             f"        if name.split('.')[0] in {JAX!r}:\n"
+             "            raise ImportError('a pure module imported ' + name)\n"
+             "sys.meta_path.insert(0, Block())")
 
 
 def _modules() -> dict[str, Path]:
@@ -121,13 +128,7 @@ def test_pure_layer_imports_with_jax_blocked(layer):
     # no faked packages: the faces load their jax-facing names lazily, so importing a pure module
     # through them must not touch jax
     names = sorted(n for n in MODULES if _layer(n) == layer)
-    code = textwrap.dedent(f"""
-        import importlib, sys
-        class Block:
-            def find_spec(self, name, path=None, target=None):
-                if name.split(".")[0] in {JAX!r}:
-                    raise ImportError("a pure module imported " + name)
-        sys.meta_path.insert(0, Block())
+    code = BLOCK_JAX + textwrap.dedent(f"""
         for name in {names!r}:
             importlib.import_module(name)
         import autoshard, pipeline
@@ -141,13 +142,7 @@ def test_pure_layer_imports_with_jax_blocked(layer):
 
 def test_pure_planning_runs_with_jax_blocked():
     """RaNNC plans a synthetic step end to end into a Plan, and a schedule simulates, without jax."""
-    code = textwrap.dedent(f"""
-        import sys
-        class Block:
-            def find_spec(self, name, path=None, target=None):
-                if name.split(".")[0] in {JAX!r}:
-                    raise ImportError("a pure module imported " + name)
-        sys.meta_path.insert(0, Block())
+    code = BLOCK_JAX + textwrap.dedent(f"""
         import pipeline
         from autoshard import Config, get_hardware
         from autoshard._src.plan.make import make_plan
