@@ -25,7 +25,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Sequence
 
-from .graph import OpGraph, Value
+from .graph import Op, OpGraph, Value
 
 _WRAPPED = re.compile(r"^([A-Za-z_][\w\-]*)\((.*)\)$")
 # scopes jax inserts that are not user modules
@@ -225,18 +225,39 @@ def _scope_name_for(graph: OpGraph, v: int, keypath_module: str) -> str:
 
 def attribute_modules(graph: OpGraph) -> None:
     """Set `op.module` for every op (phases must be inferred first)."""
-    ops, values = graph.ops, graph.values
+    ops = graph.ops
     input_module, output_module = parameter_modules(graph)
-
-    # parameter-valued tensors: inputs plus pass-through copies/casts of them
-    value_module: dict[int, str] = dict(input_module)
+    value_module = _parameter_values(graph, input_module)
+    label = _direct_labels(graph, value_module)
+    out_label: dict[int, str] = {}
+    for vid, kp in zip(graph.outputs, graph.output_keypaths, strict=True):
+        if kp in output_module:
+            out_label[vid] = output_module[kp]
+    # the forward tail after the last parameterised forward op (the loss) belongs to no module
+    last_param_op = max((op.index for op in ops if op.phase == "forward"
+                         and any(v in value_module for v in op.inputs)), default=len(ops))
+    _label_backwards(graph, label, out_label, last_param_op)
+    _label_forwards(graph, label, last_param_op)
     for op in ops:
+        op.module = label[op.index] or ""
+
+
+def _parameter_values(graph: OpGraph, input_module: dict[int, str]) -> dict[int, str]:
+    """Module of each parameter-valued tensor: the inputs plus pass-through copies/casts of them."""
+    value_module: dict[int, str] = dict(input_module)
+    for op in graph.ops:
         if op.primitive in _PASS_THROUGH and len(op.inputs) >= 1:
             m = value_module.get(op.inputs[0])
             if m is not None:
                 for o in op.outputs:
                     value_module[o] = m
+    return value_module
 
+
+def _direct_labels(graph: OpGraph, value_module: dict[int, str]) -> list[str | None]:
+    """Per op, the module of its name scope (rule 2) or of its largest parameter input (rule 3);
+    None where neither decides."""
+    ops, values = graph.ops, graph.values
     # In a program with name scopes, an unscoped forward/backward op lies outside every module
     # (the loss, say): it stays at the root instead of being guessed from data flow.
     has_scopes = any(op.scope_module for op in ops if op.phase == "forward")
@@ -252,40 +273,47 @@ def attribute_modules(graph: OpGraph) -> None:
             if m is not None and values[v].nbytes > best_bytes:
                 best, best_bytes = m, values[v].nbytes
         label[op.index] = best
+    return label
 
-    out_label: dict[int, str] = {}
-    for vid, kp in zip(graph.outputs, graph.output_keypaths, strict=True):
-        if kp in output_module:
-            out_label[vid] = output_module[kp]
 
-    def consensus(op) -> str | None:
-        # a forward op is judged by its forward consumers; residuals kept only for the backward
-        # pass (gelu's 3x² term, say) by their backward consumers
-        forward = op.phase == "forward" and any(
-            ops[c].phase == "forward" for v in op.outputs for c in values[v].consumers)
-        agreed = None
-        for v in op.outputs:
-            cands = [label[c] for c in values[v].consumers
-                     if not (forward and ops[c].phase != "forward")]
-            if v in out_label:
-                cands.append(out_label[v])
-            for lc in cands:
-                if lc is None:
-                    continue  # decided later, from its inputs
-                if agreed is not None and lc != agreed:
-                    return None
-                agreed = lc
-        return agreed
+def _consensus(graph: OpGraph, label: list[str | None], out_label: dict[int, str], op: Op) -> str | None:
+    """The one module the labelled consumers of op's outputs (and the step outputs they are)
+    agree on; None if they disagree or none is labelled."""
+    ops, values = graph.ops, graph.values
+    # a forward op is judged by its forward consumers; residuals kept only for the backward
+    # pass (gelu's 3x² term, say) by their backward consumers
+    forward = op.phase == "forward" and any(
+        ops[c].phase == "forward" for v in op.outputs for c in values[v].consumers)
+    agreed = None
+    for v in op.outputs:
+        cands = [label[c] for c in values[v].consumers
+                 if not (forward and ops[c].phase != "forward")]
+        if v in out_label:
+            cands.append(out_label[v])
+        for lc in cands:
+            if lc is None:
+                continue  # decided later, from its inputs
+            if agreed is not None and lc != agreed:
+                return None
+            agreed = lc
+    return agreed
 
-    # the forward tail after the last parameterised forward op (the loss) belongs to no module
-    last_param_op = max((op.index for op in ops if op.phase == "forward"
-                         and any(v in value_module for v in op.inputs)), default=len(ops))
-    for op in reversed(ops):
+
+def _label_backwards(graph: OpGraph, label: list[str | None], out_label: dict[int, str],
+                     last_param_op: int) -> None:
+    """Rule 4, in reverse program order: unlabelled ops take their consumers' consensus; the
+    forward tail after `last_param_op` stays at the root."""
+    for op in reversed(graph.ops):
         if label[op.index] is None:
-            label[op.index] = consensus(op)
+            label[op.index] = _consensus(graph, label, out_label, op)
         if label[op.index] is None and op.phase == "forward" and op.index > last_param_op:
             label[op.index] = ""
 
+
+def _label_forwards(graph: OpGraph, label: list[str | None], last_param_op: int) -> None:
+    """Rule 5 and the leftovers: the module of the most recently produced labelled input, then of
+    the first labelled consumer, then of the op before."""
+    ops, values = graph.ops, graph.values
     for op in ops:
         if label[op.index] is not None:
             continue
@@ -308,9 +336,6 @@ def attribute_modules(graph: OpGraph) -> None:
             label[op.index] = previous if op.phase != "forward" or op.index < last_param_op else ""
         elif label[op.index]:
             previous = label[op.index]
-
-    for op in ops:
-        op.module = label[op.index] or ""
 
 
 def _canonical_scopes(graph: OpGraph) -> dict[str, str]:

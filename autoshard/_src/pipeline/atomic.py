@@ -253,12 +253,11 @@ def _constant_homes(graph: OpGraph, fwd: np.ndarray, comp: np.ndarray,
     return homes, orphans
 
 
-def _attach(graph: OpGraph, tasks: list[int], comp: np.ndarray, const_comps: dict[int, tuple[int, ...]],
-            fwd: np.ndarray, nonconst: np.ndarray, orphans: set[int]) -> tuple[dict[int, int], dict[str, int]]:
-    """Attachment of non-forward ops and orphan constants to components (rules a–d)."""
-    ops, values = graph.ops, graph.values
-    todo = [op.index for op in ops if not fwd[op.index] or op.index in orphans]
-    last = len(tasks) - 1
+def _parameter_owners(graph: OpGraph, comp: np.ndarray, const_comps: dict[int, tuple[int, ...]],
+                      fwd: np.ndarray, orphans: set[int]) -> dict[int, int]:
+    """Owner component of each parameter input (the first component whose forward ops read it), and
+    of optimizer state matched to its parameter by (module, leaf, shape) (rule a)."""
+    values = graph.values
 
     def readers(v: int) -> list[int]:
         out: list[int] = []
@@ -267,7 +266,6 @@ def _attach(graph: OpGraph, tasks: list[int], comp: np.ndarray, const_comps: dic
                 out.extend([int(comp[c])] if comp[c] >= 0 else const_comps.get(c, ()))
         return out
 
-    # parameter owners, and optimizer state matched to its parameter by (module, leaf, shape)
     owner: dict[int, int] = {}
     by_key: dict[tuple, int] = {}
     for v in graph.inputs:
@@ -283,16 +281,16 @@ def _attach(graph: OpGraph, tasks: list[int], comp: np.ndarray, const_comps: dic
             p = by_key.get((val.module, _leaf(val.keypath_parts), val.shape))
             if p is not None:
                 owner[v] = owner[p]
+    return owner
 
-    task_module = [ops[t].module for t in tasks]
-    by_module: dict[str, list[int]] = defaultdict(list)
-    for c, m in enumerate(task_module):
-        by_module[m].append(c)
 
-    out: dict[int, int] = {}
+def _attach_strong(graph: OpGraph, todo: list[int], owner: dict[int, int], task_module: list[str],
+                   counts: dict[str, int]) -> dict[int, int]:
+    """Rules a and b, in reverse program order: ops reading an owned input join its owner; ops
+    all of whose consumers were so attached to one component with a compatible module join it."""
+    ops, values = graph.ops, graph.values
     strong: dict[int, int] = {}
-    counts = dict.fromkeys(("parameter", "consumers", "module", "producers", "fallback"), 0)
-    for i in reversed(todo):                      # rules a, b
+    for i in reversed(todo):
         op = ops[i]
         owners = [owner[v] for v in op.inputs if v in owner]
         if owners:
@@ -307,8 +305,19 @@ def _attach(graph: OpGraph, tasks: list[int], comp: np.ndarray, const_comps: dic
                 if _compatible(op.module, task_module[t]):
                     strong[i] = t
                     counts["consumers"] += 1
-    out.update(strong)
-    for i in todo:                                # rules c, d
+    return strong
+
+
+def _attach_rest(graph: OpGraph, todo: list[int], out: dict[int, int], comp: np.ndarray,
+                 const_comps: dict[int, tuple[int, ...]], nonconst: np.ndarray, task_module: list[str],
+                 counts: dict[str, int]) -> None:
+    """Rules c and d, in program order, for the ops of `todo` not in `out` yet (adds them to it)."""
+    ops, values = graph.ops, graph.values
+    last = len(task_module) - 1
+    by_module: dict[str, list[int]] = defaultdict(list)
+    for c, m in enumerate(task_module):
+        by_module[m].append(c)
+    for i in todo:
         if i in out:
             continue
         op = ops[i]
@@ -336,4 +345,16 @@ def _attach(graph: OpGraph, tasks: list[int], comp: np.ndarray, const_comps: dic
         else:
             out[i] = last
             counts["fallback"] += 1
+
+
+def _attach(graph: OpGraph, tasks: list[int], comp: np.ndarray, const_comps: dict[int, tuple[int, ...]],
+            fwd: np.ndarray, nonconst: np.ndarray, orphans: set[int]) -> tuple[dict[int, int], dict[str, int]]:
+    """Attachment of non-forward ops and orphan constants to components (rules a–d)."""
+    ops = graph.ops
+    todo = [op.index for op in ops if not fwd[op.index] or op.index in orphans]
+    owner = _parameter_owners(graph, comp, const_comps, fwd, orphans)
+    task_module = [ops[t].module for t in tasks]
+    counts = dict.fromkeys(("parameter", "consumers", "module", "producers", "fallback"), 0)
+    out = _attach_strong(graph, todo, owner, task_module, counts)
+    _attach_rest(graph, todo, out, comp, const_comps, nonconst, task_module, counts)
     return out, counts

@@ -232,62 +232,109 @@ class _Coarsener:
         return [set(self.leaves(self.tree[s])) for s in sorted(self.alive, key=lambda s: self.label[s])]
 
 
-def _uncoarsen(atomic: AtomicPartition, co: _Coarsener, groups: list[set[int]], work: np.ndarray,
-               mem: np.ndarray, budget: float) -> int:
-    """Move halves of merged pairs between final groups when that cuts communication (in place)."""
-    n = len(atomic)
-    part = np.empty(n, dtype=np.int64)
-    for g, cs in enumerate(groups):
-        part[list(cs)] = g
-    gwork = [float(work[list(g)].sum()) for g in groups]
-    gmem = [float(mem[list(g)].sum()) for g in groups]
-    cap = max(gwork) if gwork else 0.0
-    nbr: list[list[tuple[int, int]]] = [[] for _ in range(n)]     # (neighbour, bytes), both directions
-    gcount: dict[tuple[int, int], int] = defaultdict(int)         # group edge multiplicities
-    for (a, b), nb in atomic.edges.items():
-        nbr[a].append((b, nb))
-        nbr[b].append((a, nb))
-        if part[a] != part[b]:
-            gcount[(int(part[a]), int(part[b]))] += 1
-    gsucc: dict[int, set[int]] = defaultdict(set)
-    for (g, h) in gcount:
-        gsucc[g].add(h)
+class _Refiner:
+    """The final groups during uncoarsening: `part[c]` is component c's group, `nbr[c]` its
+    neighbours with the bytes passed (both directions), `gcount`/`gsucc` the group DAG's edges with
+    their multiplicities, `gwork`/`gmem` each group's compute and memory, `cap` the largest group's
+    compute before refinement (no move may exceed it, so refinement cannot undo balance)."""
 
-    def add_edge(g: int, h: int, d: int) -> None:
+    def __init__(self, atomic: AtomicPartition, groups: list[set[int]], work: np.ndarray, mem: np.ndarray,
+                 budget: float) -> None:
+        n = len(atomic)
+        self.edges = atomic.edges
+        self.groups, self.work, self.mem, self.budget = groups, work, mem, budget
+        self.part = np.empty(n, dtype=np.int64)
+        for g, cs in enumerate(groups):
+            self.part[list(cs)] = g
+        self.gwork = [float(work[list(g)].sum()) for g in groups]
+        self.gmem = [float(mem[list(g)].sum()) for g in groups]
+        self.cap = max(self.gwork) if self.gwork else 0.0
+        self.nbr: list[list[tuple[int, int]]] = [[] for _ in range(n)]     # (neighbour, bytes), both directions
+        self.gcount: dict[tuple[int, int], int] = defaultdict(int)         # group edge multiplicities
+        for (a, b), nb in atomic.edges.items():
+            self.nbr[a].append((b, nb))
+            self.nbr[b].append((a, nb))
+            if self.part[a] != self.part[b]:
+                self.gcount[(int(self.part[a]), int(self.part[b]))] += 1
+        self.gsucc: dict[int, set[int]] = defaultdict(set)
+        for (g, h) in self.gcount:
+            self.gsucc[g].add(h)
+
+    def _add_edge(self, g: int, h: int, d: int) -> None:
+        """Change the multiplicity of the group edge g→h by d (dropping it at zero)."""
         if g == h:
             return
-        gcount[(g, h)] += d
-        if gcount[(g, h)] > 0:
-            gsucc[g].add(h)
+        self.gcount[(g, h)] += d
+        if self.gcount[(g, h)] > 0:
+            self.gsucc[g].add(h)
         else:
-            del gcount[(g, h)]
-            gsucc[g].discard(h)
+            del self.gcount[(g, h)]
+            self.gsucc[g].discard(h)
 
-    def relabel(atoms: list[int], inside: set[int], src: int, dst: int) -> None:
+    def _relabel(self, atoms: list[int], inside: set[int], src: int, dst: int) -> None:
+        """Move `atoms` (the set `inside`) from group src to dst, updating the group edges."""
         for a in atoms:
-            for b, _ in nbr[a]:
+            for b, _ in self.nbr[a]:
                 if b in inside:
                     continue
-                gb = int(part[b])
-                if (a, b) in atomic.edges:
-                    add_edge(src, gb, -1)
-                    add_edge(dst, gb, +1)
+                gb = int(self.part[b])
+                if (a, b) in self.edges:
+                    self._add_edge(src, gb, -1)
+                    self._add_edge(dst, gb, +1)
                 else:
-                    add_edge(gb, src, -1)
-                    add_edge(gb, dst, +1)
-        part[atoms] = dst
+                    self._add_edge(gb, src, -1)
+                    self._add_edge(gb, dst, +1)
+        self.part[atoms] = dst
 
-    def on_cycle(g: int) -> bool:
-        stack, seen = list(gsucc[g]), set()
+    def _on_cycle(self, g: int) -> bool:
+        """Whether group g lies on a cycle of the group DAG."""
+        stack, seen = list(self.gsucc[g]), set()
         while stack:
             x = stack.pop()
             if x == g:
                 return True
             if x not in seen:
                 seen.add(x)
-                stack.extend(gsucc[x])
+                stack.extend(self.gsucc[x])
         return False
 
+    def try_move(self, atoms: list[int]) -> bool:
+        """Move `atoms` (one half of a merged pair) to the adjacent group it passes the most bytes
+        beyond its own to, if that gain is positive and the move keeps memory, the compute cap and
+        the group DAG acyclic; candidates are tried by decreasing gain."""
+        inside = set(atoms)
+        src = int(self.part[atoms[0]])
+        if len(self.groups[src]) == len(atoms):
+            return False
+        to: dict[int, int] = defaultdict(int)
+        for a in atoms:
+            for b, nb in self.nbr[a]:
+                if b not in inside:
+                    to[int(self.part[b])] += nb
+        w, m = float(self.work[atoms].sum()), float(self.mem[atoms].sum())
+        for gain, dst in sorted(((to[g] - to.get(src, 0), g) for g in to if g != src), reverse=True):
+            if gain <= 0:
+                break
+            if self.gmem[dst] + m > self.budget or self.gwork[dst] + w > self.cap:
+                continue
+            self._relabel(atoms, inside, src, dst)
+            if self._on_cycle(dst) or self._on_cycle(src):
+                self._relabel(atoms, inside, dst, src)
+                continue
+            self.groups[src] -= inside
+            self.groups[dst] |= inside
+            self.gwork[src] -= w
+            self.gwork[dst] += w
+            self.gmem[src] -= m
+            self.gmem[dst] += m
+            return True
+        return False
+
+
+def _uncoarsen(atomic: AtomicPartition, co: _Coarsener, groups: list[set[int]], work: np.ndarray,
+               mem: np.ndarray, budget: float) -> int:
+    """Move halves of merged pairs between final groups when that cuts communication (in place)."""
+    refiner = _Refiner(atomic, groups, work, mem, budget)
     moves = 0
     by_level: dict[int, list[int]] = defaultdict(list)
     for i, lvl in enumerate(co.node_level):
@@ -295,34 +342,8 @@ def _uncoarsen(atomic: AtomicPartition, co: _Coarsener, groups: list[set[int]], 
     for lvl in sorted(by_level, reverse=True):
         for i in by_level[lvl]:
             for child in co.children[i]:
-                atoms = co.leaves(child)
-                inside = set(atoms)
-                src = int(part[atoms[0]])
-                if len(groups[src]) == len(atoms):
-                    continue
-                to: dict[int, int] = defaultdict(int)
-                for a in atoms:
-                    for b, nb in nbr[a]:
-                        if b not in inside:
-                            to[int(part[b])] += nb
-                w, m = float(work[atoms].sum()), float(mem[atoms].sum())
-                for gain, dst in sorted(((to[g] - to.get(src, 0), g) for g in to if g != src), reverse=True):
-                    if gain <= 0:
-                        break
-                    if gmem[dst] + m > budget or gwork[dst] + w > cap:
-                        continue
-                    relabel(atoms, inside, src, dst)
-                    if on_cycle(dst) or on_cycle(src):
-                        relabel(atoms, inside, dst, src)
-                        continue
-                    groups[src] -= inside
-                    groups[dst] |= inside
-                    gwork[src] -= w
-                    gwork[dst] += w
-                    gmem[src] -= m
-                    gmem[dst] += m
+                if refiner.try_move(co.leaves(child)):
                     moves += 1
-                    break
     return moves
 
 
@@ -393,6 +414,139 @@ def _compact(ordered: list[set[int]], work: np.ndarray, mem: np.ndarray, budget:
     return [items[i] for i in range(n) if alive[i]], merges
 
 
+_EPS = 1 + 1e-12     # relative slack of the compute and memory bounds of a range
+
+
+class _Ranges:
+    """Contiguous ranges [i', i) of a topological order of the components, by prefix sums of their
+    compute `W` and memory `M`: which ranges fit a compute band and the memory budget, and the band
+    `_rebalance` cuts within."""
+
+    def __init__(self, W: np.ndarray, M: np.ndarray, budget: float, k: int) -> None:
+        self.W, self.M, self.budget, self.k = W, M, budget, k
+        self.n = len(W) - 1
+        self.idx = np.arange(self.n + 1)
+
+    def window(self, cap: float, low: float) -> tuple[np.ndarray, np.ndarray]:
+        """Per end position i: the starts i' in [lo[i], hi[i]] of ranges [i', i) within cap and
+        memory and at least `low` (empty when hi < lo)."""
+        W, M = self.W, self.M
+        lo = np.maximum(np.searchsorted(W, W - cap * _EPS, "left"),
+                        np.searchsorted(M, M - self.budget * _EPS, "left"))
+        hi = np.minimum(np.searchsorted(W, W - low / _EPS, "right") - 1, self.idx - 1)
+        return np.minimum(lo, self.idx), hi
+
+    def feasible(self, cap: float, low: float) -> bool:
+        """Whether exactly k ranges cover [0, n) (reachability by prefix sums, O(k n))."""
+        n = self.n
+        lo, hi = self.window(cap, low)
+        ok = hi >= lo
+        lo_c, hi_c = np.clip(lo, 0, n), np.clip(hi, 0, n)
+        reach = np.zeros(n + 1, dtype=bool)
+        reach[0] = True
+        for _ in range(self.k):
+            pre = np.concatenate([[0], np.cumsum(reach)])
+            reach = ok & (pre[hi_c + 1] - pre[lo_c] > 0)
+        return bool(reach[n])
+
+    def band(self, largest: float, tol: float) -> tuple[float, float] | None:
+        """(cap, low) = ((1 + tol) U*, (1 - tol) L*) by bisection (U*: the least possible largest
+        range, at least the `largest` component; L*: the largest possible smallest range under
+        that cap); None if no k ranges fit memory."""
+        total = float(self.W[-1])
+        lo_cap, hi_cap = largest, total
+        if not self.feasible(hi_cap * 2, 0.0):
+            return None
+        for _ in range(60):
+            mid = (lo_cap + hi_cap) / 2
+            if self.feasible(mid, 0.0):
+                hi_cap = mid
+            else:
+                lo_cap = mid
+        if self.feasible(lo_cap, 0.0):
+            hi_cap = lo_cap
+        cap = hi_cap * (1 + tol)
+        low_ok, low_bad = 0.0, total / self.k * _EPS
+        for _ in range(40):
+            mid = (low_ok + low_bad) / 2
+            if self.feasible(cap, mid):
+                low_ok = mid
+            else:
+                low_bad = mid
+        return cap, low_ok * (1 - tol)
+
+
+def _cut_bytes(costs: PipelineCosts, order: np.ndarray) -> np.ndarray:
+    """Per position i of `order` (0..n): the bytes of the values crossing the cut before i (a value
+    crosses every cut between its producer and its last consumer)."""
+    n = len(order)
+    pos = np.empty(n, dtype=np.int64)
+    pos[order] = np.arange(n)
+    diff = np.zeros(n + 2)
+    for c, dsts, nb in costs.flows:
+        p, q = int(pos[c]), max(int(pos[d]) for d in dsts)
+        if q > p:
+            diff[p + 1] += nb
+            diff[q + 1] -= nb
+    cut = np.cumsum(diff)[: n + 1]
+    cut[n] = 0.0
+    return cut
+
+
+def _window_minima(f: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per position i: the least f over [lo[i], hi[i]] (inf when empty) and where it is (the
+    leftmost on ties), by a sparse table of minima over windows of length 2**level."""
+    n = len(f) - 1
+    table, arg = [f], [np.arange(n + 1)]
+    span = 1
+    while 2 * span <= n + 1:
+        prev, parg = table[-1], arg[-1]
+        a, b = prev[:-span], prev[span:]
+        take = b < a
+        table.append(np.where(take, b, a))
+        arg.append(np.where(take, parg[span:], parg[:-span]))
+        span *= 2
+    length = hi + 1 - lo                                   # window [lo, hi]
+    ok = length >= 1
+    lv = np.zeros(n + 1, dtype=np.int64)
+    lv[ok] = np.floor(np.log2(length[ok])).astype(np.int64)
+    new = np.full(n + 1, np.inf)
+    choice = np.zeros(n + 1, dtype=np.int64)
+    for level in np.unique(lv[ok]):
+        sel = np.nonzero(ok & (lv == level))[0]
+        w = 1 << int(level)
+        t, g = table[level], arg[level]
+        left, right = lo[sel], hi[sel] + 1 - w
+        take = t[right] < t[left]
+        new[sel] = np.where(take, t[right], t[left])
+        choice[sel] = np.where(take, g[right], g[left])
+    return new, choice
+
+
+def _fewest_bytes_cuts(cut: np.ndarray, lo: np.ndarray, hi: np.ndarray, k: int) -> list[int] | None:
+    """Cut positions 0 = c_0 < ... < c_k = n of k ranges [c_j, c_j+1), each starting within the
+    window [lo, hi] of its end, with the least sum of `cut` over the positions; None if none."""
+    n = len(cut) - 1
+    # f[j][i]: least cut bytes of j ranges covering [0, i)
+    f = np.full(n + 1, np.inf)
+    f[0] = 0.0
+    back = []
+    for _ in range(k):
+        new, choice = _window_minima(f, lo, hi)
+        f = new + cut
+        back.append(choice)
+    if not np.isfinite(f[n]):
+        return None
+    cuts, i = [n], n
+    for choice in reversed(back):
+        i = int(choice[i])
+        cuts.append(i)
+    cuts = cuts[::-1]
+    if any(b <= a for a, b in zip(cuts, cuts[1:], strict=False)):
+        return None
+    return cuts
+
+
 def _rebalance(costs: PipelineCosts, blocks: list[tuple[int, ...]], work: np.ndarray, mem: np.ndarray,
                budget: float, k: int, tol: float) -> list[tuple[int, ...]] | None:
     """Re-cut the block-major topological order of the components into k contiguous ranges whose
@@ -406,99 +560,14 @@ def _rebalance(costs: PipelineCosts, blocks: list[tuple[int, ...]], work: np.nda
     the fewest-bytes cut spent a block on the loss alone (0.0x the mean) and cut the layers into
     k - 1 heavier blocks; on the 256-layer BERT that left a stage of one device idle."""
     order = np.array([c for b in blocks for c in b], dtype=np.int64)
-    n = len(order)
-    pos = np.empty(n, dtype=np.int64)
-    pos[order] = np.arange(n)
     W = np.concatenate([[0.0], np.cumsum(work[order])])
     M = np.concatenate([[0.0], np.cumsum(mem[order])])
-    diff = np.zeros(n + 2)
-    for c, dsts, nb in costs.flows:
-        p, q = int(pos[c]), max(int(pos[d]) for d in dsts)
-        if q > p:
-            diff[p + 1] += nb
-            diff[q + 1] -= nb
-    cut = np.cumsum(diff)[: n + 1]
-    cut[n] = 0.0
-    idx = np.arange(n + 1)
-    eps = 1 + 1e-12
-
-    def window(cap: float, low: float) -> tuple[np.ndarray, np.ndarray]:
-        """Per end position i: the starts i' in [lo[i], hi[i]] of ranges [i', i) within cap and
-        memory and at least `low` (empty when hi < lo)."""
-        lo = np.maximum(np.searchsorted(W, W - cap * eps, "left"),
-                        np.searchsorted(M, M - budget * eps, "left"))
-        hi = np.minimum(np.searchsorted(W, W - low / eps, "right") - 1, idx - 1)
-        return np.minimum(lo, idx), hi
-
-    def feasible(cap: float, low: float) -> bool:
-        """Whether exactly k ranges cover [0, n) (reachability by prefix sums, O(k n))."""
-        lo, hi = window(cap, low)
-        ok = hi >= lo
-        lo_c, hi_c = np.clip(lo, 0, n), np.clip(hi, 0, n)
-        reach = np.zeros(n + 1, dtype=bool)
-        reach[0] = True
-        for _ in range(k):
-            pre = np.concatenate([[0], np.cumsum(reach)])
-            reach = ok & (pre[hi_c + 1] - pre[lo_c] > 0)
-        return bool(reach[n])
-
-    lo_cap, hi_cap = float(work.max()), float(W[-1])
-    if not feasible(hi_cap * 2, 0.0):
+    ranges = _Ranges(W, M, budget, k)
+    band = ranges.band(float(work.max()), tol)
+    if band is None:
         return None
-    for _ in range(60):
-        mid = (lo_cap + hi_cap) / 2
-        if feasible(mid, 0.0):
-            hi_cap = mid
-        else:
-            lo_cap = mid
-    if feasible(lo_cap, 0.0):
-        hi_cap = lo_cap
-    cap = hi_cap * (1 + tol)
-    low_ok, low_bad = 0.0, float(W[-1]) / k * eps
-    for _ in range(40):
-        mid = (low_ok + low_bad) / 2
-        if feasible(cap, mid):
-            low_ok = mid
-        else:
-            low_bad = mid
-    lo, hi = window(cap, low_ok * (1 - tol))
-    # f[j][i]: least cut bytes of j ranges covering [0, i); window minima by a sparse table
-    f = np.full(n + 1, np.inf)
-    f[0] = 0.0
-    back = []
-    for _ in range(k):
-        table, arg = [f], [idx]
-        span = 1
-        while 2 * span <= n + 1:
-            prev, parg = table[-1], arg[-1]
-            a, b = prev[:-span], prev[span:]
-            take = b < a
-            table.append(np.where(take, b, a))
-            arg.append(np.where(take, parg[span:], parg[:-span]))
-            span *= 2
-        length = hi + 1 - lo                                   # window [lo, hi]
-        ok = length >= 1
-        lv = np.zeros(n + 1, dtype=np.int64)
-        lv[ok] = np.floor(np.log2(length[ok])).astype(np.int64)
-        new = np.full(n + 1, np.inf)
-        choice = np.zeros(n + 1, dtype=np.int64)
-        for level in np.unique(lv[ok]):
-            sel = np.nonzero(ok & (lv == level))[0]
-            w = 1 << int(level)
-            t, g = table[level], arg[level]
-            left, right = lo[sel], hi[sel] + 1 - w
-            take = t[right] < t[left]
-            new[sel] = np.where(take, t[right], t[left])
-            choice[sel] = np.where(take, g[right], g[left])
-        f = new + cut
-        back.append(choice)
-    if not np.isfinite(f[n]):
-        return None
-    cuts, i = [n], n
-    for choice in reversed(back):
-        i = int(choice[i])
-        cuts.append(i)
-    cuts = cuts[::-1]
-    if any(b <= a for a, b in zip(cuts, cuts[1:], strict=False)):
+    lo, hi = ranges.window(*band)
+    cuts = _fewest_bytes_cuts(_cut_bytes(costs, order), lo, hi, k)
+    if cuts is None:
         return None
     return [tuple(sorted(int(c) for c in order[a:b])) for a, b in zip(cuts, cuts[1:], strict=False)]
