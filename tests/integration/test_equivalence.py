@@ -15,6 +15,9 @@ import pytest
 import autoshard
 import models
 
+# ~4 minutes of compiles on this machine: the default run skips it, CI runs it as a second step
+pytestmark = pytest.mark.slow
+
 FAST_LINKS = {"base": "cpu-sim", "intra_node_latency": 1e-12, "inter_node_latency": 1e-12}
 MESHES = {"1x8": {"a": 1, "b": 8}, "2x4": {"data": 2, "model": 4}, "4x2": {"data": 4, "model": 2},
           "8x1": {"data": 8, "model": 1}, "2x2x2": {"x": 2, "y": 2, "z": 2}}
