@@ -14,6 +14,8 @@ import autoshard
 import models
 from autoshard import ConfigError, PipelineError, PlanError
 
+from .._reference import run_steps
+
 
 def assert_close(got, want, tol=1e-5):
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
@@ -33,13 +35,9 @@ def make_step(m, loss=None):
 
 def train_like_one_device(fast, step, m, params, batch, steps=2):
     """Run `fast` and jax.jit(step) side by side; losses and final parameters must agree."""
-    ref = jax.jit(step)
-    p1, o1 = params, m.optimizer.init(params)
-    p2, o2 = params, m.optimizer.init(params)
-    for _ in range(steps):
-        p1, o1, l1 = fast(p1, o1, batch)
-        p2, o2, l2 = ref(p2, o2, batch)
-        np.testing.assert_allclose(float(l1), float(l2), rtol=1e-5)
+    losses, p1, o1 = run_steps(fast, params, m.optimizer.init(params), batch, steps)
+    want, p2, _ = run_steps(jax.jit(step), params, m.optimizer.init(params), batch, steps)
+    np.testing.assert_allclose(losses, want, rtol=1e-5)
     assert_close(p1, p2)
     return p1, o1
 

@@ -15,6 +15,8 @@ import pytest
 import autoshard
 import models
 
+from .._reference import run_steps
+
 # ~4 minutes of compiles on this machine: the default run skips it, CI runs it as a second step
 pytestmark = pytest.mark.slow
 
@@ -26,13 +28,7 @@ MODELS = {"mlp": {}, "gpt": {"num_layers": 2}, "gpt_nnx": {"num_layers": 2}, "be
 
 def _reference(m, steps):
     params = m.init(jax.random.key(0))
-    opt = m.init_opt_state(params)
-    batch = m.batch()
-    step = jax.jit(m.train_step)
-    losses = []
-    for _ in range(steps):
-        params, opt, loss = step(params, opt, batch)
-        losses.append(float(loss))
+    losses, params, _ = run_steps(jax.jit(m.train_step), params, m.init_opt_state(params), m.batch(), steps)
     return losses, params
 
 
@@ -48,12 +44,7 @@ def test_auto_plan_matches_single_device(name, mesh):
     ref_losses, ref_params = _REF[name]
     step = autoshard.autoshard(m.train_step, mesh=MESHES[mesh], hardware=FAST_LINKS)
     params = m.init(jax.random.key(0))
-    opt = m.init_opt_state(params)
-    batch = m.batch()
-    losses = []
-    for _ in range(3):
-        params, opt, loss = step(params, opt, batch)
-        losses.append(float(loss))
+    losses, params, _ = run_steps(step, params, m.init_opt_state(params), m.batch(), 3)
     np.testing.assert_allclose(losses, ref_losses, rtol=0, atol=1e-5)
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ref_params), strict=True):
         assert float(jnp.max(jnp.abs(a - b))) < 1e-5
@@ -82,11 +73,7 @@ def test_zero_storage_matches_single_device(storage):
     step = autoshard.autoshard(m.train_step, mesh={"data": 4, "model": 2}, hardware=FAST_LINKS,
                                options=opts)
     params = m.init(jax.random.key(0))
-    opt = m.init_opt_state(params)
-    losses = []
-    for _ in range(3):
-        params, opt, loss = step(params, opt, m.batch())
-        losses.append(float(loss))
+    losses, params, _ = run_steps(step, params, m.init_opt_state(params), m.batch(), 3)
     assert step.plan.storage == storage
     state_specs = [s for k, s in step.plan.specs_by_keypath().items() if k.startswith("[1]") and any(s)]
     assert state_specs, step.explain()
@@ -101,10 +88,8 @@ def test_scan_and_remat_variants_match_single_device(overrides):
     losses, ref_params = _reference(m, 3)
     step = autoshard.autoshard(m.train_step, mesh={"data": 2, "model": 4}, hardware=FAST_LINKS)
     params = m.init(jax.random.key(0))
-    opt = m.init_opt_state(params)
-    for want in losses:
-        params, opt, loss = step(params, opt, m.batch())
-        assert abs(float(loss) - want) < 1e-5
+    got, params, _ = run_steps(step, params, m.init_opt_state(params), m.batch(), 3)
+    np.testing.assert_allclose(got, losses, rtol=0, atol=1e-5)
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ref_params), strict=True):
         assert float(jnp.max(jnp.abs(a - b))) < 1e-5
     if overrides.get("scan_layers"):

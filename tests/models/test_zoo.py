@@ -9,6 +9,8 @@ import pytest
 
 import models
 
+from .._reference import run_steps
+
 ALL_PAIRS = [(n, c) for n in models.names() for c in models.configs(n)]
 
 
@@ -22,14 +24,7 @@ def _init(m):
 
 def _train(m, steps=3, params=None):
     params = _init(m) if params is None else params
-    opt_state = jax.jit(m.init_opt_state)(params)
-    batch = m.batch()
-    step = jax.jit(m.train_step)
-    losses = []
-    for _ in range(steps):
-        params, opt_state, loss = step(params, opt_state, batch)
-        losses.append(float(loss))
-    return losses
+    return run_steps(jax.jit(m.train_step), params, jax.jit(m.init_opt_state)(params), m.batch(), steps)[0]
 
 
 def test_names():
