@@ -213,3 +213,30 @@ def test_dag_assignment_rules():
     assert plan_edges([St(0, ()), St(1, (0,)), St(2, (1,))]) is None
     assert plan_edges([St(0, ()), St(1, ()), St(2, (0, 1))]) == [(0, 2), (1, 2)]
 
+
+
+def test_remat_and_scan_bodies_are_priced_like_the_planner_prices_them():
+    # the cut keeps remat / scan eqns whole; their flops are those of the ops inside (times the trip
+    # count), as the planner's OpGraph counts them, not one flop per output element
+    from autoshard._src.bridge.trace import eqn_flops
+
+    w = jnp.ones((64, 64))
+
+    def body(x):
+        return jnp.tanh(x @ w)
+
+    def scanned(x):
+        return jax.lax.scan(lambda c, _: (body(c), None), x, None, length=5)[0]
+
+    x = jnp.ones((8, 64))
+    dot = 2 * 8 * 64 * 64
+    for fn, want in ((jax.checkpoint(body), dot), (scanned, 5 * dot)):
+        eqn = next(e for e in jax.make_jaxpr(fn)(x).jaxpr.eqns if e.primitive.name in ("checkpoint", "remat2", "scan"))
+        got = eqn_flops(eqn)
+        assert want <= got <= want * 1.05, (fn, got, want)
+    m, params, batch = model_args("gpt", remat=True)
+    plain, _, _ = model_args("gpt")
+    cut = autoshard.pipelined(m.loss, params, batch, mesh={"pipe": 2}, num_microbatches=2, check_loss=False)
+    ref = autoshard.pipelined(plain.loss, params, batch, mesh={"pipe": 2}, num_microbatches=2, check_loss=False)
+    got, want = sum(s.flops for s in cut.stages), sum(s.flops for s in ref.stages)
+    assert abs(got - want) <= 0.02 * want, (got, want)

@@ -32,14 +32,13 @@ from jax.sharding import AxisType, Mesh
 
 from ..core.attribution import parse_scope
 from ..core.errors import PipelineError
-from ..core.flops import estimate_flops
 from ..core.hardware import get_hardware
 from . import compat as jc
 from .api import local_hardware
 from .cut_dag import assign as dag_assign
 from .cut_dag import plan_edges
 from .runtime import pipeline_value_and_grad
-from .trace import _simple_params
+from .trace import eqn_flops
 
 
 @dataclasses.dataclass(frozen=True)
@@ -251,9 +250,7 @@ def _analyse(prog: Any, closed: Any, keys: tuple[str, ...]) -> _Eqns:
     for e, ins in enumerate(key_ins):
         batch_only[e] = all(k in batch_keys or k in prog.consts or (k in producer and batch_only[producer[k]])
                             for k in ins)
-    flops = [estimate_flops(fe.eqn.primitive.name, [jc.aval_shape_dtype(a)[0] for a in fe.eqn.invars],
-                            [jc.aval_shape_dtype(a)[0] for a in fe.eqn.outvars],
-                            _simple_params(fe.eqn.primitive.name, fe.eqn.params)) for fe in eqns]
+    flops = [eqn_flops(fe.eqn) for fe in eqns]      # the planner's lowering: remat/scan bodies counted
 
     modules = [parse_scope(fe.scope)[0] for fe in eqns]
     avals = _avals(prog, closed)

@@ -99,17 +99,17 @@ class Autosharded:
         self.plan_args = abstract
         self._mesh = make_mesh(self._plan)
         if self._plan.is_pipeline:
-            self._prepare_pipeline(args)
+            self._prepare_pipeline(args, traced)
             return
         self._jitted = jit_step(traced, self._plan, self._mesh, abstract, donate=self.config.donate, guard=True)
         self._in_shardings, _ = shardings(self._plan, self._mesh)
 
-    def _prepare_pipeline(self, args: tuple) -> None:
+    def _prepare_pipeline(self, args: tuple, traced: Traced) -> None:
         # the step's state stays the user's pytrees, stored ZeRO-style between steps; only the
         # loss's value_and_grad runs as stages inside (see pipelined_step)
         step, self._pipelined, self._in_shardings, outs = pipelined_step(
             self.fn, self._plan, self._mesh, args, num_microbatches=self.config.num_microbatches,
-            hardware=hardware_of(self.config))
+            hardware=hardware_of(self.config), traced=traced)
         self._mesh = self._pipelined.mesh          # GraphPipe: the (pipe, data) mesh its stages run on
         self._jitted = jax.jit(shape_guarded(step, args), in_shardings=self._in_shardings, out_shardings=outs,
                                donate_argnums=donated_argnums(self._plan, len(args)) if self.config.donate else ())

@@ -29,6 +29,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from ..core.errors import PlanError
 from ..plan.plan import Plan
 from .cut import pipelined
+from .trace import Traced
 
 
 @dataclasses.dataclass
@@ -162,10 +163,11 @@ def _graph_mesh(plan: Plan, mesh: Any) -> Any:
 
 
 def pipelined_step(fn: Callable, plan: Plan, mesh: Any, args: tuple, *, num_microbatches: int | None,
-                   hardware: Any) -> tuple[Callable, Any, Any, Any]:
+                   hardware: Any, traced: Traced) -> tuple[Callable, Any, Any, Any]:
     """(step, the Pipelined it runs, in_shardings, out_shardings) for a pipeline `plan` on `mesh`:
     the step's arguments and results are stored ZeRO-style (`state_sharding`), except the leaves the
-    loss receives as its batch, split over the data axes (`batch_sharding`)."""
+    loss receives as its batch, split over the data axes (`batch_sharding`). `traced`: the step's
+    one trace (its output shapes give the out shardings)."""
     replicas = [s.replicas for s in plan.stages]
     if "pipe" not in mesh.axis_names:
         mesh = _graph_mesh(plan, mesh)
@@ -201,5 +203,5 @@ def pipelined_step(fn: Callable, plan: Plan, mesh: Any, args: tuple, *, num_micr
     batch_ids = {id(x) for x in jax.tree.leaves(cap.batch)}
     ins = jax.tree.map(lambda x: batch_sharding(mesh, tuple(x.shape)) if id(x) in batch_ids
                        else state_sharding(mesh, tuple(x.shape)), args)
-    outs = jax.tree.map(lambda x: state_sharding(mesh, tuple(x.shape)), jax.eval_shape(fn, *args))
+    outs = jax.tree.unflatten(traced.out_tree, [state_sharding(mesh, tuple(a.shape)) for a in traced.closed.out_avals])
     return step, run, ins, outs

@@ -215,6 +215,19 @@ class _Builder:
         return None
 
 
+def eqn_flops(eqn: Any, scope: str = "") -> float:
+    """Forward flops of one jaxpr eqn as the OpGraph counts them: nested jaxprs (remat, custom
+    derivatives, scan/while bodies, cond branches) expanded, loop bodies times their trip counts.
+    The pipeline cut keeps such eqns whole and prices them with this, the planner's own lowering."""
+    b = _Builder()
+    in_ids = [b.new_value(a, "literal" if jc.is_literal(a) else "input") for a in eqn.invars]
+    name = eqn.primitive.name
+    if b._expand(eqn, name, in_ids, _Scope(scope, "", ()), ()) is None:
+        b.add_op(name, in_ids, list(eqn.outvars), _Scope(scope, "", ()), (),
+                 _simple_params(name, eqn.params), in_atoms=list(eqn.invars))
+    return float(sum(op.flops * op.repeat for op in b.ops))
+
+
 @dataclasses.dataclass(frozen=True)
 class Traced:
     """One trace of a step, shared by everything that needs it: the OpGraph (planning and the

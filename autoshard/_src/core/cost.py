@@ -11,10 +11,14 @@ model also prices compute so that fewer flops per device can pay for more commun
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+from scipy.optimize import nnls
 
 from .collectives import COLLECTIVES, KINDS
 from .errors import ConfigError
@@ -61,7 +65,8 @@ def alpha_beta(kind: str, n: int, bandwidth: float, latency: float, efficiency: 
 
 @runtime_checkable
 class CostModel(Protocol):
-    """What the planner asks a cost model; swap in a measured/profiled one with the same methods."""
+    """What the planner asks a cost model: `AnalyticalCostModel` (alpha-beta + roofline on a hardware
+    spec) or `MeasuredCostModel` (lines fitted to timings on the machine)."""
 
     def collective(self, kind: str, nbytes: float, axes: Sequence[str]) -> float:
         """Seconds for collective `kind` on a full buffer of `nbytes` over the mesh `axes`."""
@@ -117,6 +122,104 @@ class AnalyticalCostModel:
                                  "must be >= 0.")
         hw = self.hardware
         return max(flops / (hw.peak_flops(dtype) * hw.compute_efficiency), bytes_accessed / hw.memory_bandwidth)
+
+
+@dataclasses.dataclass(frozen=True)
+class CollectiveSample:
+    """One timed collective: `kind` over the mesh `axes` on a full buffer of `nbytes` took `seconds`."""
+
+    kind: str
+    axes: tuple[str, ...]
+    nbytes: float
+    seconds: float
+
+
+class MeasuredCostModel:
+    """A `CostModel` from timings on the real machine: per (kind, axes) the alpha-beta line
+    time = alpha + beta * nbytes fitted to the samples by non-negative least squares (a fit needs
+    two distinct sizes); a group over several axes each measured alone combines their fits as the
+    analytical model combines links (slowest bandwidth, largest latency); `compute` from a measured
+    flop rate and memory bandwidth when given. Whatever was not measured falls back to
+    `AnalyticalCostModel(mesh, hardware)`; `fitted()` says what was measured.
+
+    Samples come from `autoshard` on the devices (`bridge.calibrate.measure_collectives`) or from any
+    benchmark (nccl-tests, a previous run) as `CollectiveSample`s.
+    """
+
+    def __init__(self, mesh: Any, hardware: Any, samples: Sequence[CollectiveSample] = (),
+                 flop_rate: float | None = None, memory_bandwidth: float | None = None) -> None:
+        self.fallback = AnalyticalCostModel(mesh, hardware)
+        self.mesh, self.hardware = self.fallback.mesh, self.fallback.hardware
+        for name, rate in (("flop_rate", flop_rate), ("memory_bandwidth", memory_bandwidth)):
+            if rate is not None and not (isinstance(rate, numbers.Real) and math.isfinite(rate) and rate > 0):
+                raise ConfigError(f"autoshard: MeasuredCostModel {name}={rate!r} must be a finite number > 0 "
+                                  "(per second), or None to use the hardware spec's.")
+        self.flop_rate, self.memory_bandwidth = flop_rate, memory_bandwidth
+        self._lines = _fit_lines(samples, self.mesh)
+
+    def __repr__(self) -> str:
+        return (f"MeasuredCostModel(mesh='{self.mesh}', hardware={self.hardware.name!r}, "
+                f"fitted={sorted(self._lines)})")
+
+    def fitted(self) -> dict[tuple[str, tuple[str, ...]], tuple[float, float]]:
+        """(kind, axes) -> (alpha seconds, beta seconds per byte) for every measured collective."""
+        return dict(self._lines)
+
+    def collective(self, kind: str, nbytes: float, axes: Sequence[str]) -> float:
+        axes = (axes,) if isinstance(axes, str) else tuple(axes)
+        active = tuple(a for a in axes if a in self.mesh.names and self.mesh.axis_size(a) > 1)
+        if not active:
+            return 0.0
+        line = self._lines.get((kind, active))
+        if line is not None:
+            return line[0] + line[1] * nbytes
+        singles = [self._lines.get((kind, (a,))) for a in active]
+        if any(x is None for x in singles):
+            return self.fallback.collective(kind, nbytes, axes)
+        # a group over several measured axes: each axis's fit gives its per-step latency and
+        # effective bandwidth; the ring over the product is as slow as its slowest axis (as in
+        # AnalyticalCostModel.collective)
+        latency = max(alpha / max(latency_steps(kind, self.mesh.axis_size(a)), 1)
+                      for a, (alpha, _) in zip(active, singles, strict=True))
+        bandwidth = min(bytes_on_wire(kind, 1.0, self.mesh.axis_size(a)) / beta if beta > 0 else math.inf
+                        for a, (_, beta) in zip(active, singles, strict=True))
+        alpha, beta = alpha_beta(kind, math.prod(self.mesh.axis_size(a) for a in active), bandwidth, latency, 1.0)
+        return alpha + beta * nbytes
+
+    def compute(self, flops: float, bytes_accessed: float, dtype: str = "float32") -> float:
+        if self.flop_rate is None and self.memory_bandwidth is None:
+            return self.fallback.compute(flops, bytes_accessed, dtype)
+        if not (flops >= 0 and bytes_accessed >= 0):
+            raise ConfigError(f"autoshard: compute flops={flops!r} and bytes_accessed={bytes_accessed!r} "
+                              "must be >= 0.")
+        hw = self.hardware
+        rate = self.flop_rate or hw.peak_flops(dtype) * hw.compute_efficiency
+        return max(flops / rate, bytes_accessed / (self.memory_bandwidth or hw.memory_bandwidth))
+
+
+def _fit_lines(samples: Sequence[CollectiveSample], mesh: MeshSpec) -> dict:
+    """(kind, active axes) -> (alpha, beta) >= 0 by non-negative least squares over the samples."""
+    groups: dict[tuple[str, tuple[str, ...]], list[tuple[float, float]]] = {}
+    for i, smp in enumerate(samples):
+        _check_kind(smp.kind)
+        unknown = [a for a in smp.axes if a not in mesh.names]
+        if unknown or not (smp.nbytes >= 0 and smp.seconds >= 0):
+            raise ConfigError(f"autoshard: samples[{i}]={smp!r} needs axes of mesh {mesh} (unknown: {unknown}), "
+                              "nbytes >= 0 and seconds >= 0.")
+        active = tuple(a for a in smp.axes if mesh.axis_size(a) > 1)
+        if active:
+            groups.setdefault((smp.kind, active), []).append((float(smp.nbytes), float(smp.seconds)))
+    lines = {}
+    for key, pts in groups.items():
+        sizes = np.array([b for b, _ in pts])
+        if len(set(sizes.tolist())) < 2:
+            raise ConfigError(f"autoshard: the samples of {key[0]} over {list(key[1])} have one buffer size "
+                              f"({sizes[0]:.0f} bytes); time at least two sizes so latency and bandwidth separate.")
+        a = np.stack([np.ones_like(sizes), sizes], axis=1)
+        scale = np.array([1.0, 1.0 / sizes.max()])            # condition the columns before solving
+        coef, _ = nnls(a * scale, np.array([t for _, t in pts]))
+        lines[key] = (float(coef[0] * scale[0]), float(coef[1] * scale[1]))
+    return lines
 
 
 def pack_gradients(grad_bytes: Sequence[int], bucket_bytes: int = 25 * 2**20) -> list[int]:
