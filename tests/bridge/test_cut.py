@@ -29,8 +29,8 @@ def model_args(name, **overrides):
 @pytest.mark.parametrize("name,overrides,mesh,microbatches,schedule", [
     ("mlp", {}, {"pipe": 4, "data": 2}, 2, "1f1b"),
     ("gpt", {}, {"pipe": 4, "data": 2}, 2, "1f1b"),
-    ("gpt", {"remat": True}, {"pipe": 2, "data": 2}, 2, "gpipe"),
-    ("gpt_nnx", {}, {"pipe": 4}, 4, "1f1b"),
+    pytest.param("gpt", {"remat": True}, {"pipe": 2, "data": 2}, 2, "gpipe", marks=pytest.mark.slow),
+    pytest.param("gpt_nnx", {}, {"pipe": 4}, 4, "1f1b", marks=pytest.mark.slow),
 ])
 def test_matches_single_device(name, overrides, mesh, microbatches, schedule):
     m, params, batch = model_args(name, **overrides)
@@ -166,6 +166,7 @@ def test_balanced_cuts_trade_stage_flops_against_boundary_bytes():
         _balanced_cuts(13, before, 12.0, live, [True] * 12, flop_rate=1.0, link_bandwidth=1.0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["dlrm"])   # mmt takes the same path at 25 s
 def test_graphpipe_dag_plan_matches_single_device(name):
     # GraphPipe's plan: branch stages with no predecessors feeding one join stage; the cut follows

@@ -166,6 +166,7 @@ def test_networkx_view_is_a_dag(gpt4):
     assert all(u < v for u, v in dg.edges)
 
 
+@pytest.mark.slow
 def test_gpt3_175b_traces_abstractly():
     """96 layers, d 12288: ~54k ops, no parameter memory (all ShapeDtypeStructs)."""
     m = models.get("gpt", "gpt3-175b")

@@ -33,7 +33,12 @@ def test_names():
     assert models.configs("gpt") == models.configs("gpt_nnx")
 
 
-@pytest.mark.parametrize("name", models.names())
+# the five heaviest models train in the slow step (.ci/run); each has its own checks in the default suite
+_SLOW_ZOO = {"resnet", "mmt", "wide_classifier", "moe", "dlrm"}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in _SLOW_ZOO else n
+                                  for n in models.names()])
 def test_debug_trains(name):
     m = models.get(name, "debug")
     assert (m.name, m.config_name) == (name, "debug")

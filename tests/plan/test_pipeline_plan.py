@@ -217,6 +217,7 @@ def test_a_pipe_axis_larger_than_the_blocks_is_a_clear_error(bert):
                        pipeline_options={"k": 4})
 
 
+@pytest.mark.slow
 def test_graphpipe_measured_profile_times_every_micro_batch_size():
     """profile="measured" with GraphPipe: each op timed at micro-batch 1, 2, 4, 8 (the step traced
     again with its data cut), matched to the full trace; batch 1 broadcasts size-1 dims differently,

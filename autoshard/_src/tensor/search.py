@@ -94,9 +94,11 @@ class _Evaluator:
     def __init__(self, graph: OpGraph, fg: FactorGraph, weights: dict[int, float],
                  grad_ops: frozenset[int], cands: tuple[int, ...], mesh: MeshSpec,
                  hw: HardwareSpec, cost: CostModel, options: SearchOptions,
-                 in_map: dict[int, int]) -> None:
+                 in_map: dict[int, int], inputs: Sequence[int] | None = None) -> None:
         self.graph, self.fg, self.mesh, self.hw, self.cost = graph, fg, mesh, hw, cost
         self.in_map = in_map
+        # the inputs whose bytes count (parameters, state, data): all, or a pipeline stage's own
+        self.inputs = list(graph.inputs) if inputs is None else list(inputs)
         self.options = options
         self.cands = cands
         self.cidx = {f: i for i, f in enumerate(cands)}
@@ -150,7 +152,7 @@ class _Evaluator:
         # layer of a 96-layer model adds bytes to the same few entries
         tensors: dict[tuple, float] = defaultdict(float)
         self.data: list[tuple[tuple[int, ...], float]] = []
-        for v in g.inputs:
+        for v in self.inputs:
             val = g.values[v]
             src = self.in_map.get(v, v)
             fs = fg.value_factors(src) if g.values[src].shape == val.shape else (None,) * len(val.shape)
@@ -164,7 +166,7 @@ class _Evaluator:
         # backward pass instead of gathering again; a tied embedding read by two modules is
         # gathered twice): bytes of parameters times their number of using modules
         gathered: dict[tuple, float] = defaultdict(float)
-        for v in g.inputs:
+        for v in self.inputs:
             val = g.values[v]
             if val.role != "parameter":
                 continue
@@ -175,7 +177,7 @@ class _Evaluator:
             gathered[(dims, val.shape)] += val.nbytes * max(1, len(uses))
         self.gathered = [(dims, shape, b) for (dims, shape), b in sorted(gathered.items())]
         self.state = [(dims, shape, b) for (role, dims, shape), b in sorted(tensors.items()) if role == "state"]
-        self.one_bytes = {val.shape: val.nbytes for v in g.inputs if (val := g.values[v]).role == "parameter"}
+        self.one_bytes = {val.shape: val.nbytes for v in self.inputs if (val := g.values[v]).role == "parameter"}
         self.fused_update = any(op.phase == "optimizer" for op in g.ops)
         # activations kept for the backward pass (residuals), per instance weight
         acts: dict[tuple[int, ...], float] = defaultdict(float)
@@ -380,25 +382,57 @@ def search(graph: OpGraph, grouping: Grouping, mesh: MeshSpec, hw: HardwareSpec,
            options: SearchOptions = SearchOptions(), cost: CostModel | None = None) -> SearchResult:
     """Find the fastest memory-feasible assignment of mesh axes to factors and a storage mode."""
     cost = cost or AnalyticalCostModel(mesh, hw)
+    space = plan_space(graph, grouping, mesh, options)
+    budget = options.memory_budget if options.memory_budget is not None else 0.9 * hw.memory_bytes
+    ev = space.evaluator(hw, cost, options, space.weights)
+    ev.budget = budget
+    best = _best_choice(ev, space.plans, options.storage_modes, budget)
+    result = SearchResult(best, space.fg, space.candidates, space.weights, space.grad_ops, budget, space.notes,
+                          space.periods)
+    result._evaluator = ev
+    return result
+
+
+@dataclasses.dataclass
+class PlanSpace:
+    """What a search enumerates on one mesh: the analysed ops and their weights, the factor graph,
+    the candidate factors and every plan over them (rows of axis masks, canonical order)."""
+
+    graph: OpGraph
+    mesh: MeshSpec
+    weights: dict[int, float]
+    fg: FactorGraph
+    grad_ops: frozenset[int]
+    candidates: tuple[int, ...]
+    plans: np.ndarray
+    periods: tuple[int, ...]
+    in_map: dict[int, int]
+    notes: list[str]
+
+    def evaluator(self, hw: HardwareSpec, cost: CostModel, options: SearchOptions, weights: dict[int, float],
+                  inputs: Sequence[int] | None = None) -> _Evaluator:
+        """An evaluator of this space's plans over the ops in `weights` (op -> how many times it
+        counts) and the bytes of `inputs` (None: every input of the step)."""
+        ev = _Evaluator(self.graph, self.fg, weights, self.grad_ops, self.candidates, self.mesh, hw, cost,
+                        options, self.in_map, inputs)
+        bwd = sum(w for (_, _, kind), w, _, _ in ev.groups if kind in ("backward", "grad"))
+        allw = sum(w for _, w, _, _ in ev.groups) or 1.0
+        ev.bwd_share = bwd / allw
+        ev.budget = math.inf
+        return ev
+
+
+def plan_space(graph: OpGraph, grouping: Grouping, mesh: MeshSpec, options: SearchOptions = SearchOptions()
+               ) -> PlanSpace:
+    """The analysed ops, factor graph, candidate factors and enumerated plans of `graph` on `mesh`."""
     notes: list[str] = []
     weights, ops, pairs, periods = _analysed_ops(graph, grouping)
     fg = analyze(graph, ops, pairs)
     grad_ops = _grad_ops(graph, [i for i, w in weights.items() if w > 0])
     cands_t, masks_of = _candidate_factors(graph, fg, weights, mesh, options, notes)
     plans = _enumerate_plans(fg, cands_t, masks_of)
-
-    budget = options.memory_budget if options.memory_budget is not None else 0.9 * hw.memory_bytes
-    in_map = input_maps(graph, grouping, tuple(periods))
-    ev = _Evaluator(graph, fg, weights, grad_ops, cands_t, mesh, hw, cost, options, in_map)
-    ev.budget = budget
-    bwd = sum(w for (_, _, kind), w, _, _ in ev.groups if kind in ("backward", "grad"))
-    allw = sum(w for _, w, _, _ in ev.groups) or 1.0
-    ev.bwd_share = bwd / allw
-
-    best = _best_choice(ev, plans, options.storage_modes, budget)
-    result = SearchResult(best, fg, cands_t, weights, grad_ops, budget, notes, tuple(periods))
-    result._evaluator = ev
-    return result
+    return PlanSpace(graph, mesh, weights, fg, grad_ops, cands_t, plans, tuple(periods),
+                     input_maps(graph, grouping, tuple(periods)), notes)
 
 
 def _analysed_ops(graph: OpGraph, grouping: Grouping
