@@ -1,6 +1,6 @@
 """The package's shape: layers import one way, pure layers need no jax, faces stay thin.
 
-Layers, lowest first: core -> tensor -> pipeline -> plan -> bridge -> cli. A module may import
+Layers, lowest first: core -> tensor -> pipeline -> joint -> plan -> bridge -> cli. A module may import
 its own layer and the layers below; only the bridge (and the CLI above it) imports jax, only the
 CLI imports the model zoo, and no function-level import reaches into the package (the usual way
 to hide a cycle). Read from the source with `ast`, so a violation fails without running anything.
@@ -18,8 +18,8 @@ import networkx as nx
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-LAYERS = ["core", "tensor", "pipeline", "plan", "bridge", "cli"]
-PURE = ["core", "tensor", "pipeline", "plan"]
+LAYERS = ["core", "tensor", "pipeline", "joint", "plan", "bridge", "cli"]
+PURE = ["core", "tensor", "pipeline", "joint", "plan"]
 JAX = ("jax", "jaxlib", "flax", "optax", "orbax")
 # run first in a subprocess: any import of a jax package fails loudly
 BLOCK_JAX = ("import importlib, sys\n"

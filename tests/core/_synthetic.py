@@ -206,7 +206,7 @@ def model(paths: Sequence[str], *, backward=True, optimizer=True, loops=(), extr
         tapes.append((p, tape))
     logits = g.op("dot_general", [x, g.param("M/head", (D, V))], [(B, V)], module="M/head",
                   params=MATMUL)
-    loss = g.op("reduce_sum", [g.op("mul", [logits, logits])], [()])
+    loss = g.op("reduce_sum", [g.op("mul", [logits, logits])], [()], params={"axes": (0, 1)})
     g.output(loss, (2,))
     if backward:
         grad, grads = g.op("mul", [logits], phase="backward"), {}

@@ -422,17 +422,34 @@ class PlanSpace:
         return ev
 
 
-def plan_space(graph: OpGraph, grouping: Grouping, mesh: MeshSpec, options: SearchOptions = SearchOptions()
-               ) -> PlanSpace:
-    """The analysed ops, factor graph, candidate factors and enumerated plans of `graph` on `mesh`."""
-    notes: list[str] = []
+@dataclasses.dataclass(frozen=True)
+class Analysis:
+    """The mesh-independent part of a search: analysed ops and weights, factor graph, gradient
+    ops, block periods and the input map (computed once, shared by every mesh shape)."""
+
+    weights: dict[int, float]
+    fg: FactorGraph
+    grad_ops: frozenset[int]
+    periods: tuple[int, ...]
+    in_map: dict[int, int]
+
+
+def analysis(graph: OpGraph, grouping: Grouping) -> Analysis:
     weights, ops, pairs, periods = _analysed_ops(graph, grouping)
     fg = analyze(graph, ops, pairs)
     grad_ops = _grad_ops(graph, [i for i, w in weights.items() if w > 0])
-    cands_t, masks_of = _candidate_factors(graph, fg, weights, mesh, options, notes)
-    plans = _enumerate_plans(fg, cands_t, masks_of)
-    return PlanSpace(graph, mesh, weights, fg, grad_ops, cands_t, plans, tuple(periods),
-                     input_maps(graph, grouping, tuple(periods)), notes)
+    return Analysis(weights, fg, grad_ops, tuple(periods), input_maps(graph, grouping, tuple(periods)))
+
+
+def plan_space(graph: OpGraph, grouping: Grouping, mesh: MeshSpec, options: SearchOptions = SearchOptions(),
+               analysed: Analysis | None = None) -> PlanSpace:
+    """The analysed ops, factor graph, candidate factors and enumerated plans of `graph` on `mesh`
+    (`analysed`: a previous `analysis(graph, grouping)` to reuse)."""
+    a = analysed if analysed is not None else analysis(graph, grouping)
+    notes: list[str] = []
+    cands_t, masks_of = _candidate_factors(graph, a.fg, a.weights, mesh, options, notes)
+    plans = _enumerate_plans(a.fg, cands_t, masks_of)
+    return PlanSpace(graph, mesh, a.weights, a.fg, a.grad_ops, cands_t, plans, a.periods, a.in_map, notes)
 
 
 def _analysed_ops(graph: OpGraph, grouping: Grouping

@@ -1,0 +1,132 @@
+"""Per unit kind, what every tensor plan of a stage submesh costs (pure: no jax import).
+
+For one submesh shape (e.g. data 2 x model 8) the tensor search's plan space is enumerated once
+(every assignment of the submesh axes to the step's factors) and each unit kind's ops are priced
+under every plan and storage mode with the search's own evaluator, split by how the cost scales:
+
+=============  =================================================  ======================
+array          what (per device, at the traced batch)              scales with
+=============  =================================================  ======================
+fwd, bwd       forward / backward compute + tensor-parallel comm   micro-batch size
+fwd_dots       forward matmul compute                              micro-batch size
+const          weight-only forward+backward ops (transposes)       per micro-batch
+gather         ZeRO-3 parameter all-gathers                        per micro-batch
+sync           gradient all-reduce over the stage's data axes      per step
+step           optimizer ops + ZeRO-1 parameter all-gather         per step
+static         parameters + gradients + optimizer state (+ ZeRO-3  held
+               gathered copies, saved weight-only values)
+acts           forward values the backward reads                   size x micro-batches in flight
+acts_dots      the matmul outputs among them                       (remat 'dots' keeps only these)
+data           the batch inputs the unit reads                     size x in flight
+=============  =================================================  ======================
+
+Plans that another plan beats on every array of every kind are dropped (they can never be a
+stage's best choice, whatever its units), which keeps the stage search small.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from ..core.cost import CostModel
+from ..core.hardware import HardwareSpec
+from ..core.mesh import MeshSpec
+from ..tensor.experts import batch_factors
+from ..tensor.search import STORAGE_MODES, PlanSpace, SearchOptions
+from .units import Units
+
+ARRAYS = ("fwd", "bwd", "fwd_dots", "const", "gather", "sync", "step", "static", "acts", "acts_dots", "data")
+
+
+@dataclasses.dataclass
+class ShapeTables:
+    """`values[name]`: array [kinds, storage modes, plans] per ARRAYS entry; `rows`: the kept plans
+    (axis masks per candidate factor) of `space`; `batch_split[p]`: devices the batch is split over."""
+
+    mesh: MeshSpec
+    space: PlanSpace
+    rows: np.ndarray
+    values: dict[str, np.ndarray]
+    batch_split: np.ndarray
+    storage_modes: tuple[str, ...]
+
+    @property
+    def n_plans(self) -> int:
+        return self.rows.shape[0]
+
+
+def _evaluate(space: PlanSpace, hw: HardwareSpec, cost: CostModel, options: SearchOptions,
+              weights: dict[int, float], inputs: tuple[int, ...], storage: str, plans: np.ndarray) -> dict:
+    ev = space.evaluator(hw, cost, options, weights, inputs)
+    return ev.evaluate(plans, storage)
+
+
+def shape_tables(space: PlanSpace, units: Units, hw: HardwareSpec, cost: CostModel,
+                 options: SearchOptions) -> ShapeTables:
+    """Every kind of `units` priced under every plan of `space` (a stage submesh) and storage mode."""
+    plans = space.plans
+    modes = tuple(m for m in STORAGE_MODES if m in options.storage_modes)
+    K, Z, C = len(units.kinds), len(modes), plans.shape[0]
+    vals = {a: np.zeros((K, Z, C)) for a in ARRAYS}
+    for k, kind in enumerate(units.kinds):
+        sl = kind.slices
+        for z, storage in enumerate(modes):
+            fwd = _evaluate(space, hw, cost, options, sl["fwd"], (), storage, plans)
+            dots = _evaluate(space, hw, cost, options, sl["fwd_dots"], (), storage, plans)
+            bwd = _evaluate(space, hw, cost, options, sl["bwd"], (), storage, plans)
+            const = _evaluate(space, hw, cost, options, sl["const"], (), storage, plans)
+            step = _evaluate(space, hw, cost, options, sl["step"], (), storage, plans)
+            held = _evaluate(space, hw, cost, options, {}, kind.inputs, storage, plans)
+            vals["fwd"][k, z] = fwd["compute"] + fwd["fwd_comm"] + fwd["bwd_comm"]
+            vals["fwd_dots"][k, z] = dots["compute"]
+            vals["bwd"][k, z] = bwd["compute"] + bwd["fwd_comm"] + bwd["bwd_comm"]
+            vals["const"][k, z] = const["compute"] + const["fwd_comm"] + const["bwd_comm"] + const["grad_sync"]
+            vals["sync"][k, z] = bwd["grad_sync"]
+            per_microbatch = storage == "zero3"
+            vals["gather"][k, z] = held["storage_comm"] if per_microbatch else 0.0
+            vals["step"][k, z] = (step["compute"] + step["opt_comm"] + step["fwd_comm"] + step["bwd_comm"]
+                                  + (0.0 if per_microbatch else held["storage_comm"]))
+            vals["static"][k, z] = (held["params"] + held["grads"] + held["optimizer"] + held["activations"]
+                                    + const["activations"])
+            vals["acts"][k, z] = fwd["activations"]
+            vals["acts_dots"][k, z] = dots["activations"]
+            vals["data"][k, z] = held["data"]
+    keep = _undominated(vals)
+    bsplit = _batch_split(space, plans[keep])
+    return ShapeTables(space.mesh, space, plans[keep], {a: v[:, :, keep] for a, v in vals.items()}, bsplit, modes)
+
+
+def _undominated(vals: dict[str, np.ndarray]) -> np.ndarray:
+    """Indices of plans no other plan matches or beats on every array of every kind and storage
+    mode (ties keep the first, in enumeration order: fewer splits first)."""
+    flat = np.concatenate([np.round(v.reshape(-1, v.shape[-1]), 15) for v in vals.values()], axis=0).T   # [C, D]
+    _, first = np.unique(flat, axis=0, return_index=True)
+    cand = np.sort(first)
+    pts = flat[cand]
+    order = np.argsort(pts.sum(axis=1), kind="stable")     # a dominator has a smaller sum: test those first
+    kept = np.empty_like(pts)
+    keep: list[int] = []
+    for i in order:
+        p = pts[i]
+        if keep and (kept[:len(keep)] <= p).all(axis=1).any():
+            continue
+        kept[len(keep)] = p
+        keep.append(int(cand[i]))
+    return np.array(sorted(keep), dtype=np.int64)
+
+
+def _batch_split(space: PlanSpace, rows: np.ndarray) -> np.ndarray:
+    """Devices each plan splits the batch over (1 when the batch stays whole)."""
+    cidx = {f: i for i, f in enumerate(space.candidates)}
+    bf = [cidx[f] for f in batch_factors(space.graph, space.fg) if f in cidx]
+    sizes = space.mesh.sizes
+    out = np.ones(rows.shape[0])
+    for r in range(rows.shape[0]):
+        mask = 0
+        for i in bf:
+            mask |= int(rows[r, i])
+        out[r] = math.prod(s for i, s in enumerate(sizes) if mask >> i & 1)
+    return out
