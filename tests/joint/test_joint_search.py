@@ -16,7 +16,8 @@ import pytest
 from autoshard import group
 from autoshard._src.core.hardware import get_hardware
 from autoshard._src.joint.partition import best_split
-from autoshard._src.joint.search import JointOptions, joint_search, simulated, submesh
+from autoshard._src.joint.search import joint_search
+from autoshard._src.joint.space import JointOptions, simulated, submesh
 from autoshard._src.joint.units import build_units
 from autoshard._src.tensor.search import SearchOptions, analysis, search
 
@@ -59,7 +60,7 @@ def test_split_is_exact(seed):
 def test_units_follow_the_blocks_with_embedding_first_and_head_last():
     g = model(BLOCKS)
     gr = group(g)
-    units = build_units(g, gr, analysis(g, gr).periods)
+    units = build_units(g, gr, analysis(g, gr))
     assert len(units) == 8 and units.labels[0] == "M/block_0"
     embed = {o for o in range(len(g.ops)) if g.ops[o].module == "M/embed"}
     head = {o for o in range(len(g.ops)) if g.ops[o].module in ("M/head", "")}
@@ -105,3 +106,16 @@ def test_fixed_stage_count_and_data_parallel_stages():
     assert all(a.stop == b.start for a, b in zip(p.stages[:-1], p.stages[1:], strict=True))
     again = simulated(p)
     assert again.step_time == p.step_time
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+@pytest.mark.parametrize("S,M", [(1, 1), (2, 1), (3, 5), (4, 8), (6, 2)])
+def test_chain_simulation_equals_the_event_simulator(schedule, S, M):
+    from autoshard._src.joint.chain_sim import chain_makespan
+    from autoshard._src.pipeline.schedules.registry import schedule as make
+    from autoshard._src.pipeline.schedules.simulate import simulate
+
+    rng = np.random.default_rng(S * 100 + M)
+    f, b = list(rng.random(S) + 0.1), list(rng.random(S) * 2 + 0.1)
+    want = simulate(make(schedule, num_stages=S, num_microbatches=M), forward=f, backward=b).makespan
+    assert chain_makespan(schedule, f, b, M) == pytest.approx(want)

@@ -34,7 +34,7 @@ import numpy as np
 from ..core.cost import CostModel
 from ..core.hardware import HardwareSpec
 from ..core.mesh import MeshSpec
-from ..tensor.experts import batch_factors
+from ..tensor.experts import batch_factors, expert_assignments
 from ..tensor.search import STORAGE_MODES, PlanSpace, SearchOptions
 from .units import Units
 
@@ -64,9 +64,35 @@ def _evaluate(space: PlanSpace, hw: HardwareSpec, cost: CostModel, options: Sear
     return ev.evaluate(plans, storage)
 
 
+def expert_row(space: PlanSpace, name: str) -> np.ndarray | str:
+    """The plan row of the hand-written expert `name` on the space's submesh, or why there is none."""
+    a = expert_assignments(space.graph, space.fg, space.in_map, space.mesh).get(name, f"unknown expert {name!r}")
+    if isinstance(a, str):
+        return a
+    fa, _ = a
+    cidx = {f: i for i, f in enumerate(space.candidates)}
+    outside = [f for f in fa if f not in cidx]
+    if outside:
+        return f"splits dims the search does not consider ({len(outside)} factors)"
+    row = np.zeros(len(space.candidates), dtype=np.int64)
+    for f, axes in fa.items():
+        row[cidx[f]] = sum(1 << space.mesh.names.index(ax) for ax in axes)
+    hits = np.flatnonzero((space.plans == row).all(axis=1))
+    return row if hits.size else "its assignment is not in the enumerated plan space"
+
+
+def megatron_expert(mesh: MeshSpec) -> str:
+    """Megatron-LM's tensor plan on a (data, model) submesh: batch on data, heads/FFN/vocab on model."""
+    names = mesh.names
+    if "model" not in names:
+        return "data-parallel"
+    return "data-megatron" if "data" in names else "megatron"
+
+
 def shape_tables(space: PlanSpace, units: Units, hw: HardwareSpec, cost: CostModel,
                  options: SearchOptions) -> ShapeTables:
-    """Every kind of `units` priced under every plan of `space` (a stage submesh) and storage mode."""
+    """Every kind of `units` priced under every plan of `space` (a stage submesh) and storage mode.
+    Plans dominated everywhere are dropped, except Megatron-LM's (the grid of experts uses it)."""
     plans = space.plans
     modes = tuple(m for m in STORAGE_MODES if m in options.storage_modes)
     K, Z, C = len(units.kinds), len(modes), plans.shape[0]
@@ -95,6 +121,9 @@ def shape_tables(space: PlanSpace, units: Units, hw: HardwareSpec, cost: CostMod
             vals["acts_dots"][k, z] = dots["activations"]
             vals["data"][k, z] = held["data"]
     keep = _undominated(vals)
+    expert = expert_row(space, megatron_expert(space.mesh))
+    if not isinstance(expert, str):
+        keep = np.union1d(keep, np.flatnonzero((plans == expert).all(axis=1))).astype(np.int64)
     bsplit = _batch_split(space, plans[keep])
     return ShapeTables(space.mesh, space, plans[keep], {a: v[:, :, keep] for a, v in vals.items()}, bsplit, modes)
 

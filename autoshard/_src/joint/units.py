@@ -22,7 +22,10 @@ import numpy as np
 
 from ..core.graph import OpGraph
 from ..core.grouping import Grouping
-from ..pipeline.atomic import non_constant_ops
+from ..pipeline.costs import traced_batch
+from ..tensor.experts import batch_factors
+from ..tensor.instances import instance_maps
+from ..tensor.search import Analysis
 
 SLICES = ("fwd", "fwd_dots", "bwd", "const", "step")
 
@@ -105,16 +108,34 @@ def _representatives(grouping: Grouping, periods: Sequence[int]) -> dict[tuple[i
     return rep
 
 
-def build_units(graph: OpGraph, grouping: Grouping, periods: Sequence[int]) -> Units:
-    """The unit chain of `graph` (grouped by `grouping`, block periods from the tensor search)."""
+def batch_dependent(graph: OpGraph, grouping: Grouping, analysed: Analysis) -> np.ndarray:
+    """Per op: does its work scale with the batch? Yes when it iterates over a batch factor, or
+    when an output leads with the traced batch size (a constant broadcast to [batch, heads, q, k]
+    for a causal mask: no data flows into it and its new dims are linked to no factor, yet it grows
+    with the batch); a weight transpose does not. Ops outside the analysed instances answer as
+    their representative."""
+    batch = set(batch_factors(graph, analysed.fg))
+    size = traced_batch(graph)
+    dep = np.zeros(len(graph.ops), dtype=bool)
+    for i, of in analysed.fg.op_factors.items():
+        op = graph.ops[i]
+        dep[i] = bool(batch & of.loop) or (size > 1 and any(s and s[0] == size for s in op.out_shapes))
+    for op, rep in instance_maps(graph, grouping, analysed.periods).items():
+        if rep in analysed.fg.op_factors:
+            dep[op] = dep[rep]
+    return dep
+
+
+def build_units(graph: OpGraph, grouping: Grouping, analysed: Analysis) -> Units:
+    """The unit chain of `graph` (grouped by `grouping`; `analysed`: the tensor search's analysis)."""
     blocks = _block_units(graph, grouping)
+    dep = batch_dependent(graph, grouping, analysed)
     if not blocks:   # nothing repeats: the whole step is one unit
-        kinds = (_kind(graph, ("all",), list(range(len(graph.ops))), non_constant_ops(graph)),)
+        kinds = (_kind(graph, ("all",), list(range(len(graph.ops))), dep),)
         return Units(kinds, (0,), (tuple(range(len(graph.ops))),), ("(whole step)",), np.zeros(2), np.zeros(2),
                      False)
     attached = _attach(graph, grouping, blocks)
-    rep = _representatives(grouping, periods)
-    dep = non_constant_ops(graph)
+    rep = _representatives(grouping, analysed.periods)
     kinds: list[UnitKind] = []
     index: dict[tuple, int] = {}
     kind_of, unit_ops, labels = [], [], []

@@ -1,0 +1,95 @@
+"""The Megatron-LM grid people tune by hand, priced by the 3-D search's own model (pure: no jax import).
+
+Tensor-parallel size t in 1, 2, 4, 8 (inside a node), pipeline size p over the divisors of the unit
+(layer) count, data parallel the rest; layers split uniformly; 1F1B; full recompute on or off;
+ZeRO-1 over data when there is data parallelism; micro-batch counts over powers of two. Inside a
+stage the tensor plan is Megatron's: the batch on the data axis, attention heads / FFN hidden /
+vocabulary on the model axis (`tensor.experts`). Every grid point is priced with the same tables,
+in-flight memory and event simulator as the search's own points, so the comparison is like for like.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from .space import SIMULATED, JointPoint, JointStage, SearchState, inflight, microbatch_counts, simulated
+from .stage_choice import choice_table
+from .tables import expert_row, megatron_expert
+
+TENSOR_SIZES = (1, 2, 4, 8)
+
+
+@dataclasses.dataclass(frozen=True)
+class GridResult:
+    best: JointPoint | None
+    points: int                  # grid points priced
+    feasible: int                # of which fit the memory budget
+    reason: str = ""             # why there is no best
+
+
+def megatron_grid(srch: SearchState) -> GridResult:
+    """The best point of the Megatron-LM grid for the search's step and devices."""
+    U, N = len(srch.units), srch.N
+    found: list[JointPoint] = []
+    priced = feasible = 0
+    reasons: list[str] = []
+    for t in TENSOR_SIZES:
+        if t > srch.hw.devices_per_node or N % t:
+            continue
+        for p in (p for p in range(1, U + 1) if U % p == 0 and N % (t * p) == 0):
+            d = N // (t * p)
+            tables = srch.table(d, t)
+            row = expert_row(tables.space, megatron_expert(tables.space.mesh))
+            if isinstance(row, str):
+                reasons.append(f"t={t}, p={p}: {row}")
+                continue
+            r_idx = int(np.flatnonzero((tables.rows == row).all(axis=1))[0])
+            storage = "zero1" if d > 1 and "zero1" in tables.storage_modes else "replicated"
+            for M in microbatch_counts(srch.batch, p, srch.joint.max_microbatches):
+                if (srch.batch // M) % d:
+                    continue
+                for remat in ("none", "full"):
+                    if remat not in srch.joint.remat:
+                        continue
+                    priced += 1
+                    point = _grid_point(srch, tables, r_idx, storage, remat, d, t, p, M)
+                    if point is None:
+                        continue
+                    feasible += 1
+                    found.append(point)
+    # the formula ranks them, the simulator times the best few (as for the search's own points)
+    timed = [simulated(p) for p in sorted(found, key=lambda p: p.objective)[:SIMULATED]]
+    best = min(timed, key=lambda p: p.step_time) if timed else None
+    reason = "" if best is not None else ("no grid point fits the memory budget" if priced else
+                                          "; ".join(reasons) or "no grid point applies")
+    return GridResult(best, priced, feasible, reason)
+
+
+def _grid_point(srch: SearchState, tables, r_idx: int, storage: str, remat: str, d: int, t: int, S: int,
+                M: int) -> JointPoint | None:
+    U = len(srch.units)
+    bounds = [s * U // S for s in range(S + 1)]
+    qs = inflight("1f1b", S, M)
+    valid = np.zeros(tables.n_plans, dtype=bool)
+    valid[r_idx] = True
+    z, r = tables.storage_modes.index(storage), srch.joint.remat.index(remat)
+    comps = np.stack([srch.comps[srch.comp_id[bounds[s], bounds[s + 1]]] for s in range(S)])
+    ct = choice_table(tables, comps, M, np.inf, srch.kind_inputs, srch.joint.remat, valid, srch.options.overlap)
+    flat = (r_idx * len(tables.storage_modes) + z) * len(srch.joint.remat) + r
+    send_f, send_b = srch.sends(d, M, d * t)
+    stages = []
+    for s in range(S):
+        k = int(np.flatnonzero(ct.order[s] == flat)[0])
+        mem = float(ct.static[s, k] + ct.transient[s, k] + qs[s] * ct.held[s, k])
+        if mem > srch.budget:
+            return None
+        i, j = bounds[s], bounds[s + 1]
+        f = float(ct.f[s, k] + (send_f[j] if j < U else 0.0))
+        b = float(ct.b[s, k] + (send_b[i] if i > 0 else 0.0))
+        stages.append(JointStage(i, j, tuple(int(x) for x in tables.rows[r_idx]), storage, remat, f, b,
+                                 float(ct.tail[s, k]), mem, qs[s]))
+    v = [st.forward + st.backward + st.tail / M for st in stages]
+    return JointPoint(tuple(stages), d, t, M, "1f1b", sum(v) + (M - 1) * max(v), np.inf,
+                      label=f"Megatron grid: tp {t} x pp {S} x dp {d}")

@@ -1,0 +1,172 @@
+"""What every point of the 3-D space shares: units, compositions, submesh tables, options and
+the point/stage types (pure: no jax import). See `search` for the space itself."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import numpy as np
+
+from ..core.cost import CostModel, alpha_beta
+from ..core.graph import OpGraph
+from ..core.grouping import Grouping
+from ..core.hardware import HardwareSpec
+from ..core.mesh import MeshSpec, mesh_spec
+from ..pipeline.costs import traced_batch
+from ..tensor.search import SearchOptions, analysis, plan_space
+from .chain_sim import chain_makespan
+from .stage_choice import REMAT
+from .tables import ShapeTables, shape_tables
+from .units import build_units, kinds_per_range
+
+SCHEDULES = ("1f1b", "gpipe")
+SIMULATED = 8            # formula-ranked points the event simulator times
+
+
+@dataclasses.dataclass(frozen=True)
+class JointOptions:
+    """What the 3-D search may choose. `stages`: a fixed stage count (a "pipe" mesh axis);
+    `max_model`: largest tensor-parallel size (None: the hardware's devices per node);
+    `tensor_in_stages=False` keeps pipeline stages data parallel inside; `remat` the policies it
+    may choose (("none",) when the step cannot be rematerialised)."""
+
+    schedules: tuple[str, ...] = SCHEDULES
+    remat: tuple[str, ...] = REMAT
+    stages: int | None = None
+    max_model: int | None = None
+    tensor_in_stages: bool = True
+    max_microbatches: int = 512
+
+
+@dataclasses.dataclass(frozen=True)
+class JointStage:
+    """One stage of a 3-D point: units [start, stop), its tensor plan (row of axis masks over the
+    shape's candidate factors), storage and remat, and its costs per micro-batch."""
+
+    start: int
+    stop: int
+    row: tuple[int, ...]
+    storage: str
+    remat: str
+    forward: float
+    backward: float
+    tail: float                  # per step: exposed gradient sync + optimizer
+    memory: float
+    inflight: int
+
+
+@dataclasses.dataclass(frozen=True)
+class JointPoint:
+    """A point of the 3-D space with its best split and predicted step."""
+
+    stages: tuple[JointStage, ...]
+    data: int
+    model: int
+    microbatches: int
+    schedule: str
+    objective: float             # the formula the split minimises
+    step_time: float             # event-simulated step + the slowest stage's tail (inf: not simulated)
+    label: str = ""
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    @property
+    def devices(self) -> int:
+        return self.num_stages * self.data * self.model
+
+    @property
+    def memory(self) -> float:
+        return max(s.memory for s in self.stages)
+
+    def describe(self) -> str:
+        rm = sorted({s.remat for s in self.stages})
+        return (f"{self.num_stages} stage(s) x data {self.data} x model {self.model}, {self.microbatches} "
+                f"micro-batch(es), {self.schedule}, remat {'/'.join(rm)}")
+
+
+def submesh(data: int, model: int) -> MeshSpec:
+    axes = [(n, s) for n, s in (("data", data), ("model", model)) if s > 1] or [("data", 1)]
+    return mesh_spec(dict(axes))
+
+
+def shapes(per_stage: int, max_model: int, tensor: bool) -> list[tuple[int, int]]:
+    ts = [t for t in range(1, min(per_stage, max_model) + 1) if per_stage % t == 0] if tensor else [1]
+    return [(per_stage // t, t) for t in ts]
+
+
+def microbatch_counts(batch: int, stages: int, cap: int) -> list[int]:
+    if stages == 1:
+        return [1]
+    out, m = [], 1
+    while m <= min(batch, cap):
+        if batch % m == 0:
+            out.append(m)
+        m *= 2
+    return out
+
+
+class SearchState:
+    """State shared by every point: units, compositions, tables per submesh shape."""
+
+    def __init__(self, graph: OpGraph, grouping: Grouping, devices: int, hw: HardwareSpec,
+                 options: SearchOptions, joint: JointOptions, cost: Callable[[MeshSpec], CostModel]) -> None:
+        self.graph, self.grouping, self.N, self.hw = graph, grouping, devices, hw
+        self.options, self.joint, self.cost = options, joint, cost
+        self.budget = options.memory_budget if options.memory_budget is not None else 0.9 * hw.memory_bytes
+        self.analysed = analysis(graph, grouping)
+        self.units = build_units(graph, grouping, self.analysed)
+        self.batch = traced_batch(graph)
+        U = len(self.units)
+        counts = kinds_per_range(self.units)                        # [U+1, U+1, K]
+        i, j = np.triu_indices(U + 1, k=1)
+        self.comps, inverse = np.unique(counts[i, j], axis=0, return_inverse=True)
+        self.comp_id = np.full((U + 1, U + 1), -1, dtype=np.int64)
+        self.comp_id[i, j] = inverse.reshape(-1)
+        # bytes entering a unit of each kind (what remat keeps per unit)
+        K = len(self.units.kinds)
+        self.kind_inputs = np.zeros(K)
+        for u, k in enumerate(self.units.kind_of):
+            self.kind_inputs[k] = max(self.kind_inputs[k], self.units.cut_dep[u])
+        self.tables: dict[tuple[int, int], ShapeTables] = {}
+
+    def table(self, d: int, t: int) -> ShapeTables:
+        if (d, t) not in self.tables:
+            mesh = submesh(d, t)
+            space = plan_space(self.graph, self.grouping, mesh, self.options, self.analysed)
+            self.tables[(d, t)] = shape_tables(space, self.units, self.hw, self.cost(mesh), self.options)
+        return self.tables[(d, t)]
+
+    def p2p(self, per_stage: int) -> tuple[float, float]:
+        hw = self.hw
+        inter = per_stage >= hw.devices_per_node and self.N > hw.devices_per_node
+        bw, lat = ((hw.inter_node_bandwidth, hw.inter_node_latency) if inter
+                   else (hw.intra_node_bandwidth, hw.intra_node_latency))
+        return alpha_beta("collective-permute", 2, bw, lat, hw.collective_efficiency["collective-permute"])
+
+    def sends(self, d: int, M: int, per_stage: int) -> tuple[np.ndarray, np.ndarray]:
+        """(seconds a stage ending before unit j sends forward, a stage starting at unit i sends back)."""
+        alpha, beta = self.p2p(per_stage)
+        fwd_bytes = self.units.cut_dep / (M * d) + self.units.cut_const
+        bwd_bytes = self.units.cut_dep / (M * d)
+        t = lambda b: np.where(b > 0, alpha + beta * b, 0.0)  # noqa: E731
+        return t(fwd_bytes), t(bwd_bytes)
+
+
+def inflight(schedule: str, S: int, M: int) -> list[int]:
+    return [min(S - s, M) for s in range(S)] if schedule == "1f1b" else [M] * S
+
+
+def simulated(p: JointPoint) -> JointPoint:
+    """`p` with its step timed by the event simulator (plus the slowest stage's per-step tail)."""
+    if p.num_stages == 1:
+        st = p.stages[0]
+        step = p.microbatches * (st.forward + st.backward) + st.tail
+    else:
+        step = chain_makespan(p.schedule, [s.forward for s in p.stages], [s.backward for s in p.stages],
+                              p.microbatches) + max(s.tail for s in p.stages)
+    return dataclasses.replace(p, step_time=float(step))
+
+
