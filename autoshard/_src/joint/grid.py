@@ -16,7 +16,6 @@ import numpy as np
 
 from .space import SIMULATED, JointPoint, JointStage, SearchState, inflight, microbatch_counts, simulated
 from .stage_choice import choice_table
-from .tables import expert_row, megatron_expert
 
 TENSOR_SIZES = (1, 2, 4, 8)
 
@@ -41,7 +40,7 @@ def megatron_grid(srch: SearchState) -> GridResult:
         for p in (p for p in range(1, U + 1) if U % p == 0 and N % (t * p) == 0):
             d = N // (t * p)
             tables = srch.table(d, t)
-            row = expert_row(tables.space, megatron_expert(tables.space.mesh))
+            row = tables.megatron
             if isinstance(row, str):
                 reasons.append(f"t={t}, p={p}: {row}")
                 continue
@@ -75,8 +74,10 @@ def _grid_point(srch: SearchState, tables, r_idx: int, storage: str, remat: str,
     valid = np.zeros(tables.n_plans, dtype=bool)
     valid[r_idx] = True
     z, r = tables.storage_modes.index(storage), srch.joint.remat.index(remat)
-    comps = np.stack([srch.comps[srch.comp_id[bounds[s], bounds[s + 1]]] for s in range(S)])
-    ct = choice_table(tables, comps, M, np.inf, srch.kind_inputs, srch.joint.remat, valid, srch.options.overlap)
+    ids = [srch.comp_id[bounds[s], bounds[s + 1]] for s in range(S)]
+    combos = srch.combos[(d, t)]
+    ct = choice_table({k: v[ids] for k, v in combos.items()}, M, np.inf, srch.joint.remat, valid,
+                      srch.options.overlap)
     flat = (r_idx * len(tables.storage_modes) + z) * len(srch.joint.remat) + r
     send_f, send_b = srch.sends(d, M, d * t)
     stages = []

@@ -119,8 +119,7 @@ def joint_search(graph: OpGraph, grouping: Grouping, devices: int, hw: HardwareS
                 valid = (srch.batch // M) % tables.batch_split.astype(np.int64) == 0
                 if srch.batch % M or not valid.any():
                     continue
-                ct = choice_table(tables, srch.comps, M, srch.budget, srch.kind_inputs, joint.remat, valid,
-                                  options.overlap)
+                ct = choice_table(srch.combos[(d, t)], M, srch.budget, joint.remat, valid, options.overlap)
                 for sched in (joint.schedules if S > 1 else joint.schedules[:1]):
                     n_points += 1
                     p = _point(srch, tables, ct, d, t, S, M, sched)
@@ -170,8 +169,9 @@ def _least_memory_point(srch: SearchState, tables: ShapeTables, d: int, t: int, 
     qs = inflight("1f1b", S, M)
     stages = []
     for s in range(S):
-        comp = srch.comps[srch.comp_id[bounds[s], bounds[s + 1]]][None, :]
-        ct = choice_table(tables, comp, M, math.inf, srch.kind_inputs, srch.joint.remat, valid, 0.0)
+        u = srch.comp_id[bounds[s], bounds[s + 1]]
+        ct = choice_table({k: v[u:u + 1] for k, v in srch.combos[(d, t)].items()}, M, math.inf, srch.joint.remat,
+                          valid, 0.0)
         mem = ct.static[0] + ct.transient[0] + qs[s] * ct.held[0]
         mem = np.where(np.isfinite(ct.value[0]), mem, np.inf)
         k = int(np.argmin(mem))

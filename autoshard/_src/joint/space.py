@@ -16,7 +16,7 @@ from ..core.mesh import MeshSpec, mesh_spec
 from ..pipeline.costs import traced_batch
 from ..tensor.search import SearchOptions, analysis, plan_space
 from .chain_sim import chain_makespan
-from .stage_choice import REMAT
+from .stage_choice import REMAT, compositions
 from .tables import ShapeTables, shape_tables
 from .units import build_units, kinds_per_range
 
@@ -131,12 +131,14 @@ class SearchState:
         for u, k in enumerate(self.units.kind_of):
             self.kind_inputs[k] = max(self.kind_inputs[k], self.units.cut_dep[u])
         self.tables: dict[tuple[int, int], ShapeTables] = {}
+        self.combos: dict[tuple[int, int], dict[str, np.ndarray]] = {}
 
     def table(self, d: int, t: int) -> ShapeTables:
         if (d, t) not in self.tables:
             mesh = submesh(d, t)
             space = plan_space(self.graph, self.grouping, mesh, self.options, self.analysed)
             self.tables[(d, t)] = shape_tables(space, self.units, self.hw, self.cost(mesh), self.options)
+            self.combos[(d, t)] = compositions(self.tables[(d, t)], self.comps, self.kind_inputs)
         return self.tables[(d, t)]
 
     def p2p(self, per_stage: int) -> tuple[float, float]:

@@ -50,33 +50,38 @@ class ChoiceTable:
         count in `qs` (value inf, position -1 where nothing fits)."""
         U, X = self.value.shape
         qs = np.asarray(qs, dtype=np.float64)
-        pos = np.stack([np.searchsorted(self.allow_max[u], qs, side="left") for u in range(U)], axis=1)
+        # allow_max rows are nondecreasing: the first position reaching q = how many stay below it
+        pos = (self.allow_max[None, :, :] < qs[:, None, None]).sum(axis=2)
         ok = pos < X
         idx = np.where(ok, pos, 0)
         val = np.take_along_axis(self.value, idx.T, axis=1).T
         return np.where(ok, val, np.inf), np.where(ok, pos, -1)
 
 
-def choice_table(tables: ShapeTables, comps: np.ndarray, microbatches: int, budget: float,
-                 kind_inputs: np.ndarray, remat: tuple[str, ...], valid_plans: np.ndarray,
-                 overlap: float) -> ChoiceTable:
-    """Every (plan, storage, remat) of every composition in `comps` [U, K] at M = `microbatches`.
-    `kind_inputs[k]`: bytes entering a unit of kind k at the traced batch (kept by remat);
-    `valid_plans[p]`: the plan splits a micro-batch evenly."""
+def compositions(tables: ShapeTables, comps: np.ndarray, kind_inputs: np.ndarray) -> dict[str, np.ndarray]:
+    """The kind arrays summed over each composition in `comps` [U, K] -> [U, Z, P] (independent of
+    the micro-batch count: computed once per submesh shape), plus the largest unit's activations
+    and the units' input bytes per device."""
     v = tables.values
-    phi = 1.0 / microbatches
-
-    def per(name: str) -> np.ndarray:         # [U, Z, P]
-        return np.einsum("uk,kzp->uzp", comps, v[name])
-
-    fwd, bwd, dots, const = per("fwd"), per("bwd"), per("fwd_dots"), per("const")
-    sync, step, gather, static = per("sync"), per("step"), per("gather"), per("static")
-    acts, acts_dots, data = per("acts"), per("acts_dots"), per("data")
+    out = {name: np.einsum("uk,kzp->uzp", comps, v[name]) for name in v}
     present = comps > 0
     # the largest unit's activations: recomputed one unit at a time under remat
-    unit_acts = np.where(present[:, :, None, None], v["acts"][None], 0.0).max(axis=1)
-    unit_rest = np.where(present[:, :, None, None], (v["acts"] - v["acts_dots"])[None], 0.0).max(axis=1)
-    inputs = (comps @ kind_inputs)[:, None, None] / tables.batch_split[None, None, :]
+    out["unit_acts"] = np.where(present[:, :, None, None], v["acts"][None], 0.0).max(axis=1)
+    out["unit_rest"] = np.where(present[:, :, None, None], (v["acts"] - v["acts_dots"])[None], 0.0).max(axis=1)
+    out["inputs"] = np.broadcast_to((comps @ kind_inputs)[:, None, None] / tables.batch_split[None, None, :],
+                                    out["fwd"].shape)
+    return out
+
+
+def choice_table(c: dict[str, np.ndarray], microbatches: int, budget: float, remat: tuple[str, ...],
+                 valid_plans: np.ndarray, overlap: float) -> ChoiceTable:
+    """Every (plan, storage, remat) of every composition of `c` (`compositions`) at M = `microbatches`.
+    `valid_plans[p]`: the plan splits a micro-batch evenly."""
+    phi = 1.0 / microbatches
+    fwd, bwd, dots, const = c["fwd"], c["bwd"], c["fwd_dots"], c["const"]
+    sync, step, gather, static = c["sync"], c["step"], c["gather"], c["static"]
+    acts, acts_dots, data = c["acts"], c["acts_dots"], c["data"]
+    unit_acts, unit_rest, inputs = c["unit_acts"], c["unit_rest"], c["inputs"]
     f = phi * fwd + gather
     b_base = phi * bwd + const
     tail = np.maximum(0.0, sync - overlap * phi * bwd) + step
@@ -94,7 +99,7 @@ def choice_table(tables: ShapeTables, comps: np.ndarray, microbatches: int, budg
     room = budget - static4 - transient
     allow = np.where(held > 0, room / np.where(held > 0, held, 1.0), np.where(room >= 0, np.inf, -np.inf))
     allow = np.where(np.isfinite(value), allow, -np.inf)
-    U = comps.shape[0]
+    U = fwd.shape[0]
     # flatten to [U, X] with X ordered (p, z, r) and sort by value (stable: ties keep fewer splits)
     def flat(a: np.ndarray) -> np.ndarray:
         return np.ascontiguousarray(np.transpose(a, (0, 2, 1, 3))).reshape(U, -1)

@@ -52,16 +52,20 @@ class ShapeTables:
     values: dict[str, np.ndarray]
     batch_split: np.ndarray
     storage_modes: tuple[str, ...]
+    megatron: np.ndarray | str        # Megatron-LM's plan row on this submesh, or why there is none
 
     @property
     def n_plans(self) -> int:
         return self.rows.shape[0]
 
 
-def _evaluate(space: PlanSpace, hw: HardwareSpec, cost: CostModel, options: SearchOptions,
-              weights: dict[int, float], inputs: tuple[int, ...], storage: str, plans: np.ndarray) -> dict:
-    ev = space.evaluator(hw, cost, options, weights, inputs)
-    return ev.evaluate(plans, storage)
+def _evaluators(space: PlanSpace, hw: HardwareSpec, cost: CostModel, options: SearchOptions, kind) -> dict:
+    """One evaluator per slice of `kind` (built once; each storage mode is a separate evaluation)."""
+    sl = kind.slices
+    out = {name: space.evaluator(hw, cost, options, sl[name], ()) for name in ("fwd", "fwd_dots", "bwd", "const",
+                                                                                "step")}
+    out["held"] = space.evaluator(hw, cost, options, {}, kind.inputs)
+    return out
 
 
 def expert_row(space: PlanSpace, name: str) -> np.ndarray | str:
@@ -98,14 +102,10 @@ def shape_tables(space: PlanSpace, units: Units, hw: HardwareSpec, cost: CostMod
     K, Z, C = len(units.kinds), len(modes), plans.shape[0]
     vals = {a: np.zeros((K, Z, C)) for a in ARRAYS}
     for k, kind in enumerate(units.kinds):
-        sl = kind.slices
+        evs = _evaluators(space, hw, cost, options, kind)
         for z, storage in enumerate(modes):
-            fwd = _evaluate(space, hw, cost, options, sl["fwd"], (), storage, plans)
-            dots = _evaluate(space, hw, cost, options, sl["fwd_dots"], (), storage, plans)
-            bwd = _evaluate(space, hw, cost, options, sl["bwd"], (), storage, plans)
-            const = _evaluate(space, hw, cost, options, sl["const"], (), storage, plans)
-            step = _evaluate(space, hw, cost, options, sl["step"], (), storage, plans)
-            held = _evaluate(space, hw, cost, options, {}, kind.inputs, storage, plans)
+            fwd, dots, bwd, const, step, held = (evs[n].evaluate(plans, storage) for n in
+                                                 ("fwd", "fwd_dots", "bwd", "const", "step", "held"))
             vals["fwd"][k, z] = fwd["compute"] + fwd["fwd_comm"] + fwd["bwd_comm"]
             vals["fwd_dots"][k, z] = dots["compute"]
             vals["bwd"][k, z] = bwd["compute"] + bwd["fwd_comm"] + bwd["bwd_comm"]
@@ -125,7 +125,8 @@ def shape_tables(space: PlanSpace, units: Units, hw: HardwareSpec, cost: CostMod
     if not isinstance(expert, str):
         keep = np.union1d(keep, np.flatnonzero((plans == expert).all(axis=1))).astype(np.int64)
     bsplit = _batch_split(space, plans[keep])
-    return ShapeTables(space.mesh, space, plans[keep], {a: v[:, :, keep] for a, v in vals.items()}, bsplit, modes)
+    return ShapeTables(space.mesh, space, plans[keep], {a: v[:, :, keep] for a, v in vals.items()}, bsplit, modes,
+                       expert)
 
 
 def _undominated(vals: dict[str, np.ndarray]) -> np.ndarray:

@@ -94,11 +94,15 @@ class _Evaluator:
     def __init__(self, graph: OpGraph, fg: FactorGraph, weights: dict[int, float],
                  grad_ops: frozenset[int], cands: tuple[int, ...], mesh: MeshSpec,
                  hw: HardwareSpec, cost: CostModel, options: SearchOptions,
-                 in_map: dict[int, int], inputs: Sequence[int] | None = None) -> None:
+                 in_map: dict[int, int], inputs: Sequence[int] | None = None,
+                 fused_update: bool | None = None) -> None:
         self.graph, self.fg, self.mesh, self.hw, self.cost = graph, fg, mesh, hw, cost
         self.in_map = in_map
         # the inputs whose bytes count (parameters, state, data): all, or a pipeline stage's own
         self.inputs = list(graph.inputs) if inputs is None else list(inputs)
+        # the step applies the optimizer itself (known to callers that build many evaluators)
+        self.fused_update = (any(op.phase == "optimizer" for op in graph.ops) if fused_update is None
+                             else fused_update)
         self.options = options
         self.cands = cands
         self.cidx = {f: i for i, f in enumerate(cands)}
@@ -178,7 +182,6 @@ class _Evaluator:
         self.gathered = [(dims, shape, b) for (dims, shape), b in sorted(gathered.items())]
         self.state = [(dims, shape, b) for (role, dims, shape), b in sorted(tensors.items()) if role == "state"]
         self.one_bytes = {val.shape: val.nbytes for v in self.inputs if (val := g.values[v]).role == "parameter"}
-        self.fused_update = any(op.phase == "optimizer" for op in g.ops)
         # activations kept for the backward pass (residuals), per instance weight
         acts: dict[tuple[int, ...], float] = defaultdict(float)
         for i, w in weights.items():
@@ -408,13 +411,14 @@ class PlanSpace:
     periods: tuple[int, ...]
     in_map: dict[int, int]
     notes: list[str]
+    fused_update: bool = True
 
     def evaluator(self, hw: HardwareSpec, cost: CostModel, options: SearchOptions, weights: dict[int, float],
                   inputs: Sequence[int] | None = None) -> _Evaluator:
         """An evaluator of this space's plans over the ops in `weights` (op -> how many times it
         counts) and the bytes of `inputs` (None: every input of the step)."""
         ev = _Evaluator(self.graph, self.fg, weights, self.grad_ops, self.candidates, self.mesh, hw, cost,
-                        options, self.in_map, inputs)
+                        options, self.in_map, inputs, self.fused_update)
         bwd = sum(w for (_, _, kind), w, _, _ in ev.groups if kind in ("backward", "grad"))
         allw = sum(w for _, w, _, _ in ev.groups) or 1.0
         ev.bwd_share = bwd / allw
@@ -432,13 +436,15 @@ class Analysis:
     grad_ops: frozenset[int]
     periods: tuple[int, ...]
     in_map: dict[int, int]
+    fused_update: bool               # the step applies the optimizer (gradients die as they are used)
 
 
 def analysis(graph: OpGraph, grouping: Grouping) -> Analysis:
     weights, ops, pairs, periods = _analysed_ops(graph, grouping)
     fg = analyze(graph, ops, pairs)
     grad_ops = _grad_ops(graph, [i for i, w in weights.items() if w > 0])
-    return Analysis(weights, fg, grad_ops, tuple(periods), input_maps(graph, grouping, tuple(periods)))
+    return Analysis(weights, fg, grad_ops, tuple(periods), input_maps(graph, grouping, tuple(periods)),
+                    any(op.phase == "optimizer" for op in graph.ops))
 
 
 def plan_space(graph: OpGraph, grouping: Grouping, mesh: MeshSpec, options: SearchOptions = SearchOptions(),
@@ -449,7 +455,8 @@ def plan_space(graph: OpGraph, grouping: Grouping, mesh: MeshSpec, options: Sear
     notes: list[str] = []
     cands_t, masks_of = _candidate_factors(graph, a.fg, a.weights, mesh, options, notes)
     plans = _enumerate_plans(a.fg, cands_t, masks_of)
-    return PlanSpace(graph, mesh, a.weights, a.fg, a.grad_ops, cands_t, plans, a.periods, a.in_map, notes)
+    return PlanSpace(graph, mesh, a.weights, a.fg, a.grad_ops, cands_t, plans, a.periods, a.in_map, notes,
+                     a.fused_update)
 
 
 def _analysed_ops(graph: OpGraph, grouping: Grouping
