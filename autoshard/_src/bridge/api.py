@@ -69,11 +69,12 @@ def plan(step: Callable, *args: Any, config: Any = None, **kwargs: Any) -> Plan:
     return bind(plan_traced(step, args, graph, cfg, time.perf_counter() - t0), *args)
 
 
-def plan_traced(step: Callable, args: tuple, graph: OpGraph, config: Config, trace_seconds: float = 0.0) -> Plan:
+def plan_traced(step: Callable, args: tuple, graph: OpGraph, config: Config, trace_seconds: float = 0.0,
+                three_d: bool = True) -> Plan:
     """The (unbound) plan of `step(*args)` already traced as `graph` (with keep_eqns=True when the
-    config asks for a measured profile)."""
+    config asks for a measured profile). `three_d=False`: mesh="auto" plans tensor sharding only."""
     return make_plan(graph, config, hardware_of(config), profiler=StepProfiler(step, args),
-                     trace_seconds=trace_seconds)
+                     trace_seconds=trace_seconds, three_d=three_d)
 
 
 def expert_plan(name: str, step: Callable, *args: Any, config: Any = None, **kwargs: Any) -> Plan:

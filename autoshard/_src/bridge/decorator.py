@@ -83,7 +83,8 @@ class Autosharded:
                 if p.provenance.get("fingerprint") == key[0]:
                     _PLAN_CACHE[key] = p
                     return bind(p, *args)
-        p = bind(plan_traced(self.fn, _abstract(args), traced.graph, config, trace_seconds), *args)
+        # mesh="auto": tensor plans, the part of the 3-D space this runtime runs from a plain step
+        p = bind(plan_traced(self.fn, _abstract(args), traced.graph, config, trace_seconds, three_d=False), *args)
         _PLAN_CACHE[key] = p
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)

@@ -53,6 +53,8 @@ def explain_tensor(self: Any) -> str:
         lines.append("")
         lines.append("vs expert plans (same cost model):")
         lines.extend(_expert_lines(p))
+    if "3d" in p:
+        lines.extend(explain_3d_comparison(self))
     for w in self.warnings:
         lines.append(f"warning: {w}")
     return "\n".join(lines)
@@ -110,6 +112,75 @@ def explain_pipeline(self: Any) -> str:
     for w in self.warnings:
         lines.append(f"warning: {w}")
     return "\n".join(lines)
+
+
+def explain_3d(self: Any) -> str:
+    """3-D plan report: per stage its units, submesh, tensor plan by block type, remat, memory and
+    times; then the comparison with the best tensor-only, pipeline-only and Megatron-LM grid points."""
+    p, j = self.predicted, self.predicted["3d"]
+    labels = j["unit_labels"]
+    lines = [
+        f"autoshard 3-D plan on mesh {' x '.join(f'{n}={s}' for n, s in self.mesh)}, hardware {self.hardware}: "
+        f"{j['chosen']['label']}",
+        f"predicted step {p['step_time'] * 1e3:.3f} ms; peak memory {p['memory']['total'] / 2**30:.3f} GiB per device "
+        f"of {p['memory_budget'] / 2**30:.2f} GiB; search {j['search_seconds']:.2f} s over {j['points']} points, "
+        f"{j['units']} units" + ("" if j["runnable"] else "; runnable: not yet (planned and priced)"),
+        "",
+    ]
+    rows = [("stage", "units", "submesh", "tensor plan", "storage", "remat", "forward ms", "backward ms",
+             "memory GiB")]
+    for s in self.stages:
+        first, last = labels[s.units[0]], labels[s.units[-1]]
+        rows.append((str(s.index), first if first == last else f"{first} .. {last} ({len(s.units)})",
+                     " x ".join(f"{n}={k}" for n, k in s.mesh), _tensor_summary(s.factors), s.storage, s.remat,
+                     f"{s.predicted_forward * 1e3:.3f}", f"{s.predicted_backward * 1e3:.3f}",
+                     f"{s.memory / 2**30:.3f}"))
+    lines.extend(_table(rows))
+    lines.append("")
+    lines.append("vs (same cost model, same event simulator):")
+    lines.extend(_point_lines(j, p["step_time"]))
+    for w in self.warnings:
+        lines.append(f"warning: {w}")
+    return "\n".join(lines)
+
+
+def explain_3d_comparison(self: Any) -> list[str]:
+    """For a tensor plan chosen by the 3-D search: the lines comparing it with the other points."""
+    j = self.predicted["3d"]
+    return ["", f"3-D search: {j['points']} points over {j['units']} units in {j['search_seconds']:.2f} s; vs:",
+            *_point_lines(j, self.predicted["step_time"])]
+
+
+def _point_lines(j: Mapping[str, Any], step: float) -> list[str]:
+    out = []
+    for key, name in (("tensor_only", "best tensor-only"), ("pipeline_only", "best pipeline-only"),
+                      ("megatron_grid", "best Megatron-LM grid point")):
+        q = j.get(key)
+        if q is None:
+            why = j.get("megatron_grid_reason") if key == "megatron_grid" else "none fits the memory budget"
+            out.append(f"  {name:<29} none ({why or 'none fits the memory budget'})")
+            continue
+        out.append(f"  {name:<29} {q['step_time'] * 1e3:12.3f} ms  {q['memory'] / 2**30:8.3f} GiB  {q['label']}"
+                   + (f"; the chosen plan is {q['step_time'] / step:.2f}x faster" if q["step_time"] > step * 1.0005
+                      else ""))
+    return out
+
+
+def _tensor_summary(factors: tuple) -> str:
+    """Factors split over the stage's axes, by their logical description (first three)."""
+    split = [f"{desc.split(' dim ')[0].split(']')[-2].strip(chr(39) + '[') if ']' in desc else desc}:"
+             f"{'+'.join(axes)}" for _, desc, _, axes in factors if axes]
+    return ", ".join(split[:3]) + (f" +{len(split) - 3}" if len(split) > 3 else "") if split else "replicated"
+
+
+def _table(rows: list[tuple[str, ...]]) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    out = []
+    for k, r in enumerate(rows):
+        out.append("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
+        if k == 0:
+            out.append("  ".join("-" * w for w in widths))
+    return out
 
 
 _PARTS = {"compute": "compute", "fwd_comm": "forward communication", "bwd_comm": "backward communication",

@@ -12,21 +12,28 @@ from ..core.hardware import HardwareSpec
 from ..core.mesh import MeshSpec
 from ..pipeline.partition import Profiler
 from .config import Config
+from .joint_planner import joint_plan
 from .pipeline_planner import pipeline_plan
 from .plan import Plan
 from .planner import tensor_plan
 
 
 def make_plan(graph: OpGraph, config: Config, hardware: HardwareSpec, *, profiler: Profiler | None = None,
-              trace_seconds: float = 0.0) -> Plan:
+              trace_seconds: float = 0.0, three_d: bool = True) -> Plan:
     """The plan of the traced step `graph` under `config` on `hardware` (the config's, or the local
     device's when it names none: the bridge resolves that). `profiler` serves profile="measured".
+    mesh="auto" without `pipeline` searches the whole 3-D space (stages x data x model x remat);
+    `three_d=False` keeps it to tensor plans (what the decorator runs today).
     The plan's `predicted["timing"]` holds the seconds spent tracing, grouping and searching."""
     if config.mesh is None:
         raise ConfigError("autoshard: no mesh given; pass mesh={'data': 2, 'model': 4} (axis name -> size), a jax "
                           "Mesh, or 'auto' with devices=<count>, or a config file with [mesh].")
     t0 = time.perf_counter()
-    if config.pipeline is None:
+    if config.pipeline is None and config.mesh == "auto" and three_d:
+        grouping = group(graph)
+        group_seconds = time.perf_counter() - t0
+        plan = joint_plan(graph, devices=config.devices, hw=hardware, options=config.search, grouping=grouping)
+    elif config.pipeline is None:
         grouping = group(graph)
         group_seconds = time.perf_counter() - t0
         plan = tensor_plan(graph, mesh=config.mesh, hw=hardware, options=config.search, devices=config.devices,

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from typing import Any, Protocol
 
 from ..core.errors import PlanError
-from .explain import explain_pipeline, explain_tensor
+from .explain import explain_3d, explain_pipeline, explain_tensor
 from .specs import Spec, as_spec
 
 FORMAT_VERSION = 2   # 2: stages for every plan, activation constraints keyed by op key (1: by op index)
@@ -71,6 +71,7 @@ class Stage:
     factors: tuple[Factor, ...] = ()         # logical dims -> mesh axes of its submesh
     storage: str = "replicated"              # replicated | zero1 | zero3
     activation_constraints: tuple[tuple[str, Spec], ...] = ()   # (op key, spec of output 0), see op_keys
+    remat: str = "none"                      # none | dots (keep matmul outputs) | full (recompute the forward)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -86,7 +87,8 @@ class Stage:
             modules=tuple(d["modules"]), params=tuple(d["params"]),
             factors=tuple((int(i), str(desc), int(size), tuple(ax)) for i, desc, size, ax in d["factors"]),
             storage=str(d["storage"]),
-            activation_constraints=tuple((str(k), as_spec(s)) for k, s in d["activation_constraints"]))
+            activation_constraints=tuple((str(k), as_spec(s)) for k, s in d["activation_constraints"]),
+            remat=str(d.get("remat", "none")))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -204,7 +206,9 @@ class Plan:
     def explain(self) -> str:
         """A readable report: per-stage table for pipeline plans; factors, collectives, per-parameter
         specs and the comparison with expert plans for tensor plans."""
-        return explain_pipeline(self) if self.is_pipeline else explain_tensor(self)
+        if self.is_pipeline:
+            return explain_3d(self) if "3d" in self.predicted else explain_pipeline(self)
+        return explain_tensor(self)
 
 
 def _freeze(x):

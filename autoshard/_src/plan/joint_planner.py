@@ -1,0 +1,154 @@
+"""3-D plans: the joint search's best point as a Plan (pure: no jax import).
+
+A point with one stage and no rematerialisation is a tensor plan and is built as one (the search's
+chosen factor assignment on its data x model submesh, priced by the tensor evaluator, runnable by
+the decorator). Any other point is a plan of stages on a pipe x data x model mesh, each stage with
+its units, submesh, tensor plan (factors -> axes), storage and remat policy, and predicted costs;
+`predicted["3d"]` compares it with the best tensor-only and pipeline-only points and the best
+Megatron-LM grid point, and says whether the runtime can run it yet.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import numpy as np
+
+from ..core.errors import InfeasiblePlanError
+from ..core.graph import OpGraph, fingerprint
+from ..core.grouping import Grouping, group
+from ..core.hardware import HardwareSpec, hardware_dict
+from ..core.version import VERSION
+from ..joint.search import JointResult, joint_search
+from ..joint.space import JointOptions, JointPoint, submesh
+from ..joint.tables import ShapeTables
+from ..pipeline.costs import traced_batch
+from ..tensor.search import SearchOptions, search
+from .pipeline_planner import _modules, _params
+from .plan import ParamReport, Plan, Stage
+from .planner import build_plan
+
+
+def joint_plan(graph: OpGraph, *, devices: int, hw: HardwareSpec, options: SearchOptions,
+               joint: JointOptions | None = None, grouping: Grouping | None = None) -> Plan:
+    """The best 3-D plan of the traced step `graph` on `devices` devices (InfeasiblePlanError, naming
+    the least-memory point and its breakdown, when nothing fits)."""
+    grouping = grouping if grouping is not None else group(graph)
+    res = joint_search(graph, grouping, devices, hw, options, joint)
+    if res.best is None:
+        raise _infeasible(res, devices, hw, options)
+    best = res.best
+    summary = _summary(res, best)
+    if best.num_stages == 1 and best.stages[0].remat == "none":
+        plan = _tensor_plan(graph, grouping, res, best, hw, options)
+        return dataclasses.replace(plan, predicted={**plan.predicted, "3d": summary})
+    return _staged_plan(graph, res, best, hw, options, summary)
+
+
+def point_summary(p: JointPoint | None) -> dict[str, Any] | None:
+    """A point as plain data for reports and JSON."""
+    if p is None:
+        return None
+    return {"stages": p.num_stages, "data": p.data, "model": p.model, "microbatches": p.microbatches,
+            "schedule": p.schedule, "step_time": p.step_time, "memory": p.memory,
+            "remat": sorted({s.remat for s in p.stages}), "storage": sorted({s.storage for s in p.stages}),
+            "units_per_stage": [s.stop - s.start for s in p.stages], "label": p.label or p.describe()}
+
+
+def _summary(res: JointResult, best: JointPoint) -> dict[str, Any]:
+    grid = res.grid
+    return {"chosen": point_summary(best), "tensor_only": point_summary(res.tensor_only),
+            "pipeline_only": point_summary(res.pipeline_only), "megatron_grid": point_summary(grid.best),
+            "megatron_grid_points": grid.points, "megatron_grid_reason": grid.reason,
+            "runnable": best.num_stages == 1 and best.stages[0].remat == "none",
+            "points": res.points, "units": len(res.units), "unit_labels": list(res.units.labels),
+            "search_seconds": res.seconds, "notes": list(res.notes)}
+
+
+def _infeasible(res: JointResult, devices: int, hw: HardwareSpec, options: SearchOptions) -> InfeasiblePlanError:
+    budget = options.memory_budget if options.memory_budget is not None else 0.9 * hw.memory_bytes
+    least = res.least_memory
+    if least is None:
+        return InfeasiblePlanError(
+            f"autoshard.plan: no 3-D plan of the step fits {budget / 2**30:.2f} GiB per device on {devices} devices "
+            f"({hw.name}), and no point could be priced. Fix: raise memory_budget or use more devices.",
+            min_memory=math.inf, budget=budget)
+    worst = max(least.stages, key=lambda s: s.memory)
+    return InfeasiblePlanError(
+        f"autoshard.plan: no 3-D plan fits {budget / 2**30:.2f} GiB per device on {devices} devices ({hw.name}); "
+        f"the plan needing least memory ({least.describe()}, storage {worst.storage}) takes "
+        f"{least.memory / 2**30:.2f} GiB on its fullest stage ({worst.stop - worst.start} of "
+        f"{len(res.units)} units, {worst.inflight} micro-batch(es) in flight). Fix: more devices, a smaller "
+        "batch, or a larger memory_budget.", min_memory=least.memory, budget=budget)
+
+
+def _factor_axes(tables: ShapeTables, row: tuple[int, ...]) -> dict[int, tuple[str, ...]]:
+    names = tables.mesh.names
+    return {f: tuple(n for i, n in enumerate(names) if mask >> i & 1)
+            for f, mask in zip(tables.space.candidates, row, strict=True) if mask}
+
+
+def _describe(graph: OpGraph, tables: ShapeTables, axes_of: dict[int, tuple[str, ...]]) -> tuple:
+    fg, desc = tables.space.fg, {}
+    for v in graph.inputs:
+        val = graph.values[v]
+        if val.role in ("parameter", "data"):
+            for d, f in enumerate(fg.value_factors(v)):
+                if f is not None and f not in desc:
+                    desc[f] = f"{val.keypath} dim {d}"
+    return tuple((f, desc.get(f, f"factor {f}"), fg.factor_size(f), axes_of.get(f, ()))
+                 for f in tables.space.candidates)
+
+
+def _tensor_plan(graph: OpGraph, grouping: Grouping, res: JointResult, best: JointPoint, hw: HardwareSpec,
+                 options: SearchOptions) -> Plan:
+    """A one-stage point as the tensor plan it is: its factor assignment on its submesh."""
+    mesh = submesh(best.data, best.model)
+    tables = res.tables[(best.data, best.model)]
+    sr = search(graph, grouping, mesh, hw, options)
+    choice = sr.evaluate(_factor_axes(tables, best.stages[0].row), best.stages[0].storage)
+    chosen = dataclasses.replace(sr, best=choice)
+    chosen._evaluator = sr._evaluator
+    return build_plan(graph, grouping, mesh, hw, chosen, options, res.seconds)
+
+
+def _staged_plan(graph: OpGraph, res: JointResult, best: JointPoint, hw: HardwareSpec, options: SearchOptions,
+                 summary: dict[str, Any]) -> Plan:
+    tables = res.tables[(best.data, best.model)]
+    sub = tuple(tables.mesh.axes)
+    stages, batch = [], traced_batch(graph)
+    for i, st in enumerate(best.stages):
+        ops = tuple(sorted({o for u in range(st.start, st.stop) for o in res.units.ops[u]}))
+        axes_of = _factor_axes(tables, st.row)
+        split = int(tables.batch_split[_row_index(tables, st.row)])
+        stages.append(Stage(
+            index=i, mesh=sub, replicas=split, microbatch_size=max(1, batch // best.microbatches // split),
+            predicted_forward=st.forward, predicted_backward=st.backward, memory=st.memory,
+            microbatches=best.microbatches, after=(i - 1,) if i else (), units=tuple(range(st.start, st.stop)),
+            ops=ops, modules=_modules(graph, ops), params=_params(graph, ops),
+            factors=_describe(graph, tables, axes_of), storage=st.storage, remat=st.remat))
+    mesh = tuple((n, s) for n, s in (("pipe", best.num_stages), *sub) if s > 1) or (("data", 1),)
+    reports = tuple(ParamReport(graph.values[v].keypath or "", graph.values[v].shape, graph.values[v].dtype,
+                                tuple(() for _ in graph.values[v].shape), 0, "see the stage holding it")
+                    for v in graph.inputs if graph.values[v].role == "parameter")
+    predicted = {"step_time": best.step_time, "memory": {"total": best.memory},
+                 "memory_budget": options.memory_budget if options.memory_budget is not None
+                 else 0.9 * hw.memory_bytes, "feasible": True, "search_seconds": res.seconds, "3d": summary}
+    warnings = () if summary["runnable"] else (
+        "this 3-D plan (stages x tensor plans x remat) is planned and priced, not yet run: @autoshard with "
+        "mesh='auto' plans tensor sharding (predicted['3d']['tensor_only'] prices that point)",)
+    provenance = {"autoshard": VERSION, "fingerprint": fingerprint(graph), "step": graph.name,
+                  "options": {"mesh": "auto", "search": dataclasses.asdict(options)}, "hardware": hardware_dict(hw)}
+    return Plan(mesh=mesh, hardware=hw.name,
+                input_keypaths=tuple(graph.values[v].keypath or "" for v in graph.inputs),
+                input_specs_flat=tuple(tuple(() for _ in graph.values[v].shape) for v in graph.inputs),
+                output_keypaths=tuple(graph.output_keypaths),
+                output_specs_flat=tuple(tuple(() for _ in graph.values[v].shape) for v in graph.outputs),
+                stages=tuple(stages), predicted=predicted, params=reports, warnings=warnings + tuple(res.notes),
+                provenance=provenance, schedule=best.schedule, microbatches=best.microbatches)
+
+
+def _row_index(tables: ShapeTables, row: tuple[int, ...]) -> int:
+    return int(np.flatnonzero((tables.rows == np.array(row)).all(axis=1))[0])
