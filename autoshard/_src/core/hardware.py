@@ -161,6 +161,12 @@ _PRESETS: dict[str, HardwareSpec] = {
                 "NVLink3 600 GB/s total = 300 GB/s per direction through NVSwitch; DGX A100: 8 GPUs per node, "
                 f"one 200 Gb/s (25 GB/s) HDR InfiniBand port per GPU. {_LATENCY_NOTE} {_EFF_NOTE}")),
     "v100-sxm": _v100("v100-sxm", 50e9, 12.5e9, 5e-6, _RANNC_NET + " This preset: the 50 GB/s pairs."),
+    "v100-16gb-25gbps": dataclasses.replace(
+        _v100("v100-16gb-25gbps", 150e9, 25e9 / 8, 5e-6, ""), memory_bytes=16 * 10**9,
+        source=(f"{_V100_SOURCE} Alpa's GPT benchmark cluster (Zheng et al., OSDI 2022, §8): AWS p3.16xlarge, "
+                "8 V100-SXM2-16GB per node with NVLink (6 NVLink2 links x 25 GB/s = 150 GB/s per direction per "
+                "GPU), nodes joined at 25 Gb/s = 3.125 GB/s per node, taken per ring (rings crossing nodes at "
+                f"the same time share it). {_LATENCY_NOTE} {_EFF_NOTE}")),
     "v100-sxm-nvlink25": _v100("v100-sxm-nvlink25", 25e9, 12.5e9, 5e-6,
                                _RANNC_NET + " This preset: the 25 GB/s (single-link) pairs."),
     "v100-sxm-eth32": _v100(

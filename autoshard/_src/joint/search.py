@@ -4,13 +4,14 @@
 The space (Alpa's inter-op pass over equal submeshes, with the intra-op choice taken from our own
 tensor search): for every stage count S dividing the device count N (at most the number of units),
 every submesh shape data d x model t with d * t = N / S (t at most a node: tensor parallelism
-stays on the fast links), every micro-batch count M (powers of two dividing the batch; 1 without
-stages) and schedule (1F1B, GPipe): the best contiguous split of the unit chain (`partition`), each
-stage with its own best (tensor plan, storage mode, remat policy) for its units and in-flight
-micro-batches (`stage_choice`). Tensor-only plans are the points S = 1; pipeline-only plans the
-points with t = 1 and no tensor split. The formula ranks every point; the best few are then timed
-by the event simulator, and the shortest simulated step wins. Deterministic: ties keep the earlier
-point in enumeration order (fewer stages, less tensor parallelism, fewer micro-batches, 1F1B).
+stays on the fast links), every micro-batch count M (powers of two dividing the batch; with one
+stage, M > 1 accumulates gradients) and schedule (1F1B, GPipe): the best contiguous split of the
+unit chain (`partition`), each stage with its own best (tensor plan, storage mode, remat policy)
+for its units and in-flight micro-batches (`stage_choice`). Tensor-only plans are the points
+S = 1; pipeline-only plans the points with t = 1. The formula ranks every point; the best few are
+then timed by the event simulator, and the shortest simulated step wins. Deterministic: ties keep
+the earlier point in enumeration order (fewer stages, less tensor parallelism, fewer
+micro-batches, 1F1B).
 """
 
 from __future__ import annotations

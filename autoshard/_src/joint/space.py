@@ -98,8 +98,7 @@ def shapes(per_stage: int, max_model: int, tensor: bool) -> list[tuple[int, int]
 
 
 def microbatch_counts(batch: int, stages: int, cap: int) -> list[int]:
-    if stages == 1:
-        return [1]
+    """Powers of two dividing the batch (one stage with several micro-batches accumulates gradients)."""
     out, m = [], 1
     while m <= min(batch, cap):
         if batch % m == 0:

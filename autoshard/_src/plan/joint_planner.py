@@ -41,10 +41,15 @@ def joint_plan(graph: OpGraph, *, devices: int, hw: HardwareSpec, options: Searc
         raise _infeasible(res, devices, hw, options)
     best = res.best
     summary = _summary(res, best)
-    if best.num_stages == 1 and best.stages[0].remat == "none":
+    if _runnable(best):
         plan = _tensor_plan(graph, grouping, res, best, hw, options)
         return dataclasses.replace(plan, predicted={**plan.predicted, "3d": summary})
     return _staged_plan(graph, res, best, hw, options, summary)
+
+
+def _runnable(p: JointPoint) -> bool:
+    """One stage, one micro-batch, no remat: a tensor plan, which the decorator runs."""
+    return p.num_stages == 1 and p.microbatches == 1 and p.stages[0].remat == "none"
 
 
 def point_summary(p: JointPoint | None) -> dict[str, Any] | None:
@@ -53,8 +58,9 @@ def point_summary(p: JointPoint | None) -> dict[str, Any] | None:
         return None
     return {"stages": p.num_stages, "data": p.data, "model": p.model, "microbatches": p.microbatches,
             "schedule": p.schedule, "step_time": p.step_time, "memory": p.memory,
-            "remat": sorted({s.remat for s in p.stages}), "storage": sorted({s.storage for s in p.stages}),
-            "units_per_stage": [s.stop - s.start for s in p.stages], "label": p.label or p.describe()}
+            "remat": tuple(sorted({s.remat for s in p.stages})),
+            "storage": tuple(sorted({s.storage for s in p.stages})),
+            "units_per_stage": tuple(s.stop - s.start for s in p.stages), "label": p.label or p.describe()}
 
 
 def _summary(res: JointResult, best: JointPoint) -> dict[str, Any]:
@@ -62,9 +68,9 @@ def _summary(res: JointResult, best: JointPoint) -> dict[str, Any]:
     return {"chosen": point_summary(best), "tensor_only": point_summary(res.tensor_only),
             "pipeline_only": point_summary(res.pipeline_only), "megatron_grid": point_summary(grid.best),
             "megatron_grid_points": grid.points, "megatron_grid_reason": grid.reason,
-            "runnable": best.num_stages == 1 and best.stages[0].remat == "none",
-            "points": res.points, "units": len(res.units), "unit_labels": list(res.units.labels),
-            "search_seconds": res.seconds, "notes": list(res.notes)}
+            "runnable": _runnable(best),
+            "points": res.points, "units": len(res.units), "unit_labels": tuple(res.units.labels),
+            "search_seconds": res.seconds, "notes": tuple(res.notes)}
 
 
 def _infeasible(res: JointResult, devices: int, hw: HardwareSpec, options: SearchOptions) -> InfeasiblePlanError:
