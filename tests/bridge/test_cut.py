@@ -100,10 +100,15 @@ def test_training_on_stacked_params_matches_train_step():
     assert_close(run.unstack(state), ref_params)
 
 
-def test_ratio_loss_is_refused_unless_accepted():
+def test_ratio_loss_is_refused():
     m, params, batch = model_args("bert")    # sum(ce * weights) / sum(weights): not a per-sample mean
     with pytest.raises(PipelineError, match="not a mean over samples"):
         autoshard.pipelined(m.loss, params, batch, mesh={"pipe": 2, "data": 2}, num_microbatches=2)
+
+
+@pytest.mark.slow
+def test_ratio_loss_accepted_is_the_mean_of_chunk_losses():
+    m, params, batch = model_args("bert")
     run = autoshard.pipelined(m.loss, params, batch, mesh={"pipe": 2, "data": 2}, num_microbatches=2,
                               check_loss=False)
     loss, grads = run.value_and_grad(params, batch)
@@ -235,6 +240,10 @@ def test_remat_and_scan_bodies_are_priced_like_the_planner_prices_them():
         eqn = next(e for e in jax.make_jaxpr(fn)(x).jaxpr.eqns if e.primitive.name in ("checkpoint", "remat2", "scan"))
         got = eqn_flops(eqn)
         assert want <= got <= want * 1.05, (fn, got, want)
+
+
+@pytest.mark.slow
+def test_remat_gpt_stages_carry_the_plain_gpt_flops():
     m, params, batch = model_args("gpt", remat=True)
     plain, _, _ = model_args("gpt")
     cut = autoshard.pipelined(m.loss, params, batch, mesh={"pipe": 2}, num_microbatches=2, check_loss=False)

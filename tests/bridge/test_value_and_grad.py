@@ -120,6 +120,7 @@ def test_pipelined_decorator_errors():
         autoshard.autoshard(make_step(m, ratio), **kw)(params, opt_state, batch)
 
 
+@pytest.mark.slow      # DAG runtime numerics stay in the default suite via tests/bridge/test_runtime.py
 def test_graphpipe_dag_plan_trains_like_one_device():
     # CANDLE-Uno's feature branches become concurrent stages feeding the join stage (graph-1F1B)
     m = models.get("candle_uno", "debug")

@@ -256,7 +256,8 @@ def test_moe_groups_dense_and_sparse_layers_as_two_types():
     assert len({bt.signature for bt in g.block_types}) == 2
 
 
-@pytest.mark.parametrize("config,branches,layers", [("debug", 4, 2), ("mmt-paper", 4, 8)])
+@pytest.mark.parametrize("config,branches,layers", [("debug", 4, 2),
+                                                    pytest.param("mmt-paper", 4, 8, marks=pytest.mark.slow)])
 def test_mmt_groups_all_branch_layers_as_one_type(config, branches, layers):
     g = _group("mmt", config)
     assert _types(g) == [("MMT/branch_*/layer_*", branches * layers)]

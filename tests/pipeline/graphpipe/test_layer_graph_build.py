@@ -155,7 +155,7 @@ def test_errors_name_the_argument():
 
 
 @pytest.mark.parametrize("name, kw", [("candle_uno", {"hidden": 512, "feature_dim": 512}),
-                                      ("mmt", {"hidden": 128, "d_ff": 512})])
+                                      pytest.param("mmt", {"hidden": 128, "d_ff": 512}, marks=pytest.mark.slow)])
 def test_curves_match_the_step_traced_at_smaller_batches(name, kw):
     """A node's curve at micro-batch b equals its cost in the step traced at batch b (the batch
     factor splits each op's flops and bytes exactly). Batch 1 is left out: jax traces a different

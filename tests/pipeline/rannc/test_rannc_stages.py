@@ -21,7 +21,7 @@ from autoshard._src.pipeline.rannc.uniform import best_uniform, uniform_split
 from ...core._synthetic import model
 from ._rannc_graphs import check_plan, random_step
 
-SETTINGS = settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 V100 = "v100-sxm"
 
 
