@@ -133,6 +133,10 @@ def joint_search(graph: OpGraph, grouping: Grouping, devices: int, hw: HardwareS
     pipe = _best_of([p for p in points if p.num_stages > 1 and p.model == 1])   # stages data parallel inside
     least = None if best is not None else _least_memory(srch, counts, max_model)
     grid = megatron_grid(srch)
+    # the formula ranks pipelines only approximately; the reference points are points of this space
+    # too, timed by the same simulator, so the chosen one is never slower than any of them
+    best = min((p for p in (best, tensor, pipe, grid.best) if p is not None), key=lambda p: p.step_time,
+               default=None)
     return JointResult(best, tensor, pipe, grid, srch.units, srch.tables, n_points, time.perf_counter() - t0, least,
                        notes)
 
