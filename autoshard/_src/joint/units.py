@@ -15,7 +15,6 @@ representative of its residue class, whose ops stand for it with weight 1.
 from __future__ import annotations
 
 import dataclasses
-from collections import defaultdict
 from collections.abc import Sequence
 
 import numpy as np
@@ -208,10 +207,3 @@ def kinds_per_range(units: Units) -> np.ndarray:
     onehot[np.arange(n), units.kind_of] = 1
     prefix = np.concatenate([np.zeros((1, K)), np.cumsum(onehot, axis=0)])
     return prefix[None, :, :] - prefix[:, None, :]
-
-
-def unit_labels_of_kinds(units: Units) -> dict[int, list[str]]:
-    out: dict[int, list[str]] = defaultdict(list)
-    for u, k in enumerate(units.kind_of):
-        out[k].append(units.labels[u])
-    return dict(out)
