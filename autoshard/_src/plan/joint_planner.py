@@ -28,7 +28,7 @@ from ..pipeline.costs import traced_batch
 from ..tensor.search import SearchOptions, search
 from .pipeline_planner import _modules, _params
 from .plan import ParamReport, Plan, Stage
-from .planner import build_plan
+from .planner import build_plan, describe_factors
 
 
 def joint_plan(graph: OpGraph, *, devices: int, hw: HardwareSpec, options: SearchOptions,
@@ -96,24 +96,12 @@ def _factor_axes(tables: ShapeTables, row: tuple[int, ...]) -> dict[int, tuple[s
             for f, mask in zip(tables.space.candidates, row, strict=True) if mask}
 
 
-def _describe(graph: OpGraph, tables: ShapeTables, axes_of: dict[int, tuple[str, ...]]) -> tuple:
-    fg, desc = tables.space.fg, {}
-    for v in graph.inputs:
-        val = graph.values[v]
-        if val.role in ("parameter", "data"):
-            for d, f in enumerate(fg.value_factors(v)):
-                if f is not None and f not in desc:
-                    desc[f] = f"{val.keypath} dim {d}"
-    return tuple((f, desc.get(f, f"factor {f}"), fg.factor_size(f), axes_of.get(f, ()))
-                 for f in tables.space.candidates)
-
-
 def _tensor_plan(graph: OpGraph, grouping: Grouping, res: JointResult, best: JointPoint, hw: HardwareSpec,
                  options: SearchOptions) -> Plan:
     """A one-stage point as the tensor plan it is: its factor assignment on its submesh."""
     mesh = submesh(best.data, best.model)
     tables = res.tables[(best.data, best.model)]
-    sr = search(graph, grouping, mesh, hw, options)
+    sr = search(graph, grouping, mesh, hw, options, analysed=tables.space.analysis)
     choice = sr.evaluate(_factor_axes(tables, best.stages[0].row), best.stages[0].storage)
     chosen = dataclasses.replace(sr, best=choice)
     chosen._evaluator = sr._evaluator
@@ -134,7 +122,8 @@ def _staged_plan(graph: OpGraph, res: JointResult, best: JointPoint, hw: Hardwar
             predicted_forward=st.forward, predicted_backward=st.backward, memory=st.memory,
             microbatches=best.microbatches, after=(i - 1,) if i else (), units=tuple(range(st.start, st.stop)),
             ops=ops, modules=_modules(graph, ops), params=_params(graph, ops),
-            factors=_describe(graph, tables, axes_of), storage=st.storage, remat=st.remat))
+            factors=tuple(describe_factors(graph, tables.space.fg, tables.space.candidates, axes_of)),
+            storage=st.storage, remat=st.remat))
     mesh = tuple((n, s) for n, s in (("pipe", best.num_stages), *sub) if s > 1) or (("data", 1),)
     reports = tuple(ParamReport(graph.values[v].keypath or "", graph.values[v].shape, graph.values[v].dtype,
                                 tuple(() for _ in graph.values[v].shape), 0, "see the stage holding it")

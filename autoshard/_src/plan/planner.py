@@ -134,8 +134,10 @@ def _add_storage_axes(spec: list[tuple[str, ...]], shape: tuple[int, ...], mesh:
     return spec
 
 
-def _describe_factors(graph: OpGraph, res: SearchResult) -> list[tuple[int, str, int, tuple[str, ...]]]:
-    fg = res.factors
+def describe_factors(graph: OpGraph, fg, candidates: tuple[int, ...],
+                     axes_of: dict[int, tuple[str, ...]]) -> list[tuple[int, str, int, tuple[str, ...]]]:
+    """(factor, "keypath dim d" of the first parameter or data input it splits, size, mesh axes) per
+    candidate factor: how a plan shows its logical dims."""
     desc: dict[int, str] = {}
     for v in graph.inputs:
         val = graph.values[v]
@@ -144,8 +146,7 @@ def _describe_factors(graph: OpGraph, res: SearchResult) -> list[tuple[int, str,
         for d, f in enumerate(fg.value_factors(v)):
             if f is not None and f not in desc:
                 desc[f] = f"{val.keypath} dim {d}"
-    return [(f, desc.get(f, f"factor {f}"), fg.factor_size(f), res.best.factor_axes.get(f, ()))
-            for f in res.candidates]
+    return [(f, desc.get(f, f"factor {f}"), fg.factor_size(f), axes_of.get(f, ())) for f in candidates]
 
 
 def build_plan(graph: OpGraph, grouping: Grouping, mesh: MeshSpec, hw: HardwareSpec,
@@ -222,7 +223,8 @@ def build_plan(graph: OpGraph, grouping: Grouping, mesh: MeshSpec, hw: HardwareS
     provenance = {"autoshard": VERSION, "fingerprint": fingerprint(graph),
                   "step": graph.name, "options": dataclasses.asdict(options),
                   "hardware": hardware_dict(hw)}
-    stage = _whole_mesh_stage(graph, mesh, b, batch_axes, tuple(_describe_factors(graph, res)), tuple(constraints))
+    factors = tuple(describe_factors(graph, res.factors, res.candidates, res.best.factor_axes))
+    stage = _whole_mesh_stage(graph, mesh, b, batch_axes, factors, tuple(constraints))
     return Plan(
         mesh=tuple(mesh.axes), hardware=hw.name,
         input_keypaths=tuple(graph.values[v].keypath or "" for v in graph.inputs),

@@ -382,10 +382,12 @@ def _grad_ops(graph: OpGraph, ops: Sequence[int]) -> frozenset[int]:
 
 
 def search(graph: OpGraph, grouping: Grouping, mesh: MeshSpec, hw: HardwareSpec,
-           options: SearchOptions = SearchOptions(), cost: CostModel | None = None) -> SearchResult:
-    """Find the fastest memory-feasible assignment of mesh axes to factors and a storage mode."""
+           options: SearchOptions = SearchOptions(), cost: CostModel | None = None,
+           analysed: Analysis | None = None) -> SearchResult:
+    """Find the fastest memory-feasible assignment of mesh axes to factors and a storage mode
+    (`analysed`: a previous `analysis(graph, grouping)` to reuse)."""
     cost = cost or AnalyticalCostModel(mesh, hw)
-    space = plan_space(graph, grouping, mesh, options)
+    space = plan_space(graph, grouping, mesh, options, analysed)
     budget = options.memory_budget if options.memory_budget is not None else 0.9 * hw.memory_bytes
     ev = space.evaluator(hw, cost, options, space.weights)
     ev.budget = budget
@@ -412,6 +414,11 @@ class PlanSpace:
     in_map: dict[int, int]
     notes: list[str]
     fused_update: bool = True
+
+    @property
+    def analysis(self) -> Analysis:
+        """The mesh-independent part this space was built from (reusable for other meshes)."""
+        return Analysis(self.weights, self.fg, self.grad_ops, self.periods, self.in_map, self.fused_update)
 
     def evaluator(self, hw: HardwareSpec, cost: CostModel, options: SearchOptions, weights: dict[int, float],
                   inputs: Sequence[int] | None = None) -> _Evaluator:
