@@ -29,10 +29,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh
+from jax.sharding import PartitionSpec as P
 
 from ..core.attribution import parse_scope
 from ..core.errors import PipelineError
 from ..core.hardware import get_hardware
+from ..core.mesh import MeshSpec
+from ..plan.planner import add_storage_axes
 from . import compat as jc
 from .api import local_hardware
 from .cut_dag import assign as dag_assign
@@ -139,7 +142,12 @@ def pipelined(loss_fn: Callable, params: Any, batch: Any, *, mesh: Any, num_micr
     if not callable(loss_fn):
         raise PipelineError(f"autoshard.pipelined: loss_fn must be callable, got {type(loss_fn).__name__}.")
     mesh = _mesh(mesh)
+    three_d = plan is not None and bool(getattr(plan, "is_pipeline", False)) and "3d" in plan.predicted
+    if three_d and data_axes is None:
+        data_axes = _plan_batch_axes(plan, mesh, pipe_axis)
     S, axes, B, mb = _split_batch(mesh, batch, num_microbatches, pipe_axis, data_axes)
+    if three_d:      # stages see the whole micro-batch, split over the data axes by XLA
+        mb *= math.prod(mesh.shape[a] for a in axes)
     closed, prog, treedef, keys, p_leaves = _trace(loss_fn, params, batch, mb)
     if check_loss:
         _check_chunk_mean(loss_fn, params, batch, B // mb, mb, mesh)
@@ -156,10 +164,12 @@ def pipelined(loss_fn: Callable, params: Any, batch: Any, *, mesh: Any, num_micr
     holders, owner = _holders(g, cut.stage)
     needs_batch_only = _batch_only_needs(g, cut, S)
     fns = [_stage_fn(s, prog, cut.stage, needs_batch_only[s], [cut.sends[u] for u in cut.preds[s]],
-                     None if s == cut.sink else cut.sends[s], keys, holders, g.loss_key) for s in range(S)]
+                     None if s == cut.sink else cut.sends[s], keys, holders, g.loss_key, three_d) for s in range(S)]
     tied = [[(h, _dict_path(keys[i])) for h in sorted(holders[i])] for i in range(len(keys)) if len(holders[i]) > 1]
+    specs = _stage_specs(plan, S, keys, holders, owner, p_leaves, mesh) if three_d else (None, None)
     program = pipeline_value_and_grad(fns, mesh, num_microbatches=num_microbatches, schedule=schedule,
-                                      edges=cut.edges, pipe_axis=pipe_axis, data_axes=axes, tied=tied)
+                                      edges=cut.edges, pipe_axis=pipe_axis, data_axes=axes, tied=tied,
+                                      stage_specs=specs[0], compute_specs=specs[1])
     infos = _stage_infos(g, cut, S, holders, owner)
     return Pipelined(program, infos, treedef, keys, tuple(owner), tuple(map(tuple, holders)))
 
@@ -554,6 +564,38 @@ def _plan_anchors(plan: Any, S: int, keys: tuple[str, ...], key_ins: list, param
     return out
 
 
+def _plan_batch_axes(plan: Any, mesh: Mesh, pipe_axis: str) -> tuple[str, ...]:
+    """The axes splitting every stage's micro-batch in a 3-D plan (the runtime runs one batch layout)."""
+    common = [a for a in mesh.axis_names if a != pipe_axis and all(a in st.batch_axes for st in plan.stages)]
+    return tuple(common)
+
+
+def _stage_specs(plan: Any, S: int, keys: tuple[str, ...], holders: list[set[int]], owner: list[int],
+                 p_leaves: list, mesh: Mesh) -> tuple[list[dict], list[dict]]:
+    """(stored, compute) spec of every parameter copy per stage, from the 3-D plan's stage tensor plans:
+    a leaf's spec is its owner stage's (tied copies must match to sum their gradients); ZeRO-3 stages
+    store their leaves split further over the axes their plan leaves free."""
+    stages = _plan_stages(plan, S)
+    by_suffix = [{kp: spec for kp, spec in st.param_specs} for st in stages]
+    sub = MeshSpec(tuple((a, mesh.shape[a]) for a in mesh.axis_names if a != "pipe") or (("data", 1),))
+    stored: list[dict] = [{} for _ in range(S)]
+    compute: list[dict] = [{} for _ in range(S)]
+    for i, key in enumerate(keys):
+        o = owner[i]
+        spec = next((sp for kp, sp in by_suffix[o].items() if kp.endswith(key) and kp[:-len(key)].count("[") == 1
+                     and kp[:-len(key)].startswith("[") and kp[:-len(key)].endswith("]")), None)
+        if spec is None:
+            continue        # replicated
+        shape = tuple(p_leaves[i].shape)
+        keep = list(spec)
+        if stages[o].storage == "zero3":
+            keep = add_storage_axes(keep, shape, sub)
+        for h in holders[i]:
+            stored[h][_dict_path(key)] = tuple(tuple(a) for a in keep)
+            compute[h][_dict_path(key)] = tuple(tuple(a) for a in spec)
+    return stored, compute
+
+
 def _avals(prog: Any, closed: Any) -> dict[int, Any]:
     out: dict[int, Any] = {}
     for k, v in zip(prog.inputs, closed.in_avals, strict=True):
@@ -569,9 +611,11 @@ def _dict_path(key: str) -> str:
 
 
 def _stage_fn(s: int, prog: Any, stage: list[int], batch_only_eqns: list[int], recv: list[list],
-              send: list | None, keys: tuple[str, ...], holders: list[set[int]], loss_key: Any) -> Callable:
+              send: list | None, keys: tuple[str, ...], holders: list[set[int]], loss_key: Any,
+              auto_axes: bool = False) -> Callable:
     """Stage s: receives one tuple of values per predecessor (`recv`, in the runtime's order), runs
-    its eqns and sends `send` (None: the last stage, returns the loss)."""
+    its eqns and sends `send` (None: the last stage, returns the loss). `auto_axes`: the stage runs
+    with automatic data/model axes (3-D plans), see `_batched_gather_operand`."""
     own = sorted(set(batch_only_eqns) | {e for e, st in enumerate(stage) if st == s})
     n_params = len(keys)
     my_params = [(prog.inputs[i], keys[i]) for i in range(n_params) if s in holders[i]]
@@ -588,9 +632,26 @@ def _stage_fn(s: int, prog: Any, stage: list[int], batch_only_eqns: list[int], r
             env.update(zip(ks, values, strict=True))
         for e in own:
             fe = prog.eqns[e]
-            env.update(zip(fe.outputs, jc.bind_eqn(fe.eqn, [read(env, a) for a in fe.inputs]), strict=True))
+            ins = [read(env, a) for a in fe.inputs]
+            if auto_axes and fe.eqn.primitive.name == "gather":
+                ins[0] = _batched_gather_operand(fe.eqn, ins[0])
+            env.update(zip(fe.outputs, jc.bind_eqn(fe.eqn, ins), strict=True))
         if send is None:
             return read(env, loss_key)
         return tuple(env[k] for k in send)
 
     return fn
+
+
+def _batched_gather_operand(eqn: Any, operand: Any) -> Any:
+    """A batched gather (`take_along_axis`: labels' log-probabilities) whose operand is split over an
+    automatic axis on a batching dim *and* on an indexed dim aborts XLA's SPMD partitioner inside a
+    shard_map that is manual over `pipe` only (jaxlib 0.10.2: spmd_partitioner_util.cc "Check failed:
+    partition_group_list..."). The indexed dims are made whole first (the vocabulary of the logits,
+    an all-gather over the model axis); the other dims keep whatever split XLA chose."""
+    dn = eqn.params["dimension_numbers"]
+    if not dn.operand_batching_dims or not jax.sharding.get_abstract_mesh().axis_names:
+        return operand        # nothing to guard (outside the runtime's shard_map: a shape pass)
+    indexed = set(dn.start_index_map)
+    spec = P(*[None if d in indexed else P.UNCONSTRAINED for d in range(operand.ndim)])
+    return jax.lax.with_sharding_constraint(operand, spec)

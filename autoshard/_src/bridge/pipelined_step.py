@@ -172,7 +172,7 @@ def pipelined_step(fn: Callable, plan: Plan, mesh: Any, args: tuple, *, num_micr
     if "pipe" not in mesh.axis_names:
         mesh = _graph_mesh(plan, mesh)
     dp = mesh.size // mesh.shape["pipe"]
-    if any(r != dp for r in replicas):
+    if "3d" not in plan.predicted and any(r != dp for r in replicas):     # 3-D stages run their own plans
         warnings.warn(f"autoshard: the plan gives its stages {replicas} replicas; the runtime runs every stage on "
                       f"the {dp} devices of the non-pipe axes (same results; step time differs from the plan's "
                       "prediction)", stacklevel=3)

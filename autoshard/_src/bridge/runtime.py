@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -42,76 +42,9 @@ from jax.sharding import PartitionSpec as P
 from ..core.errors import PipelineError
 from ..pipeline.schedules.registry import schedule as build_schedule
 from ..pipeline.schedules.schedule import Schedule, chain_edges, tick_table
+from .layouts import FlatCodec, ShardedCodec, Spec, StackedParams, buffer_dtype, check_specs, constrain_to, layout
 
 IDLE, FORWARD, BACKWARD = 0, 1, 2
-
-
-# --- flat layouts ---------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class Layout:
-    """Where the leaves of one pytree sit in a flat 1-D buffer (leaves keep their own dtypes)."""
-
-    treedef: Any
-    shapes: tuple[tuple[int, ...], ...]
-    dtypes: tuple[str, ...]
-    offsets: tuple[int, ...]
-    size: int
-    paths: tuple[str, ...] = ()     # jax.tree_util.keystr of every leaf
-
-    def pack(self, tree: Any, width: int, dtype: Any) -> jax.Array:
-        leaves = jax.tree.leaves(tree)
-        parts = [jnp.ravel(x).astype(dtype) for x in leaves]
-        if width > self.size:
-            parts.append(jnp.zeros((width - self.size,), dtype))
-        return jnp.concatenate(parts) if parts else jnp.zeros((width,), dtype)
-
-    def unpack(self, flat: jax.Array) -> Any:
-        leaves = [lax.slice_in_dim(flat, o, o + math.prod(s)).reshape(s).astype(d)
-                  for o, s, d in zip(self.offsets, self.shapes, self.dtypes, strict=True)]
-        return jax.tree.unflatten(self.treedef, leaves)
-
-
-def _layout(tree: Any, what: str) -> Layout:
-    with_paths, treedef = jax.tree_util.tree_flatten_with_path(tree)
-    leaves = [x for _, x in with_paths]
-    bad = [(i, x) for i, x in enumerate(leaves) if not jnp.issubdtype(x.dtype, jnp.floating)]
-    if bad:
-        i, x = bad[0]
-        raise PipelineError(
-            f"pipeline runtime: {what} has a {x.dtype} leaf (leaf {i}, shape {tuple(x.shape)}); the runtime "
-            f"moves only floating-point parameters and activations between stages. Pass integer data "
-            f"through the batch (every stage sees its micro-batch) or cast it to float.")
-    shapes = tuple(tuple(int(d) for d in x.shape) for x in leaves)
-    sizes = [math.prod(s) for s in shapes]
-    offsets = tuple(int(o) for o in np.cumsum([0, *sizes[:-1]])) if sizes else ()
-    return Layout(treedef, shapes, tuple(str(x.dtype) for x in leaves), offsets, int(sum(sizes)),
-                  tuple(jax.tree_util.keystr(kp) for kp, _ in with_paths))
-
-
-def _buffer_dtype(layouts: Sequence[Layout]) -> Any:
-    dtypes = [d for lay in layouts for d in lay.dtypes]
-    return jnp.result_type(*dtypes) if dtypes else jnp.float32
-
-
-@jax.tree_util.register_pytree_node_class
-@dataclasses.dataclass(frozen=True)
-class StackedParams:
-    """All stages' parameters as one [stages, P] buffer sharded over the pipe axis: row s holds stage
-    s's leaves, flattened and zero-padded. A pytree with one leaf, so elementwise optax transforms
-    (sgd, momentum, adam, adamw without masks) update it exactly as they would the per-stage trees;
-    transforms that look at whole tensors (per-layer norms, masks) need `unstack` first."""
-
-    flat: jax.Array
-    layouts: tuple[Layout, ...]
-
-    def tree_flatten(self):
-        return (self.flat,), self.layouts
-
-    @classmethod
-    def tree_unflatten(cls, layouts, children):
-        return cls(children[0], layouts)
 
 
 # --- edges, ticks and slots -------------------------------------------------------------------------
@@ -197,7 +130,9 @@ class PipelineProgram:
     """`prog(stacked_params, batch) -> (loss, grads)`: one jitted SPMD program per batch shape."""
 
     def __init__(self, stage_fns: Sequence[Callable], mesh: Mesh, sched: Schedule, pipe_axis: str,
-                 data_axes: tuple[str, ...], tied: tuple[tuple[tuple[int, str], ...], ...] = ()):
+                 data_axes: tuple[str, ...], tied: tuple[tuple[tuple[int, str], ...], ...] = (),
+                 stage_specs: tuple[Mapping[str, Spec], ...] | None = None,
+                 compute_specs: tuple[Mapping[str, Spec], ...] | None = None):
         self.stage_fns = tuple(stage_fns)
         self.tied = tied
         self.mesh = mesh
@@ -206,8 +141,15 @@ class PipelineProgram:
         self.data_axes = data_axes
         self.num_stages = sched.num_stages
         self.num_microbatches = sched.num_microbatches[0]
+        self.stage_specs = stage_specs
+        self.compute_specs = compute_specs
         self._static = _static_plan(sched)
         self._compiled: dict[Any, Callable] = {}
+
+    @property
+    def auto(self) -> bool:
+        """Tensor-sharded stages: only `pipe` is manual, the stages' data/model axes are XLA's."""
+        return self.stage_specs is not None
 
     @property
     def data_parallel(self) -> int:
@@ -232,14 +174,27 @@ class PipelineProgram:
                 got += f" of {len(params)}"
             raise PipelineError(
                 f"pipeline runtime: stack(params) takes one parameter pytree per stage ({self.num_stages}), got {got}.")
-        layouts = tuple(_layout(p, f"stage {s}'s parameters") for s, p in enumerate(params))
+        if self.auto:
+            for s, p in enumerate(params):
+                layout(p, f"stage {s}'s parameters")          # the same float-only check
+            codec = ShardedCodec.build(dict(enumerate(params)), dict(enumerate(self.stage_specs)), self.mesh,
+                                       dict(enumerate(self.compute_specs or self.stage_specs)))
+            rows = [codec.pack(s, p) for s, p in enumerate(params)]
+            bufs = tuple(jax.device_put(jnp.stack([r[g] for r in rows]), sh)
+                         for g, sh in enumerate(codec.stacked_sharding(self.pipe_axis)))
+            return StackedParams(bufs, codec)
+        layouts = tuple(layout(p, f"stage {s}'s parameters") for s, p in enumerate(params))
         width = max(1, max(lay.size for lay in layouts))
-        dtype = _buffer_dtype(layouts)
+        dtype = buffer_dtype(layouts)
         rows = jnp.stack([lay.pack(p, width, dtype) for lay, p in zip(layouts, params, strict=True)])
         return StackedParams(jax.device_put(rows, NamedSharding(self.mesh, P(self.pipe_axis))), layouts)
 
     def unstack(self, stacked: StackedParams) -> list[Any]:
         self._check_stacked(stacked, "unstack")
+        if self.auto:
+            codec = stacked.layouts
+            return [codec.unpack(s, tuple(b[s] for b in stacked.flat), constrain=False)
+                    for s in range(self.num_stages)]
         return [lay.unpack(stacked.flat[s]) for s, lay in enumerate(stacked.layouts)]
 
     def _check_stacked(self, stacked: Any, where: str) -> None:
@@ -247,9 +202,11 @@ class PipelineProgram:
             raise PipelineError(
                 f"pipeline runtime: {where} takes the StackedParams from prog.stack(...), "
                 f"got {type(stacked).__name__}.")
-        if len(stacked.layouts) != self.num_stages or stacked.flat.shape[0] != self.num_stages:
+        n = len(stacked.layouts.layouts if isinstance(stacked.layouts, ShardedCodec) else stacked.layouts)
+        rows = {b.shape[0] for b in jax.tree.leaves(stacked.flat)}
+        if n != self.num_stages or rows != {self.num_stages} or isinstance(stacked.layouts, ShardedCodec) != self.auto:
             raise PipelineError(
-                f"pipeline runtime: {where}: StackedParams holds {len(stacked.layouts)} stages, the program has "
+                f"pipeline runtime: {where}: StackedParams holds {n} stages, the program has "
                 f"{self.num_stages}; stack the parameters with this program's stack().")
 
     # running
@@ -265,7 +222,7 @@ class PipelineProgram:
     def _jitted(self, params: StackedParams, batch: Any, where: str) -> Callable:
         self._check_stacked(params, where)
         B = self._batch_size(batch)
-        key = (params.layouts, str(params.flat.dtype), params.flat.shape,
+        key = (params.layouts, tuple((b.shape, str(b.dtype)) for b in jax.tree.leaves(params.flat)),
                jax.tree.structure(batch), tuple((x.shape, str(x.dtype)) for x in jax.tree.leaves(batch)))
         if key not in self._compiled:
             self._compiled[key] = self._build(params, batch, B)
@@ -276,24 +233,25 @@ class PipelineProgram:
         loss, grads = self(self.stack(params), batch)
         return loss, self.unstack(grads)
 
-    def _tie_offsets(self, group: tuple[tuple[int, str], ...], layouts: tuple[Layout, ...]):
-        """(member stages, flat offset per rank (0 off the group), leaf size) of one tied parameter."""
+    def _tie_offsets(self, group: tuple[tuple[int, str], ...], codec: Any):
+        """(member stages, buffer group, flat offset per rank (0 off the group), leaf size) of one tied
+        parameter."""
         offsets = np.zeros(self.num_stages, np.int32)
-        shapes = set()
+        where = set()
         for s, path in group:
-            lay = layouts[s]
-            if path not in lay.paths:
+            paths = codec.layouts[s].paths
+            if path not in paths:
                 raise PipelineError(
                     f"pipeline runtime: tied parameter {path} is not in stage {s}'s parameters "
-                    f"(it has {list(lay.paths)[:6]}{' ...' if len(lay.paths) > 6 else ''}).")
-            i = lay.paths.index(path)
-            offsets[s] = lay.offsets[i]
-            shapes.add((lay.shapes[i], lay.dtypes[i]))
-        if len(shapes) != 1:
+                    f"(it has {list(paths)[:6]}{' ...' if len(paths) > 6 else ''}).")
+            g, offsets[s], n = codec.tie_slice(s, path)
+            where.add((g, n, codec.tie_kind(s, path)))
+        if len(where) != 1:
             raise PipelineError(
-                f"pipeline runtime: tied copies {list(group)} differ in shape or dtype: {sorted(shapes)}.")
-        (shape, _), = shapes
-        return tuple(s for s, _ in group), offsets, math.prod(shape)
+                f"pipeline runtime: tied copies {list(group)} differ in shape, dtype or split: "
+                f"{sorted(map(str, where))}.")
+        (g, n, _), = where
+        return tuple(s for s, _ in group), g, offsets, n
 
     def _batch_size(self, batch: Any) -> int:
         leaves = jax.tree.leaves(batch)
@@ -314,47 +272,73 @@ class PipelineProgram:
                 f"is a multiple of {M * dp} or change num_microbatches.")
         return B
 
+    def _codecs(self, params: StackedParams, batch: Any, B: int, preds: list, succs: list) -> tuple[Any, Any]:
+        """(parameter codec, activation codec) for one batch shape."""
+        M, dp, sched = self.num_microbatches, self.data_parallel, self.schedule
+        local_mb = B // M if self.auto else B // (M * dp)
+        if self.auto:
+            structs = [params.layouts.structs(s) for s in range(self.num_stages)]
+        else:
+            structs = [lay.structs() for lay in params.layouts]
+        outs = _output_structs(self.stage_fns, structs, batch, local_mb, sched.edges, preds, succs)
+        S = self.num_stages
+        if self.auto:
+            data = tuple(self.data_axes)
+            act_specs = {s: {jax.tree_util.keystr(kp): ((data,) + ((),) * (len(x.shape) - 1)) if x.shape else ()
+                             for kp, x in jax.tree_util.tree_flatten_with_path(o)[0]} for s, o in outs.items()}
+            return params.layouts, ShardedCodec.build(outs, act_specs, self.mesh, stages=S)
+        out_lay = [layout(outs[s], f"stage {s}'s output") if s in outs else None for s in range(S)]
+        real = [lay for lay in out_lay if lay is not None]
+        flat_p = FlatCodec(params.layouts, params.flat.shape[1], params.flat.dtype)
+        return flat_p, FlatCodec(tuple(out_lay), max([1, *(lay.size for lay in real)]), buffer_dtype(real))
+
     def _build(self, params: StackedParams, batch: Any, B: int) -> Callable:
         """The jitted step for one batch shape: a shape pass over the stages, then the SPMD tick loop."""
-        S, M, dp = self.num_stages, self.num_microbatches, self.data_parallel
+        S, M = self.num_stages, self.num_microbatches
         sched, st = self.schedule, self._static
         preds = [sched.predecessors(s) for s in range(S)]
         succs = [sched.successors(s) for s in range(S)]
-        local_mb = B // (M * dp)
-        out_lay = _output_layouts(self.stage_fns, params.layouts, batch, local_mb, sched.edges, preds, succs)
-        bufs = _buffers(st, M, preds, succs, params, out_lay)
+        pc, ac = self._codecs(params, batch, B, preds, succs)
+        bufs = _Buffers(M, preds, succs, pc, ac, st.in_slot.shape[1], st.out_slot.shape[1],
+                        jnp.asarray(st.in_slot), jnp.asarray(st.out_slot))
         branches = _branches(bufs, self.stage_fns)
         kind_t, mb_t = jnp.asarray(st.kind), jnp.asarray(st.microbatch)
         tables = _edge_tables(sched.edges, preds, succs, S)
-        pipe, data_axes = self.pipe_axis, self.data_axes
-        ties = [self._tie_offsets(group, params.layouts) for group in self.tied]
-        body = _spmd_body(bufs, st, branches, tables, kind_t, mb_t, ties, pipe, data_axes)
-
-        data_spec = data_axes if len(data_axes) != 1 else data_axes[0]
-        batch_spec = jax.tree.map(lambda x: P(None, data_spec or None), batch)
-        mapped = jax.shard_map(body, mesh=self.mesh, in_specs=(P(pipe), batch_spec),
-                               out_specs=(P(), P(pipe)), check_vma=False)
+        pipe = self.pipe_axis
+        ties = [self._tie_offsets(group, pc) for group in self.tied]
+        reduce_axes = () if self.auto else self.data_axes        # auto axes: XLA reduces over them
+        body = _spmd_body(bufs, st, branches, tables, kind_t, mb_t, ties, pipe, reduce_axes)
+        data_spec = (self.data_axes if len(self.data_axes) != 1 else self.data_axes[0]) or None
+        p_spec = jax.tree.map(lambda _: P(pipe), params.flat)
+        if self.auto:
+            mapped = jax.shard_map(body, mesh=self.mesh, in_specs=(p_spec, P()), out_specs=(P(), p_spec),
+                                   axis_names=frozenset({pipe}), check_vma=False)
+            mb_sharding = P(None, data_spec)
+        else:
+            batch_spec = jax.tree.map(lambda x: P(None, data_spec), batch)
+            mapped = jax.shard_map(body, mesh=self.mesh, in_specs=(p_spec, batch_spec), out_specs=(P(), p_spec),
+                                   check_vma=False)
+            mb_sharding = None
 
         def step(flat, batch):
             batch_mb = jax.tree.map(lambda x: x.reshape(M, B // M, *x.shape[1:]), batch)
+            if mb_sharding is not None:
+                batch_mb = jax.tree.map(lambda x: constrain_to(x, mb_sharding, self.mesh), batch_mb)
             return mapped(flat, batch_mb)
 
         return jax.jit(step)
 
 
-def _output_layouts(fns: Sequence[Callable], layouts: tuple[Layout, ...], batch: Any, local_mb: int,
-                    edges: Sequence[tuple[int, int]], preds: list, succs: list) -> dict[int, Layout]:
-    """The flat layout of every non-sink stage's output on one local micro-batch, from shapes evaluated in
-    topological order; a sink must return the scalar float loss."""
+def _output_structs(fns: Sequence[Callable], structs: list[Any], batch: Any, local_mb: int,
+                    edges: Sequence[tuple[int, int]], preds: list, succs: list) -> dict[int, Any]:
+    """The output shapes of every non-sink stage on one local micro-batch, evaluated in topological
+    order; a sink must return the scalar float loss."""
     mb_struct = jax.tree.map(lambda x: jax.ShapeDtypeStruct((local_mb, *x.shape[1:]), x.dtype), batch)
-    p_structs = [jax.tree.unflatten(lay.treedef, [jax.ShapeDtypeStruct(s, d)
-                                                  for s, d in zip(lay.shapes, lay.dtypes, strict=True)])
-                 for lay in layouts]
     S = len(fns)
     outs: dict[int, Any] = {}
     for s in _topological(S, edges):
         try:
-            outs[s] = jax.eval_shape(fns[s], p_structs[s], mb_struct, *[outs[u] for u in preds[s]])
+            outs[s] = jax.eval_shape(fns[s], structs[s], mb_struct, *[outs[u] for u in preds[s]])
         except Exception as e:  # the user's function failed on these shapes: say which stage
             raise PipelineError(
                 f"pipeline runtime: stage {s} failed on a micro-batch of {local_mb} samples with inputs from "
@@ -366,81 +350,80 @@ def _output_layouts(fns: Sequence[Callable], layouts: tuple[Layout, ...], batch:
                 raise PipelineError(
                     f"pipeline runtime: stage {s} has no successor, so it must return the scalar float loss of "
                     f"its micro-batch; it returned {jax.tree.map(lambda x: (x.shape, str(x.dtype)), y)}.")
-    return {s: _layout(outs[s], f"stage {s}'s output") for s in range(S) if succs[s]}
+    for s in range(S):
+        if succs[s]:
+            layout(outs[s], f"stage {s}'s output")          # floating point only
+    return {s: outs[s] for s in range(S) if succs[s]}
 
 
 @dataclasses.dataclass(frozen=True)
 class _Buffers:
-    """What the traced tick loop closes over: the stage DAG, flat layouts, buffer shapes and the slot
-    tables and zero rows (device arrays made once, outside the trace)."""
+    """What the traced tick loop closes over: the stage DAG, the row codecs of parameters (`pc`) and
+    stage outputs (`ac`), and the slot tables."""
 
     M: int
     preds: list
     succs: list
-    layouts: tuple[Layout, ...]      # stage parameters
-    out_lay: dict[int, Layout]       # stage outputs (stages with successors)
-    A: int                           # activation row width
-    act_dtype: Any
-    P_width: int                     # parameter row width
-    p_dtype: Any
+    pc: Any                          # FlatCodec | ShardedCodec
+    ac: Any
     n_in_max: int
     n_out_max: int
     in_slot: jax.Array               # _Plan.in_slot
     out_slot: jax.Array              # _Plan.out_slot
-    zeros: tuple[jax.Array, ...]     # a branch's four results, all zero
 
 
-def _buffers(st: _Plan, M: int, preds: list, succs: list, params: StackedParams,
-             out_lay: dict[int, Layout]) -> _Buffers:
-    A = max([1, *(lay.size for lay in out_lay.values())])
-    act_dtype = _buffer_dtype(list(out_lay.values()))
-    P_width = params.flat.shape[1]
-    p_dtype = params.flat.dtype
-    n_in_max, n_out_max = st.in_slot.shape[1], st.out_slot.shape[1]
-    st_in_slot, st_out_slot = jnp.asarray(st.in_slot), jnp.asarray(st.out_slot)
-    zeros = (jnp.zeros((A,), act_dtype), jnp.zeros((n_in_max, A), act_dtype),
-             jnp.zeros((P_width,), p_dtype), jnp.zeros((), jnp.float32))
-    return _Buffers(M, preds, succs, params.layouts, out_lay, A, act_dtype, P_width, p_dtype, n_in_max, n_out_max,
-                    st_in_slot, st_out_slot, zeros)
+def _at(buf: Any, *idx: Any) -> Any:
+    return jax.tree.map(lambda b: b[idx], buf)
+
+
+def _tree_sum(rows: list[Any]) -> Any:
+    return jax.tree.map(lambda *xs: sum(xs[1:], xs[0]), *rows)
 
 
 def _branches(bufs: _Buffers, fns: Sequence[Callable]) -> list[Callable]:
     """`lax.switch`'s branches, one signature for all: stage s's forward at s, its backward at S + s,
     idle at 2S. Each returns (activation row, input-gradient rows, parameter gradient, loss)."""
-    S, M, A, act_dtype, zeros = len(fns), bufs.M, bufs.A, bufs.act_dtype, bufs.zeros
-    preds, succs, out_lay = bufs.preds, bufs.succs, bufs.out_lay
+    S, M, pc, ac = len(fns), bufs.M, bufs.pc, bufs.ac
+    preds, succs = bufs.preds, bufs.succs
 
-    def stage_call(s, flat_p, act_buf, grad_buf, batch_m, m):
-        p = bufs.layouts[s].unpack(flat_p)
-        xs = [out_lay[u].unpack(act_buf[k, bufs.in_slot[s, k, m]]) for k, u in enumerate(preds[s])]
+    def zeros():
+        act = ac.zero()
+        return act, jax.tree.map(lambda a: jnp.zeros((bufs.n_in_max, *a.shape), a.dtype), act), pc.zero(), \
+            jnp.zeros((), jnp.float32)
+
+    def stage_call(s, row_p, act_buf, m):
+        p = pc.unpack(s, row_p)
+        xs = [ac.unpack(u, _at(act_buf, k, bufs.in_slot[s, k, m])) for k, u in enumerate(preds[s])]
         return p, xs
 
     def forward(s):
-        def run(flat_p, act_buf, grad_buf, batch_m, m):
-            p, xs = stage_call(s, flat_p, act_buf, grad_buf, batch_m, m)
+        def run(row_p, act_buf, grad_buf, batch_m, m):
+            p, xs = stage_call(s, row_p, act_buf, m)
             y = fns[s](p, batch_m, *xs)
+            z = zeros()
             if not succs[s]:
-                return zeros[0], zeros[1], zeros[2], y.astype(jnp.float32) / M
-            return out_lay[s].pack(y, A, act_dtype), zeros[1], zeros[2], zeros[3]
+                return z[0], z[1], z[2], y.astype(jnp.float32) / M
+            return ac.pack(s, y), z[1], z[2], z[3]
         return run
 
     def backward(s):
-        def run(flat_p, act_buf, grad_buf, batch_m, m):
-            p, xs = stage_call(s, flat_p, act_buf, grad_buf, batch_m, m)
+        def run(row_p, act_buf, grad_buf, batch_m, m):
+            p, xs = stage_call(s, row_p, act_buf, m)
             y, vjp = jax.vjp(lambda p_, *xs_: fns[s](p_, batch_m, *xs_), p, *xs)
             if succs[s]:
-                g = sum(grad_buf[j, bufs.out_slot[s, j, m]] for j in range(len(succs[s])))
-                ct = out_lay[s].unpack(g)
+                g = _tree_sum([_at(grad_buf, j, bufs.out_slot[s, j, m]) for j in range(len(succs[s]))])
+                ct = ac.unpack(s, g)
             else:
                 ct = jnp.asarray(1.0 / M, y.dtype)
             dp_, *dxs = vjp(ct)
-            rows = [out_lay[u].pack(dx, A, act_dtype) for u, dx in zip(preds[s], dxs, strict=True)]
-            rows += [zeros[0]] * (bufs.n_in_max - len(rows))
-            return zeros[0], jnp.stack(rows), bufs.layouts[s].pack(dp_, bufs.P_width, bufs.p_dtype), zeros[3]
+            z = zeros()
+            rows = [ac.pack(u, dx) for u, dx in zip(preds[s], dxs, strict=True)]
+            rows += [z[0]] * (bufs.n_in_max - len(rows))
+            return z[0], jax.tree.map(lambda *r: jnp.stack(r), *rows), pc.pack(s, dp_), z[3]
         return run
 
-    def idle(flat_p, act_buf, grad_buf, batch_m, m):
-        return zeros
+    def idle(row_p, act_buf, grad_buf, batch_m, m):
+        return zeros()
 
     return [forward(s) for s in range(S)] + [backward(s) for s in range(S)] + [idle]
 
@@ -467,55 +450,61 @@ def _edge_tables(edges: Sequence[tuple[int, int]], preds: list, succs: list, S: 
 def _spmd_body(bufs: _Buffers, st: _Plan, branches: list[Callable], tables: list, kind_t: jax.Array,
                mb_t: jax.Array, ties: list, pipe: str, data_axes: tuple[str, ...]) -> Callable:
     """The per-device program: the tick loop, then tied copies' gradient sums and the loss/gradient
-    reductions over pipe and data axes."""
+    reductions over pipe and (manual) data axes."""
     S = len(bufs.preds)
 
     def body(flat, batch_mb):
         r = lax.axis_index(pipe)
-        flat_p = flat[0]
+        row_p = jax.tree.map(lambda b: b[0], flat)
 
         def tick(t, carry):
             act_buf, grad_buf, gacc, loss = carry
             k, m = kind_t[t, r], mb_t[t, r]
             idx = jnp.where(k == FORWARD, r, jnp.where(k == BACKWARD, S + r, 2 * S))
             batch_m = jax.tree.map(lambda x: lax.dynamic_index_in_dim(x, m, 0, keepdims=False), batch_mb)
-            act_out, grads_out, dparam, dloss = lax.switch(idx, branches, flat_p, act_buf, grad_buf, batch_m, m)
+            act_out, grads_out, dparam, dloss = lax.switch(idx, branches, row_p, act_buf, grad_buf, batch_m, m)
+
             def deliver(buf, recv, src, row, slots, kind):
                 # keep what arrived only if the sender ran that kind of task this tick
                 valid = (src >= 0) & (kind_t[t, jnp.maximum(src, 0)] == kind)
                 slot = slots[r, row, mb_t[t, jnp.maximum(src, 0)]]
-                return buf.at[row, slot].set(jnp.where(valid, recv, buf[row, slot]))
+                return jax.tree.map(lambda b, x: b.at[row, slot].set(jnp.where(valid, x, b[row, slot])), buf, recv)
 
             for pairs, (f_src, f_kin, _), (b_src, b_kin, b_kout) in tables:
                 recv = lax.ppermute(act_out, pipe, perm=pairs)
                 act_buf = deliver(act_buf, recv, f_src[r], f_kin[r], bufs.in_slot, FORWARD)
-                recv = lax.ppermute(grads_out[b_kin[r]], pipe, perm=[(b, a) for a, b in pairs])
+                recv = lax.ppermute(_at(grads_out, b_kin[r]), pipe, perm=[(b, a) for a, b in pairs])
                 grad_buf = deliver(grad_buf, recv, b_src[r], b_kout[r], bufs.out_slot, BACKWARD)
-            return act_buf, grad_buf, gacc + dparam, loss + dloss
+            return act_buf, grad_buf, jax.tree.map(jnp.add, gacc, dparam), loss + dloss
 
-        carry = (jnp.zeros((bufs.n_in_max, st.num_in_slots, bufs.A), bufs.act_dtype),
-                 jnp.zeros((bufs.n_out_max, st.num_out_slots, bufs.A), bufs.act_dtype),
-                 jnp.zeros((bufs.P_width,), bufs.p_dtype), jnp.zeros((), jnp.float32))
+        act = bufs.ac.zero()
+        carry = (jax.tree.map(lambda a: jnp.zeros((bufs.n_in_max, st.num_in_slots, *a.shape), a.dtype), act),
+                 jax.tree.map(lambda a: jnp.zeros((bufs.n_out_max, st.num_out_slots, *a.shape), a.dtype), act),
+                 bufs.pc.zero(), jnp.zeros((), jnp.float32))
         _, _, gacc, loss = lax.fori_loop(0, st.kind.shape[0], tick, carry)
         gacc = _sum_tied(gacc, r, ties, pipe)
         loss = lax.psum(loss, pipe)
         if data_axes:
             loss, gacc = lax.pmean(loss, data_axes), lax.pmean(gacc, data_axes)
-        return loss, gacc[None]
+        return loss, jax.tree.map(lambda g: g[None], gacc)
 
     return body
 
 
-def _sum_tied(gacc: jax.Array, r: jax.Array, ties: list, pipe: str) -> jax.Array:
-    for members, offsets, n in ties:    # copies of one parameter: every copy gets the sum
+def _sum_tied(gacc: Any, r: jax.Array, ties: list, pipe: str) -> Any:
+    """Copies of one parameter (tied embeddings): every copy's gradient becomes the group's sum. A
+    copy is a slice of the last axis of one row (flat) or of one group buffer (sharded)."""
+    for members, group, offsets, n in ties:
+        buf = gacc if group is None else gacc[group]
         off = jnp.asarray(offsets)[r]
-        mine = lax.dynamic_slice_in_dim(gacc, off, n)
+        mine = lax.dynamic_slice_in_dim(buf, off, n, axis=-1)
         total = mine
         for j in range(1, len(members)):
             perm = [(members[i], members[(i + j) % len(members)]) for i in range(len(members))]
             total = total + lax.ppermute(mine, pipe, perm=perm)
         member = jnp.isin(r, jnp.asarray(members))
-        gacc = lax.dynamic_update_slice_in_dim(gacc, jnp.where(member, total, mine), off, 0)
+        buf = lax.dynamic_update_slice_in_dim(buf, jnp.where(member, total, mine), off, axis=-1)
+        gacc = buf if group is None else tuple(buf if g == group else b for g, b in enumerate(gacc))
     return gacc
 
 
@@ -528,7 +517,9 @@ def _topological(n: int, edges: Sequence[tuple[int, int]]) -> list[int]:
 def pipeline_value_and_grad(stage_fns: Sequence[Callable], mesh: Mesh, *, num_microbatches: int | None = None,
                             schedule: str | Schedule = "1f1b", edges: Sequence[tuple[int, int]] | None = None,
                             pipe_axis: str = "pipe", data_axes: Sequence[str] | None = None,
-                            tied: Sequence[Sequence[tuple[int, str]]] = ()) -> PipelineProgram:
+                            tied: Sequence[Sequence[tuple[int, str]]] = (),
+                            stage_specs: Sequence[Mapping[str, Spec]] | None = None,
+                            compute_specs: Sequence[Mapping[str, Spec]] | None = None) -> PipelineProgram:
     """Build the SPMD pipeline program for `stage_fns` on `mesh` (see the module docstring).
 
     `schedule`: a registered name ("gpipe", "1f1b", "graph-1f1b") built with `num_microbatches` and
@@ -589,10 +580,19 @@ def pipeline_value_and_grad(stage_fns: Sequence[Callable], mesh: Mesh, *, num_mi
         raise PipelineError(
             f"pipeline runtime: per-stage micro-batch counts {list(sched.num_microbatches)} are not supported yet; "
             f"the runtime needs one count for every stage (GraphPipe plans with per_stage_microbatch=False).")
+    if stage_specs is not None:
+        if len(stage_specs) != S or (compute_specs is not None and len(compute_specs) != S):
+            raise PipelineError(f"pipeline runtime: stage_specs (and compute_specs) need one mapping per stage "
+                                f"({S}), got {len(stage_specs)}.")
+        check_specs(dict(enumerate(stage_specs)), mesh, pipe_axis)
+        if compute_specs is not None:
+            check_specs(dict(enumerate(compute_specs)), mesh, pipe_axis)
+        stage_specs = tuple(dict(x) for x in stage_specs)
+        compute_specs = None if compute_specs is None else tuple(dict(x) for x in compute_specs)
     groups = tuple(tuple((int(st), str(path)) for st, path in group) for group in tied)
     for group in groups:
         stages = [st for st, _ in group]
         if len(group) < 2 or len(set(stages)) != len(stages) or not all(0 <= st < S for st in stages):
             raise PipelineError(
                 f"pipeline runtime: tied group {list(group)} must name two or more distinct stages 0..{S - 1}.")
-    return PipelineProgram(fns, mesh, sched, pipe_axis, axes, groups)
+    return PipelineProgram(fns, mesh, sched, pipe_axis, axes, groups, stage_specs, compute_specs)

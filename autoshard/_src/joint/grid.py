@@ -34,10 +34,11 @@ def megatron_grid(srch: SearchState) -> GridResult:
     found: list[JointPoint] = []
     priced = feasible = 0
     reasons: list[str] = []
+    fixed_s, fixed_shape = srch.joint.stages, srch.joint.shape      # a "pipe" mesh: its shape only
     for t in TENSOR_SIZES:
-        if t > srch.hw.devices_per_node or N % t:
+        if t > srch.hw.devices_per_node or N % t or (fixed_shape is not None and t != fixed_shape[1]):
             continue
-        for p in (p for p in range(1, U + 1) if U % p == 0 and N % (t * p) == 0):
+        for p in (p for p in range(1, U + 1) if U % p == 0 and N % (t * p) == 0 and fixed_s in (None, p)):
             d = N // (t * p)
             tables = srch.table(d, t)
             row = tables.megatron
@@ -46,7 +47,7 @@ def megatron_grid(srch: SearchState) -> GridResult:
                 continue
             r_idx = int(np.flatnonzero((tables.rows == row).all(axis=1))[0])
             storage = "zero1" if d > 1 and "zero1" in tables.storage_modes else "replicated"
-            for M in microbatch_counts(srch.batch, p, srch.joint.max_microbatches):
+            for M in microbatch_counts(srch.batch, p, srch.joint.max_microbatches, srch.joint.microbatches):
                 if (srch.batch // M) % d:
                     continue
                 for remat in ("none", "full"):

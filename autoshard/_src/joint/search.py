@@ -114,9 +114,9 @@ def joint_search(graph: OpGraph, grouping: Grouping, devices: int, hw: HardwareS
     points: list[JointPoint] = []
     n_points = 0
     for S in counts:
-        for d, t in shapes(devices // S, max_model, joint.tensor_in_stages or S == 1):
+        for d, t in shapes(devices // S, max_model, joint.tensor_in_stages or S == 1, joint.shape):
             tables = srch.table(d, t)
-            for M in microbatch_counts(srch.batch, S, joint.max_microbatches):
+            for M in microbatch_counts(srch.batch, S, joint.max_microbatches, joint.microbatches):
                 valid = (srch.batch // M) % tables.batch_split.astype(np.int64) == 0
                 if srch.batch % M or not valid.any():
                     continue
@@ -152,9 +152,12 @@ def _least_memory(srch: SearchState, counts: list[int], max_model: int) -> Joint
     """When nothing fits: the point needing least memory (every stage at its least-memory choice)."""
     best = None
     for S in counts:
-        for d, t in shapes(srch.N // S, max_model, srch.joint.tensor_in_stages or S == 1):
+        for d, t in shapes(srch.N // S, max_model, srch.joint.tensor_in_stages or S == 1, srch.joint.shape):
             tables = srch.table(d, t)
-            M = max(microbatch_counts(srch.batch, S, srch.joint.max_microbatches))
+            counts_m = microbatch_counts(srch.batch, S, srch.joint.max_microbatches, srch.joint.microbatches)
+            if not counts_m:
+                continue
+            M = max(counts_m)
             valid = (srch.batch // M) % tables.batch_split.astype(np.int64) == 0
             if not valid.any():
                 continue

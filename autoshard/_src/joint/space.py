@@ -29,7 +29,8 @@ class JointOptions:
     """What the 3-D search may choose. `stages`: a fixed stage count (a "pipe" mesh axis);
     `max_model`: largest tensor-parallel size (None: the hardware's devices per node);
     `tensor_in_stages=False` keeps pipeline stages data parallel inside; `remat` the policies it
-    may choose (("none",) when the step cannot be rematerialised)."""
+    may choose (("none",) when the step cannot be rematerialised); `shape` a fixed (data, model)
+    submesh and `microbatches` a fixed micro-batch count (a mesh with a "pipe" axis fixes all three)."""
 
     schedules: tuple[str, ...] = SCHEDULES
     remat: tuple[str, ...] = REMAT
@@ -37,6 +38,8 @@ class JointOptions:
     max_model: int | None = None
     tensor_in_stages: bool = True
     max_microbatches: int = 512
+    shape: tuple[int, int] | None = None
+    microbatches: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,13 +95,17 @@ def submesh(data: int, model: int) -> MeshSpec:
     return mesh_spec(dict(axes))
 
 
-def shapes(per_stage: int, max_model: int, tensor: bool) -> list[tuple[int, int]]:
+def shapes(per_stage: int, max_model: int, tensor: bool, fixed: tuple[int, int] | None = None) -> list[tuple[int, int]]:
+    if fixed is not None:
+        return [fixed] if fixed[0] * fixed[1] == per_stage else []
     ts = [t for t in range(1, min(per_stage, max_model) + 1) if per_stage % t == 0] if tensor else [1]
     return [(per_stage // t, t) for t in ts]
 
 
-def microbatch_counts(batch: int, stages: int, cap: int) -> list[int]:
+def microbatch_counts(batch: int, stages: int, cap: int, fixed: int | None = None) -> list[int]:
     """Powers of two dividing the batch (one stage with several micro-batches accumulates gradients)."""
+    if fixed is not None:
+        return [fixed] if batch % fixed == 0 else []
     out, m = [], 1
     while m <= min(batch, cap):
         if batch % m == 0:

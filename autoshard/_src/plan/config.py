@@ -28,6 +28,7 @@ from ..core.mesh import MeshSpec, mesh_spec
 from ..pipeline.registry import AUTO, get_partitioner, partitioner_names
 from ..pipeline.schedules.registry import schedule_names
 from ..tensor.search import SearchOptions
+from .joint_planner import JOINT_OPTION_KEYS
 
 PROFILES = ("model", "measured")
 _PIPELINE_ONLY = ("schedule", "profile", "pipeline_options", "num_microbatches")
@@ -94,6 +95,8 @@ class Config:
                               "prices ops with the hardware spec's roofline, 'measured' times them on the local "
                               "device).")
         valid = set().union(*(p.options for p in parts))
+        if self.pipeline == AUTO and isinstance(self.mesh, MeshSpec) and "pipe" in self.mesh.names:
+            valid = set(JOINT_OPTION_KEYS)          # a "pipe" mesh: the 3-D search (plan.joint_planner)
         unknown = sorted(set(self.pipeline_options) - valid)
         if unknown:
             raise ConfigError(f"autoshard: pipeline_options keys {unknown} are unknown for pipeline={self.pipeline!r}; "

@@ -12,31 +12,83 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
-from ..core.errors import InfeasiblePlanError
+from ..core.errors import ConfigError, InfeasiblePlanError, PlanError
 from ..core.graph import OpGraph, fingerprint
 from ..core.grouping import Grouping, group
 from ..core.hardware import HardwareSpec, hardware_dict
+from ..core.mesh import MeshSpec
 from ..core.version import VERSION
 from ..joint.search import JointResult, joint_search
-from ..joint.space import JointOptions, JointPoint, submesh
+from ..joint.space import SCHEDULES, JointOptions, JointPoint, submesh
+from ..joint.stage_choice import REMAT
 from ..joint.tables import ShapeTables
 from ..pipeline.costs import traced_batch
 from ..tensor.search import SearchOptions, search
 from .pipeline_planner import _modules, _params
 from .plan import ParamReport, Plan, Stage
 from .planner import build_plan, describe_factors
+from .specs import Spec
+
+JOINT_OPTION_KEYS = ("remat", "max_microbatches", "max_model", "expert")
+EXPERTS_3D = ("megatron",)
+STAGE_AXES = ("data", "model")
+
+
+def fixed_shape_options(mesh: MeshSpec, schedule: str, num_microbatches: int | None,
+                        options: Mapping[str, Any]) -> JointOptions:
+    """The 3-D search restricted to a mesh with a "pipe" axis (pipeline="auto"): its stage count and
+    data x model submesh, the config's schedule and micro-batch count, and `pipeline_options` among
+    JOINT_OPTION_KEYS."""
+    others = [n for n in mesh.names if n != "pipe"]
+    if any(n not in STAGE_AXES for n in others):
+        raise ConfigError(
+            f"autoshard: pipeline='auto' on mesh {mesh} plans 3-D stages (pipe x data x model): the axes besides "
+            f"'pipe' must be named 'data' and/or 'model', got {others}. Fix: rename them, e.g. "
+            f"mesh={{'pipe': {mesh.axis_size('pipe')}, 'data': ..., 'model': ...}}.")
+    if schedule not in SCHEDULES:
+        raise ConfigError(f"autoshard: pipeline='auto' on a 'pipe' mesh runs a chain of stages; schedule={schedule!r} "
+                          f"is not one of {list(SCHEDULES)}.")
+    remat = options.get("remat", REMAT)
+    remat = (remat,) if isinstance(remat, str) else tuple(remat)
+    if options.get("expert") not in (None, *EXPERTS_3D):
+        raise ConfigError(f"autoshard: pipeline_options expert={options.get('expert')!r}: valid {list(EXPERTS_3D)} "
+                          "(the best Megatron-LM grid point of the mesh's shape) or None (the 3-D search's best).")
+    if not remat or any(r not in REMAT for r in remat):
+        raise ConfigError(f"autoshard: pipeline_options remat={options.get('remat')!r}: give policies among "
+                          f"{list(REMAT)}.")
+    shape = tuple(mesh.axis_size(n) if n in others else 1 for n in STAGE_AXES)
+    return JointOptions(schedules=(schedule,), remat=remat, stages=mesh.axis_size("pipe"),
+                        shape=shape, microbatches=num_microbatches,
+                        max_microbatches=int(options.get("max_microbatches", JointOptions.max_microbatches)),
+                        max_model=options.get("max_model"))
 
 
 def joint_plan(graph: OpGraph, *, devices: int, hw: HardwareSpec, options: SearchOptions,
-               joint: JointOptions | None = None, grouping: Grouping | None = None) -> Plan:
+               joint: JointOptions | None = None, grouping: Grouping | None = None, expert: str | None = None) -> Plan:
     """The best 3-D plan of the traced step `graph` on `devices` devices (InfeasiblePlanError, naming
-    the least-memory point and its breakdown, when nothing fits)."""
+    the least-memory point and its breakdown, when nothing fits); `expert="megatron"`: the best
+    Megatron-LM grid point instead, priced and compared the same way."""
     grouping = grouping if grouping is not None else group(graph)
     res = joint_search(graph, grouping, devices, hw, options, joint)
+    if joint is not None and joint.stages is not None and joint.stages > len(res.units):
+        raise PlanError(
+            f"autoshard.plan: the mesh's 'pipe' axis has {joint.stages} ranks but the step has only "
+            f"{len(res.units)} pipeline unit(s) (repeated blocks: {', '.join(res.units.labels[:4])}"
+            f"{' ...' if len(res.units) > 4 else ''}); each stage needs at least one. Fix: a 'pipe' axis of at most "
+            f"{len(res.units)}, with the other devices on 'data' / 'model'.")
+    if expert is not None:
+        if res.grid.best is None:
+            raise InfeasiblePlanError(
+                f"autoshard.plan: no Megatron-LM grid point applies on {devices} devices ({hw.name}): "
+                f"{res.grid.reason}. Fix: drop pipeline_options['expert'] to use the 3-D search's plan.",
+                min_memory=res.least_memory.memory if res.least_memory else math.inf,
+                budget=options.memory_budget or 0.9 * hw.memory_bytes)
+        res = dataclasses.replace(res, best=res.grid.best)
     if res.best is None:
         raise _infeasible(res, devices, hw, options)
     best = res.best
@@ -117,14 +169,17 @@ def _staged_plan(graph: OpGraph, res: JointResult, best: JointPoint, hw: Hardwar
         ops = tuple(sorted({o for u in range(st.start, st.stop) for o in res.units.ops[u]}))
         axes_of = _factor_axes(tables, st.row)
         split = int(tables.batch_split[_row_index(tables, st.row)])
+        params = _params(graph, ops)
         stages.append(Stage(
             index=i, mesh=sub, replicas=split, microbatch_size=max(1, batch // best.microbatches // split),
             predicted_forward=st.forward, predicted_backward=st.backward, memory=st.memory,
             microbatches=best.microbatches, after=(i - 1,) if i else (), units=tuple(range(st.start, st.stop)),
-            ops=ops, modules=_modules(graph, ops), params=_params(graph, ops),
+            ops=ops, modules=_modules(graph, ops), params=params,
             factors=tuple(describe_factors(graph, tables.space.fg, tables.space.candidates, axes_of)),
-            storage=st.storage, remat=st.remat))
-    mesh = tuple((n, s) for n, s in (("pipe", best.num_stages), *sub) if s > 1) or (("data", 1),)
+            storage=st.storage, remat=st.remat, param_specs=_param_specs(graph, tables, axes_of, set(params)),
+            batch_axes=_batch_axes(graph, tables, axes_of)))
+    # the runtime's mesh: always a pipe axis (one stage with several micro-batches accumulates gradients)
+    mesh = (("pipe", best.num_stages), *((n, s) for n, s in sub if s > 1))
     reports = tuple(ParamReport(graph.values[v].keypath or "", graph.values[v].shape, graph.values[v].dtype,
                                 tuple(() for _ in graph.values[v].shape), 0, "see the stage holding it")
                     for v in graph.inputs if graph.values[v].role == "parameter")
@@ -143,6 +198,33 @@ def _staged_plan(graph: OpGraph, res: JointResult, best: JointPoint, hw: Hardwar
                 output_specs_flat=tuple(tuple(() for _ in graph.values[v].shape) for v in graph.outputs),
                 stages=tuple(stages), predicted=predicted, params=reports, warnings=warnings + tuple(res.notes),
                 provenance=provenance, schedule=best.schedule, microbatches=best.microbatches)
+
+
+def _param_specs(graph: OpGraph, tables: ShapeTables, axes_of: dict[int, tuple[str, ...]],
+                 keypaths: set[str]) -> tuple[tuple[str, Spec], ...]:
+    """(keypath, spec) of the stage's parameters under its tensor plan (ZeRO-3 storage axes are the
+    runtime's to add: `planner.storage_spec`)."""
+    fg, in_map = tables.space.fg, tables.space.in_map
+    out = []
+    for v in graph.inputs:
+        val = graph.values[v]
+        if val.role != "parameter" or val.keypath not in keypaths:
+            continue
+        src = in_map.get(v, v)
+        spec = [tuple(axes_of.get(f, ())) if f is not None else () for f in fg.value_factors(src)] \
+            if len(graph.values[src].shape) == len(val.shape) else [()] * len(val.shape)
+        out.append((val.keypath or "", tuple(spec)))
+    return tuple(out)
+
+
+def _batch_axes(graph: OpGraph, tables: ShapeTables, axes_of: dict[int, tuple[str, ...]]) -> tuple[str, ...]:
+    """The submesh axes the stage's plan splits the batch over (the data inputs' leading factor)."""
+    fg, axes = tables.space.fg, []
+    for v in graph.inputs:
+        if graph.values[v].role == "data" and graph.values[v].shape:
+            f = fg.value_factors(tables.space.in_map.get(v, v))[0]
+            axes += [a for a in axes_of.get(f, ()) if a not in axes] if f is not None else []
+    return tuple(a for a in tables.mesh.names if a in axes)
 
 
 def _row_index(tables: ShapeTables, row: tuple[int, ...]) -> int:

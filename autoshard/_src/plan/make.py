@@ -12,7 +12,7 @@ from ..core.hardware import HardwareSpec
 from ..core.mesh import MeshSpec
 from ..pipeline.partition import Profiler
 from .config import Config
-from .joint_planner import joint_plan
+from .joint_planner import fixed_shape_options, joint_plan
 from .pipeline_planner import pipeline_plan
 from .plan import Plan
 from .planner import tensor_plan
@@ -33,6 +33,13 @@ def make_plan(graph: OpGraph, config: Config, hardware: HardwareSpec, *, profile
         grouping = group(graph)
         group_seconds = time.perf_counter() - t0
         plan = joint_plan(graph, devices=config.devices, hw=hardware, options=config.search, grouping=grouping)
+    elif config.pipeline == "auto" and isinstance(config.mesh, MeshSpec) and "pipe" in config.mesh.names:
+        # a "pipe" mesh fixes the 3-D shape: stages x data x model, searched jointly
+        grouping = group(graph)
+        group_seconds = time.perf_counter() - t0
+        joint = fixed_shape_options(config.mesh, config.schedule, config.num_microbatches, config.pipeline_options)
+        plan = joint_plan(graph, devices=config.mesh.size, hw=hardware, options=config.search, joint=joint,
+                          grouping=grouping, expert=config.pipeline_options.get("expert"))
     elif config.pipeline is None:
         grouping = group(graph)
         group_seconds = time.perf_counter() - t0

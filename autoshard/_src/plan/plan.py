@@ -72,6 +72,8 @@ class Stage:
     storage: str = "replicated"              # replicated | zero1 | zero3
     activation_constraints: tuple[tuple[str, Spec], ...] = ()   # (op key, spec of output 0), see op_keys
     remat: str = "none"                      # none | dots (keep matmul outputs) | full (recompute the forward)
+    param_specs: tuple[tuple[str, Spec], ...] = ()   # 3-D stages: (keypath, spec) of its parameters
+    batch_axes: tuple[str, ...] = ()         # 3-D stages: the submesh axes splitting its micro-batch
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -88,7 +90,9 @@ class Stage:
             factors=tuple((int(i), str(desc), int(size), tuple(ax)) for i, desc, size, ax in d["factors"]),
             storage=str(d["storage"]),
             activation_constraints=tuple((str(k), as_spec(s)) for k, s in d["activation_constraints"]),
-            remat=str(d.get("remat", "none")))
+            remat=str(d.get("remat", "none")),
+            param_specs=tuple((str(k), as_spec(v)) for k, v in d.get("param_specs", ())),
+            batch_axes=tuple(str(a) for a in d.get("batch_axes", ())))
 
 
 @dataclasses.dataclass(frozen=True)

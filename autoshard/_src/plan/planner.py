@@ -112,7 +112,7 @@ def _spec_for(factors: tuple, axes_of: dict[int, tuple[str, ...]]) -> list[tuple
     return [tuple(axes_of.get(f, ())) if f is not None else () for f in factors]
 
 
-def _add_storage_axes(spec: list[tuple[str, ...]], shape: tuple[int, ...], mesh: MeshSpec) -> list:
+def add_storage_axes(spec: list[tuple[str, ...]], shape: tuple[int, ...], mesh: MeshSpec) -> list:
     """ZeRO: split a tensor further over the mesh axes its factors leave unused, on the largest dim
     that divides (the same rule the search's memory model used)."""
     used = {a for axes in spec for a in axes}
@@ -167,7 +167,7 @@ def build_plan(graph: OpGraph, grouping: Grouping, mesh: MeshSpec, hw: HardwareS
         spec = _spec_for(fg.value_factors(src), axes_of) if len(graph.values[src].shape) == len(val.shape) \
             else [()] * len(val.shape)
         if (val.role == "parameter" and storage == "zero3") or (val.role == "state" and storage != "replicated"):
-            spec = _add_storage_axes(spec, val.shape, mesh)
+            spec = add_storage_axes(spec, val.shape, mesh)
         spec_t: Spec = tuple(tuple(a) for a in spec)
         specs.append(spec_t)
         if val.role == "parameter":
