@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -125,7 +126,7 @@ class Pipelined:
 def pipelined(loss_fn: Callable, params: Any, batch: Any, *, mesh: Any, num_microbatches: int,
               schedule: str = "1f1b", plan: Any = None, pipe_axis: str = "pipe",
               data_axes: tuple[str, ...] | None = None, check_loss: bool = True,
-              hardware: Any = None) -> Pipelined:
+              hardware: Any = None, tensor_in_stages: bool | None = None) -> Pipelined:
     """Cut `loss_fn(params, batch) -> scalar mean loss` into one stage per `pipe_axis` rank and build
     the shard_map pipeline program (see the module docstring). `plan`: a pipeline Plan from
     `autoshard.plan(..., pipeline="rannc")` whose stage count matches; its parameter placement
@@ -138,7 +139,12 @@ def pipelined(loss_fn: Callable, params: Any, batch: Any, *, mesh: Any, num_micr
     micro-batch (B / (num_microbatches x replicas) consecutive samples). That is the full-batch loss
     when `loss_fn` averages over samples, but not for ratios such as sum(ce * mask) / sum(mask).
     `check_loss` (with concrete example arguments) compares the two on the example batch once and
-    raises if they differ; pass False to accept the per-chunk normalisation."""
+    raises if they differ; pass False to accept the per-chunk normalisation.
+
+    A 3-D `plan` (stages with tensor plans) runs each stage's tensor plan on the automatic axes;
+    `tensor_in_stages=None` first checks that this machine's runtime can run the compiled program
+    (`PipelineProgram.cpu_deadlocks`) and otherwise runs the stages data parallel, with a warning;
+    True / False skip the check (keep the stage plans / run data parallel)."""
     if not callable(loss_fn):
         raise PipelineError(f"autoshard.pipelined: loss_fn must be callable, got {type(loss_fn).__name__}.")
     mesh = _mesh(mesh)
@@ -170,6 +176,10 @@ def pipelined(loss_fn: Callable, params: Any, batch: Any, *, mesh: Any, num_micr
     program = pipeline_value_and_grad(fns, mesh, num_microbatches=num_microbatches, schedule=schedule,
                                       edges=cut.edges, pipe_axis=pipe_axis, data_axes=axes, tied=tied,
                                       stage_specs=specs[0], compute_specs=specs[1])
+    if three_d and tensor_in_stages is None:
+        _runnable_here(program, keys, holders, p_leaves, batch)
+    elif three_d and not tensor_in_stages:
+        program.drop_tensor_plans()
     infos = _stage_infos(g, cut, S, holders, owner)
     return Pipelined(program, infos, treedef, keys, tuple(owner), tuple(map(tuple, holders)))
 
@@ -562,6 +572,29 @@ def _plan_anchors(plan: Any, S: int, keys: tuple[str, ...], key_ins: list, param
         got = [stage_of_leaf[param_key[k]] for k in ins if k in param_key and len(readers[k]) == 1]
         out.append(max(got) if got and not batch_only[e] else None)
     return out
+
+
+def _runnable_here(program: Any, keys: tuple[str, ...], holders: list[set[int]], p_leaves: list, batch: Any) -> None:
+    """A 3-D program XLA would make hang on this machine's CPU runtime runs its stages data parallel
+    instead (same results), with a warning naming the collective that forced it."""
+    per_stage: list[dict[str, Any]] = [{} for _ in range(program.num_stages)]
+    for key, held_by, leaf in zip(keys, holders, p_leaves, strict=True):
+        for s in held_by:
+            per_stage[s][key] = jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)
+    bad = program.cpu_deadlocks(per_stage, batch)
+    if not bad:
+        return
+    program.drop_tensor_plans()
+    warnings.warn(
+        "autoshard: the 3-D plan's stage tensor plans compile, for this CPU runtime, to "
+        f"{len(bad)} collective-permute(s) inside the per-stage branches (e.g. {bad[0][:100]}...), which "
+        "jaxlib's CPU collectives cannot run when other pipe ranks run another stage (the step would hang). "
+        "The stages run data parallel here instead (same results; the plan and its predictions are unchanged, "
+        "GPU/TPU runtimes run the plan as planned).", stacklevel=3)
+    if program.cpu_deadlocks(per_stage, batch):
+        raise PipelineError("autoshard.pipelined: even data-parallel stages compile to collective-permutes inside "
+                            "the per-stage branches on this CPU runtime; run this plan on GPU/TPU or without "
+                            "a model axis.")
 
 
 def _plan_batch_axes(plan: Any, mesh: Mesh, pipe_axis: str) -> tuple[str, ...]:

@@ -187,6 +187,8 @@ def pipelined_step(fn: Callable, plan: Plan, mesh: Any, args: tuple, *, num_micr
     schedule = plan.provenance.get("options", {}).get("schedule", "1f1b")
     kw = dict(mesh=mesh, num_microbatches=M, schedule=schedule, plan=plan, hardware=hardware)
     run = pipelined(cap.loss_fn, cap.params, cap.batch, **kw)     # checks the loss on real values
+    if run.program.auto:      # the runtime check ran once: the step's own cut keeps its outcome
+        kw["tensor_in_stages"] = run.program.tensor_in_stages
     ctx_loss = cap.loss_fn
 
     def make(loss_fn: Callable, params: Any, batch: Any) -> Any:

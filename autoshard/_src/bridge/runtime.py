@@ -152,6 +152,11 @@ class PipelineProgram:
         return self.stage_specs is not None
 
     @property
+    def tensor_in_stages(self) -> bool:
+        """A 3-D program whose stages split tensors by their plans (False: data parallel inside)."""
+        return self.auto and any(self.stage_specs)
+
+    @property
     def data_parallel(self) -> int:
         return math.prod(self.mesh.shape[a] for a in self.data_axes)
 
@@ -218,6 +223,34 @@ class PipelineProgram:
     def lower(self, params: StackedParams, batch: Any) -> Any:
         """The jitted program lowered for these arguments (`.compile().as_text()`, `memory_analysis()`)."""
         return self._jitted(params, batch, "prog.lower(params, batch)").lower(params.flat, batch)
+
+    def abstract_stack(self, params: Sequence[Any]) -> StackedParams:
+        """`stack(params)` as ShapeDtypeStructs with the stacked shardings (params may be abstract)."""
+        structs = [jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), p) for p in params]
+        out = jax.eval_shape(self.stack, structs)
+        shard = (out.layouts.stacked_sharding(self.pipe_axis) if self.auto
+                 else NamedSharding(self.mesh, P(self.pipe_axis)))
+        flat = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), out.flat, shard)
+        return StackedParams(flat, out.layouts)
+
+    def cpu_deadlocks(self, params: Sequence[Any], batch: Any) -> list[str]:
+        """On the CPU runtime, the collective-permutes XLA placed inside the per-stage branches of a 3-D
+        program (empty elsewhere). jaxlib 0.10.2's CPU collectives rendezvous every local device on a
+        collective-permute, and devices running another stage's branch never arrive: the step would
+        hang, then abort. All-reduces, all-gathers and all-to-alls inside branches are fine."""
+        if not self.auto or self.mesh.devices.flat[0].platform != "cpu":
+            return []
+        batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch)
+        text = self.lower(self.abstract_stack(params), batch).compile().as_text()
+        return [line.strip()[:160] for line in text.splitlines()
+                if " collective-permute(" in line and "/cond/" in line and "/ppermute" not in line]
+
+    def drop_tensor_plans(self) -> None:
+        """Run every stage data parallel (parameters whole on each device of its pipe rank): the
+        fallback when the stages' tensor plans cannot run here (`cpu_deadlocks`)."""
+        self.stage_specs = tuple({} for _ in range(self.num_stages))
+        self.compute_specs = None
+        self._compiled.clear()
 
     def _jitted(self, params: StackedParams, batch: Any, where: str) -> Callable:
         self._check_stacked(params, where)

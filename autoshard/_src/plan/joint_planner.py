@@ -1,11 +1,14 @@
 """3-D plans: the joint search's best point as a Plan (pure: no jax import).
 
-A point with one stage and no rematerialisation is a tensor plan and is built as one (the search's
-chosen factor assignment on its data x model submesh, priced by the tensor evaluator, runnable by
-the decorator). Any other point is a plan of stages on a pipe x data x model mesh, each stage with
-its units, submesh, tensor plan (factors -> axes), storage and remat policy, and predicted costs;
+A point with one stage, one micro-batch and no rematerialisation is a tensor plan and is built as
+one (the search's chosen factor assignment on its data x model submesh, priced by the tensor
+evaluator). Any other point is a plan of stages on a pipe x data x model mesh, each stage with its
+units, submesh, tensor plan (factors -> axes, parameter specs by keypath, the axes splitting its
+micro-batch, activation constraints), storage and remat policy, and predicted costs; the decorator
+runs it on that mesh (`@autoshard(mesh={"pipe": ..}, pipeline="auto")` or `plan=`).
 `predicted["3d"]` compares it with the best tensor-only and pipeline-only points and the best
-Megatron-LM grid point, and says whether the runtime can run it yet.
+Megatron-LM grid point. Every point of the space has equal stage submeshes, so every plan is
+runnable (`runnable` stays in the summary for plans with unequal submeshes).
 """
 
 from __future__ import annotations
@@ -28,10 +31,11 @@ from ..joint.space import SCHEDULES, JointOptions, JointPoint, submesh
 from ..joint.stage_choice import REMAT
 from ..joint.tables import ShapeTables
 from ..pipeline.costs import traced_batch
+from ..tensor.instances import instance_maps
 from ..tensor.search import SearchOptions, search
 from .pipeline_planner import _modules, _params
 from .plan import ParamReport, Plan, Stage
-from .planner import build_plan, describe_factors
+from .planner import activation_constraints, build_plan, describe_factors
 from .specs import Spec
 
 JOINT_OPTION_KEYS = ("remat", "max_microbatches", "max_model", "expert")
@@ -93,15 +97,16 @@ def joint_plan(graph: OpGraph, *, devices: int, hw: HardwareSpec, options: Searc
         raise _infeasible(res, devices, hw, options)
     best = res.best
     summary = _summary(res, best)
-    if _runnable(best):
+    if _tensor_point(best):
         plan = _tensor_plan(graph, grouping, res, best, hw, options)
         return dataclasses.replace(plan, predicted={**plan.predicted, "3d": summary})
-    return _staged_plan(graph, res, best, hw, options, summary)
+    return _staged_plan(graph, grouping, res, best, hw, options, summary)
 
 
-def _runnable(p: JointPoint) -> bool:
-    """One stage, one micro-batch, no remat: a tensor plan, which the decorator runs."""
+def _tensor_point(p: JointPoint) -> bool:
+    """One stage, one micro-batch, no remat: a tensor plan."""
     return p.num_stages == 1 and p.microbatches == 1 and p.stages[0].remat == "none"
+
 
 
 def point_summary(p: JointPoint | None) -> dict[str, Any] | None:
@@ -120,7 +125,7 @@ def _summary(res: JointResult, best: JointPoint) -> dict[str, Any]:
     return {"chosen": point_summary(best), "tensor_only": point_summary(res.tensor_only),
             "pipeline_only": point_summary(res.pipeline_only), "megatron_grid": point_summary(grid.best),
             "megatron_grid_points": grid.points, "megatron_grid_reason": grid.reason,
-            "runnable": _runnable(best),
+            "runnable": True,        # equal stage submeshes (the only kind this space has) run
             "points": res.points, "units": len(res.units), "unit_labels": tuple(res.units.labels),
             "search_seconds": res.seconds, "notes": tuple(res.notes)}
 
@@ -160,9 +165,10 @@ def _tensor_plan(graph: OpGraph, grouping: Grouping, res: JointResult, best: Joi
     return build_plan(graph, grouping, mesh, hw, chosen, options, res.seconds)
 
 
-def _staged_plan(graph: OpGraph, res: JointResult, best: JointPoint, hw: HardwareSpec, options: SearchOptions,
-                 summary: dict[str, Any]) -> Plan:
+def _staged_plan(graph: OpGraph, grouping: Grouping, res: JointResult, best: JointPoint, hw: HardwareSpec,
+                 options: SearchOptions, summary: dict[str, Any]) -> Plan:
     tables = res.tables[(best.data, best.model)]
+    op_map = instance_maps(graph, grouping, tables.space.periods)
     sub = tuple(tables.mesh.axes)
     stages, batch = [], traced_batch(graph)
     for i, st in enumerate(best.stages):
@@ -177,7 +183,8 @@ def _staged_plan(graph: OpGraph, res: JointResult, best: JointPoint, hw: Hardwar
             ops=ops, modules=_modules(graph, ops), params=params,
             factors=tuple(describe_factors(graph, tables.space.fg, tables.space.candidates, axes_of)),
             storage=st.storage, remat=st.remat, param_specs=_param_specs(graph, tables, axes_of, set(params)),
-            batch_axes=_batch_axes(graph, tables, axes_of)))
+            batch_axes=_batch_axes(graph, tables, axes_of),
+            activation_constraints=tuple(activation_constraints(graph, op_map, tables.space.fg, axes_of, set(ops)))))
     # the runtime's mesh: always a pipe axis (one stage with several micro-batches accumulates gradients)
     mesh = (("pipe", best.num_stages), *((n, s) for n, s in sub if s > 1))
     reports = tuple(ParamReport(graph.values[v].keypath or "", graph.values[v].shape, graph.values[v].dtype,
@@ -186,9 +193,7 @@ def _staged_plan(graph: OpGraph, res: JointResult, best: JointPoint, hw: Hardwar
     predicted = {"step_time": best.step_time, "memory": {"total": best.memory},
                  "memory_budget": options.memory_budget if options.memory_budget is not None
                  else 0.9 * hw.memory_bytes, "feasible": True, "search_seconds": res.seconds, "3d": summary}
-    warnings = () if summary["runnable"] else (
-        "this 3-D plan (stages x tensor plans x remat) is planned and priced, not yet run: @autoshard with "
-        "mesh='auto' plans tensor sharding (predicted['3d']['tensor_only'] prices that point)",)
+    warnings = ()
     provenance = {"autoshard": VERSION, "fingerprint": fingerprint(graph), "step": graph.name,
                   "options": {"mesh": "auto", "search": dataclasses.asdict(options)}, "hardware": hardware_dict(hw)}
     return Plan(mesh=mesh, hardware=hw.name,

@@ -149,6 +149,25 @@ def describe_factors(graph: OpGraph, fg, candidates: tuple[int, ...],
     return [(f, desc.get(f, f"factor {f}"), fg.factor_size(f), axes_of.get(f, ())) for f in candidates]
 
 
+def activation_constraints(graph: OpGraph, op_map: dict[int, int], fg: Any, axes_of: dict[int, tuple[str, ...]],
+                           ops: set[int] | None = None) -> list[tuple[str, Spec]]:
+    """(op key, spec) of the forward matmul / gather / convolution outputs the plan splits (of `ops`
+    only, when given): what emission pins so XLA follows the plan between the parameters."""
+    keys = op_keys(graph)
+    out = []
+    for op in graph.ops:
+        if op.phase != "forward" or op.nested or op.primitive not in _CONSTRAINED or (ops is not None
+                                                                                        and op.index not in ops):
+            continue
+        src = op_map.get(op.index, op.index)
+        if src not in fg.op_factors:
+            continue
+        spec = _spec_for(fg.op_factors[src].out_factors, axes_of)
+        if any(spec):
+            out.append((keys[op.index], tuple(tuple(a) for a in spec)))
+    return out
+
+
 def build_plan(graph: OpGraph, grouping: Grouping, mesh: MeshSpec, hw: HardwareSpec,
                res: SearchResult, options: SearchOptions, seconds: float, experts: dict | None = None,
                expert: str | None = None, extra_factor_axes: dict | None = None) -> Plan:
@@ -190,18 +209,7 @@ def build_plan(graph: OpGraph, grouping: Grouping, mesh: MeshSpec, hw: HardwareS
         else:
             out_specs.append(tuple(() for _ in graph.values[vid].shape))
 
-    op_map = instance_maps(graph, grouping, res.periods)
-    keys = op_keys(graph)
-    constraints = []
-    for op in graph.ops:
-        if op.phase != "forward" or op.nested or op.primitive not in _CONSTRAINED:
-            continue
-        src = op_map.get(op.index, op.index)
-        if src not in fg.op_factors:
-            continue
-        spec = _spec_for(fg.op_factors[src].out_factors, axes_of)
-        if any(spec):
-            constraints.append((keys[op.index], tuple(tuple(a) for a in spec)))
+    constraints = activation_constraints(graph, instance_maps(graph, grouping, res.periods), fg, axes_of)
 
     warnings = tuple(f"unknown primitive '{graph.ops[i].primitive}' in module "
                      f"'{graph.ops[i].module or '(root)'}': its operands are replicated"
