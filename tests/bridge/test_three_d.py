@@ -60,22 +60,24 @@ def model_split(stage) -> int:
 
 
 def test_gpt_megatron_stages_train_like_one_device_and_compile_as_planned():
-    fast, m, params, batch = train_both("gpt", hardware="h100-sxm", pipeline_options={"expert": "megatron"})
+    fast, m, params, batch = train_both("gpt", hardware="h100-sxm",
+                                        pipeline_options={"expert": "megatron", "remat": "full"})
     plan = fast.plan
     assert plan.mesh == (("pipe", 2), ("data", 2), ("model", 2)) and plan.predicted["3d"]["runnable"]
-    assert all(model_split(st) > 0 and st.batch_axes == ("data",) for st in plan.stages)
+    assert all(model_split(st) > 0 and st.batch_axes == ("data",) and st.remat == "full" for st in plan.stages)
     prog = fast.pipelined.program
     assert prog.auto and prog.tensor_in_stages and prog.data_axes == ("data",)
 
     # collectives the plan implies: Megatron's all-reduces over `model` inside the stages (forward
     # and backward), gradient all-reduces over `data`, activations and gradients between stages as
     # collective-permutes over `pipe` -- and nothing that spans pipe ranks except those
-    hlo = fast.lower(params, m.optimizer.init(params), batch).compile().as_text()
+    hlo = prog.checked_hlo      # the pipeline program as compiled for the runtime check (CPU)
     inner = [c for c in collectives(hlo, ("pipe", "data", "model"), (2, 2, 2)) if "shard_map" in c.op_name]
     kinds = {(c.kind, c.axes) for c in inner}
     assert ("all-reduce", ("model",)) in kinds
     assert any(k == "all-reduce" and "data" in ax and "pipe" not in ax for k, ax in kinds)
     assert ("collective-permute", ("pipe",)) in kinds
+    assert "checkpoint" in hlo                # each stage's blocks ran rematerialised
     in_branches = [c for c in inner if "/cond/" in c.op_name]
     assert {c.axes for c in in_branches if c.kind == "all-reduce"} >= {("model",)}
     assert all("pipe" not in c.axes for c in in_branches)
@@ -124,3 +126,27 @@ def test_pipe_axis_beyond_the_block_count_is_a_typed_error():
         autoshard.plan(make_step(m), *args, mesh={"pipe": 2, "x": 4}, pipeline="auto", hardware="h100-sxm")
     with pytest.raises(autoshard.ConfigError, match=r"pipeline_options keys \['k'\] are unknown"):
         autoshard.plan(make_step(m), *args, mesh=MESH, pipeline="auto", pipeline_options={"k": 2})
+
+
+def test_tensor_plan_with_planned_remat_trains_like_one_device_within_its_memory():
+    """A tight budget makes the planner rematerialise a one-stage plan; autoshard.value_and_grad runs
+    the loss block by block under that policy, and XLA's temp memory matches the prediction."""
+    m = models.get("gpt", "debug")
+    params, batch = m.init(jax.random.key(0)), m.batch()
+    step = make_step(m)
+    args = (params, m.optimizer.init(params), batch)
+    kw = dict(mesh={"pipe": 1, "data": 2, "model": 4}, pipeline="auto", hardware="cpu-sim", num_microbatches=1)
+    free = autoshard.plan(step, *args, **kw)
+    plan = autoshard.plan(step, *args, memory_budget=0.5 * free.predicted["memory"]["total"], **kw)
+    assert not plan.is_pipeline and plan.stages[0].remat != "none" and free.stages[0].remat == "none"
+    fast = autoshard.autoshard(step, plan=plan, hardware="cpu-sim")
+    got, p1, _ = run_steps(fast, params, m.optimizer.init(params), batch, 2)
+    want, p2, _ = run_steps(jax.jit(step), params, m.optimizer.init(params), batch, 2)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p2), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+    compiled = fast.lower(*args).compile()
+    assert "checkpoint" in compiled.as_text()
+    mem, pred = compiled.memory_analysis(), plan.predicted["memory"]
+    assert mem.argument_size_in_bytes == pytest.approx(pred["params"] + pred["optimizer"] + pred["data"], rel=0.01)
+    assert mem.temp_size_in_bytes == pytest.approx(pred["grads"] + pred["activations"], rel=0.15)

@@ -41,6 +41,7 @@ from . import compat as jc
 from .api import local_hardware
 from .cut_dag import assign as dag_assign
 from .cut_dag import plan_edges
+from .remat import eqn_blocks, run_eqns
 from .runtime import pipeline_value_and_grad
 from .trace import eqn_flops
 
@@ -169,8 +170,10 @@ def pipelined(loss_fn: Callable, params: Any, batch: Any, *, mesh: Any, num_micr
     _check_sends(g, cut.sends)
     holders, owner = _holders(g, cut.stage)
     needs_batch_only = _batch_only_needs(g, cut, S)
+    blocks = eqn_blocks(prog, plan.predicted["3d"]["unit_labels"]) if three_d else []
     fns = [_stage_fn(s, prog, cut.stage, needs_batch_only[s], [cut.sends[u] for u in cut.preds[s]],
-                     None if s == cut.sink else cut.sends[s], keys, holders, g.loss_key, three_d) for s in range(S)]
+                     None if s == cut.sink else cut.sends[s], keys, holders, g.loss_key, three_d,
+                     (blocks, plan.stages[s].remat if three_d else "none")) for s in range(S)]
     tied = [[(h, _dict_path(keys[i])) for h in sorted(holders[i])] for i in range(len(keys)) if len(holders[i]) > 1]
     specs = _stage_specs(plan, S, keys, holders, owner, p_leaves, mesh) if three_d else (None, None)
     program = pipeline_value_and_grad(fns, mesh, num_microbatches=num_microbatches, schedule=schedule,
@@ -645,17 +648,18 @@ def _dict_path(key: str) -> str:
 
 def _stage_fn(s: int, prog: Any, stage: list[int], batch_only_eqns: list[int], recv: list[list],
               send: list | None, keys: tuple[str, ...], holders: list[set[int]], loss_key: Any,
-              auto_axes: bool = False) -> Callable:
+              auto_axes: bool = False, remat: tuple[list, str] = ([], "none")) -> Callable:
     """Stage s: receives one tuple of values per predecessor (`recv`, in the runtime's order), runs
     its eqns and sends `send` (None: the last stage, returns the loss). `auto_axes`: the stage runs
-    with automatic data/model axes (3-D plans), see `_batched_gather_operand`."""
+    with automatic data/model axes (3-D plans), see `_batched_gather_operand`; `remat`: (block of
+    every eqn, policy), its blocks run checkpointed (`remat.run_eqns`)."""
     own = sorted(set(batch_only_eqns) | {e for e, st in enumerate(stage) if st == s})
     n_params = len(keys)
     my_params = [(prog.inputs[i], keys[i]) for i in range(n_params) if s in holders[i]]
     batch_in = prog.inputs[n_params:]
-
-    def read(env, a):
-        return a.val if jc.is_literal(a) else env[a]
+    blocks, policy = remat
+    keep = set(send or ()) | ({loss_key} if send is None and not jc.is_literal(loss_key) else set())
+    guard = _guard_gathers if auto_axes else None
 
     def fn(params: dict, batch: Any, *inputs: Any) -> Any:
         env: dict = dict(prog.consts)
@@ -663,17 +667,18 @@ def _stage_fn(s: int, prog: Any, stage: list[int], batch_only_eqns: list[int], r
         env.update({k: params[name] for k, name in my_params})
         for ks, values in zip(recv, inputs, strict=True):
             env.update(zip(ks, values, strict=True))
-        for e in own:
-            fe = prog.eqns[e]
-            ins = [read(env, a) for a in fe.inputs]
-            if auto_axes and fe.eqn.primitive.name == "gather":
-                ins[0] = _batched_gather_operand(fe.eqn, ins[0])
-            env.update(zip(fe.outputs, jc.bind_eqn(fe.eqn, ins), strict=True))
+        run_eqns(prog, own, env, blocks or [None] * len(prog.eqns), policy, keep, guard)
         if send is None:
-            return read(env, loss_key)
+            return loss_key.val if jc.is_literal(loss_key) else env[loss_key]
         return tuple(env[k] for k in send)
 
     return fn
+
+
+def _guard_gathers(eqn: Any, ins: list) -> list:
+    if eqn.primitive.name == "gather":
+        ins = [_batched_gather_operand(eqn, ins[0]), *ins[1:]]
+    return ins
 
 
 def _batched_gather_operand(eqn: Any, operand: Any) -> Any:

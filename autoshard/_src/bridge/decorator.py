@@ -6,6 +6,7 @@ import functools
 import hashlib
 import os
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,7 @@ from ..plan.config import Config
 from ..plan.plan import Plan
 from .api import bind, hardware_of, local_config, plan_traced
 from .emit import ShapesChanged, donated_argnums, jit_step, make_mesh, shape_guarded, shardings
-from .pipelined_step import pipelined_step
+from .pipelined_step import pipelined_step, rematerialised
 from .trace import Traced, trace_step
 
 _PLAN_CACHE: dict[tuple, Plan] = {}
@@ -102,8 +103,23 @@ class Autosharded:
         if self._plan.is_pipeline:
             self._prepare_pipeline(args, traced)
             return
+        if self._plan.stages[0].remat != "none":
+            traced = self._rematerialised(abstract)
         self._jitted = jit_step(traced, self._plan, self._mesh, abstract, donate=self.config.donate, guard=True)
         self._in_shardings, _ = shardings(self._plan, self._mesh)
+
+    def _rematerialised(self, abstract: tuple) -> Traced:
+        """The step traced again with its autoshard.value_and_grad losses run block by block under the
+        plan's remat policy (a step without that call keeps every activation: warned)."""
+        step, calls = rematerialised(self.fn, self._plan)
+        traced = trace_step(step, *abstract)
+        if not calls():
+            warnings.warn(
+                f"autoshard: the plan rematerialises ({self._plan.stages[0].remat!r}) but the step never calls "
+                "autoshard.value_and_grad, so the loss runs without it and keeps its activations (more memory "
+                "than planned). Fix: compute the gradients with autoshard.value_and_grad, or plan with "
+                "pipeline_options={'remat': 'none'}.", stacklevel=4)
+        return traced
 
     def _prepare_pipeline(self, args: tuple, traced: Traced) -> None:
         # the step's state stays the user's pytrees, stored ZeRO-style between steps; only the

@@ -29,6 +29,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from ..core.errors import PlanError
 from ..plan.plan import Plan
 from .cut import pipelined
+from .remat import remat_loss
 from .trace import Traced
 
 
@@ -60,7 +61,16 @@ class _Captured(BaseException):
     BaseException, so a step's own `except Exception` does not swallow it)."""
 
 
-_ACTIVE: contextvars.ContextVar[_Capture | _Running | None] = contextvars.ContextVar("autoshard_pipeline",
+@dataclasses.dataclass
+class _Remat:
+    """A tensor plan with rematerialisation: value_and_grad runs the loss block by block."""
+
+    policy: str
+    labels: tuple[str, ...]
+    calls: int = 0
+
+
+_ACTIVE: contextvars.ContextVar[_Capture | _Running | _Remat | None] = contextvars.ContextVar("autoshard_pipeline",
                                                                                     default=None)
 
 
@@ -74,6 +84,10 @@ def value_and_grad(fun: Callable, argnums: int = 0, has_aux: bool = False, **kwa
         ctx = _ACTIVE.get()
         if ctx is None:
             return plain(*args)
+        if isinstance(ctx, _Remat):
+            ctx.calls += 1
+            return jax.value_and_grad(remat_loss(fun, ctx.policy, ctx.labels), argnums=argnums, has_aux=has_aux,
+                                      **kwargs)(*args)
         if argnums != 0 or has_aux or kwargs or len(args) != 2:
             raise PlanError(
                 f"autoshard.value_and_grad: inside a pipelined @autoshard step the loss is called as "
@@ -115,6 +129,22 @@ def capture(fn: Callable, args: tuple) -> _Capture:
         f"autoshard: the step {getattr(fn, '__name__', fn)!r} has a pipeline plan but never calls "
         "autoshard.value_and_grad, so there is no loss to cut into stages. Fix: compute the gradients with "
         "`loss, grads = autoshard.value_and_grad(loss_fn)(params, batch)` (it is jax.value_and_grad elsewhere).")
+
+
+def rematerialised(fn: Callable, plan: Plan) -> tuple[Callable, Callable[[], int]]:
+    """`fn` whose autoshard.value_and_grad calls run their loss with the tensor plan's remat policy,
+    block by block; and a function counting those calls (0: the plan's remat is not emitted)."""
+    state = _Remat(plan.stages[0].remat, tuple(plan.predicted.get("3d", {}).get("unit_labels", ())))
+
+    def step(*args: Any) -> Any:
+        token = _ACTIVE.set(state)
+        try:
+            return fn(*args)
+        finally:
+            _ACTIVE.reset(token)
+
+    step.__name__ = getattr(fn, "__name__", "step")
+    return step, lambda: state.calls
 
 
 def state_sharding(mesh: Any, shape: tuple[int, ...]) -> Any:

@@ -145,6 +145,7 @@ class PipelineProgram:
         self.compute_specs = compute_specs
         self._static = _static_plan(sched)
         self._compiled: dict[Any, Callable] = {}
+        self.checked_hlo = ""             # the compiled program `cpu_deadlocks` inspected (CPU, 3-D)
 
     @property
     def auto(self) -> bool:
@@ -242,6 +243,7 @@ class PipelineProgram:
             return []
         batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch)
         text = self.lower(self.abstract_stack(params), batch).compile().as_text()
+        self.checked_hlo = text
         return [line.strip()[:160] for line in text.splitlines()
                 if " collective-permute(" in line and "/cond/" in line and "/ppermute" not in line]
 

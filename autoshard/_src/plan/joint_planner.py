@@ -104,8 +104,8 @@ def joint_plan(graph: OpGraph, *, devices: int, hw: HardwareSpec, options: Searc
 
 
 def _tensor_point(p: JointPoint) -> bool:
-    """One stage, one micro-batch, no remat: a tensor plan."""
-    return p.num_stages == 1 and p.microbatches == 1 and p.stages[0].remat == "none"
+    """One stage, one micro-batch: a tensor plan (its remat policy emitted by autoshard.value_and_grad)."""
+    return p.num_stages == 1 and p.microbatches == 1
 
 
 
@@ -160,9 +160,17 @@ def _tensor_plan(graph: OpGraph, grouping: Grouping, res: JointResult, best: Joi
     tables = res.tables[(best.data, best.model)]
     sr = search(graph, grouping, mesh, hw, options, analysed=tables.space.analysis)
     choice = sr.evaluate(_factor_axes(tables, best.stages[0].row), best.stages[0].storage)
+    st = best.stages[0]
+    if st.remat != "none":     # the 3-D tables price remat; the tensor evaluator keeps every activation
+        mem = dict(choice.memory)
+        mem["activations"] = max(0.0, st.memory - mem["params"] - mem["grads"] - mem["optimizer"] - mem["data"])
+        mem["total"] = st.memory
+        choice = dataclasses.replace(choice, memory=mem, feasible=True,
+                                     step_time=st.forward + st.backward + st.tail)
     chosen = dataclasses.replace(sr, best=choice)
     chosen._evaluator = sr._evaluator
-    return build_plan(graph, grouping, mesh, hw, chosen, options, res.seconds)
+    plan = build_plan(graph, grouping, mesh, hw, chosen, options, res.seconds)
+    return dataclasses.replace(plan, stages=(dataclasses.replace(plan.stages[0], remat=st.remat),))
 
 
 def _staged_plan(graph: OpGraph, grouping: Grouping, res: JointResult, best: JointPoint, hw: HardwareSpec,

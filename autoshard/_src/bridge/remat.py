@@ -1,0 +1,126 @@
+"""Rematerialisation as planned: a loss evaluated block by block, each block under `jax.checkpoint`.
+
+The 3-D planner gives each stage a remat policy: "none", "dots" (keep the matmul outputs, recompute
+the rest in the backward pass) or "full" (keep only each block's inputs). The user's loss has no
+block boundaries we could wrap, so the loss is traced, its eqns are grouped by the repeated block
+instance their module belongs to (the grouping's instances: the plan's unit labels, e.g.
+"GPT/block_3"), and every maximal run of eqns of one block runs as one `jax.checkpoint`ed function
+of the values it reads. Eqns outside every block (embeddings, the head, the loss) run as they are.
+
+    run = remat_loss(loss_fn, "full", labels)      # same values and gradients as loss_fn
+    loss, grads = jax.value_and_grad(run)(params, batch)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+
+from ..core.attribution import parse_scope
+from . import compat as jc
+
+POLICIES: dict[str, Any] = {"dots": jax.checkpoint_policies.dots_saveable, "full": None}
+
+
+def block_labels(labels: Sequence[str]) -> tuple[str, ...]:
+    """The plan's unit labels as module paths ("GPT/block_3 (scan)" -> "GPT/block_3")."""
+    return tuple(label.removesuffix(" (scan)") for label in labels)
+
+
+def eqn_blocks(prog: Any, labels: Sequence[str]) -> list[str | None]:
+    """Per eqn of a flattened program: the block instance (longest label prefix of its module) or None."""
+    ordered = sorted(block_labels(labels), key=len, reverse=True)
+    out: list[str | None] = []
+    for fe in prog.eqns:
+        module = parse_scope(fe.scope)[0]
+        out.append(next((lb for lb in ordered if module == lb or module.startswith(lb + "/")), None))
+    return out
+
+
+def _read(env: dict, a: Any) -> Any:
+    return a.val if jc.is_literal(a) else env[a]
+
+
+def _bind(fe: Any, env: dict, guard: Callable | None) -> None:
+    ins = [_read(env, a) for a in fe.inputs]
+    if guard is not None:
+        ins = guard(fe.eqn, ins)
+    env.update(zip(fe.outputs, jc.bind_eqn(fe.eqn, ins), strict=True))
+
+
+def run_eqns(prog: Any, order: Sequence[int], env: dict, blocks: Sequence[str | None], policy: str,
+             keep: set, guard: Callable | None = None) -> None:
+    """Evaluate eqns `order` (program order) into `env`; with a policy other than "none", each run of
+    consecutive eqns of one block is one checkpointed function. `keep`: keys read after `order`
+    (outputs, values sent to other stages) besides the readers among `prog`'s eqns. `guard(eqn,
+    inputs) -> inputs` may rewrite an eqn's inputs (sharding constraints)."""
+    if policy == "none":
+        for e in order:
+            _bind(prog.eqns[e], env, guard)
+        return
+    if policy not in POLICIES:
+        raise ValueError(f"remat policy {policy!r}: valid 'none', {', '.join(map(repr, POLICIES))}")
+    readers: dict[Any, set[int]] = {}
+    for e, fe in enumerate(prog.eqns):
+        for a in fe.inputs:
+            if not jc.is_literal(a):
+                readers.setdefault(a, set()).add(e)
+    for label, run in _runs(order, blocks):
+        if label is None:
+            for e in run:
+                _bind(prog.eqns[e], env, guard)
+            continue
+        _checkpointed(prog, run, env, readers, keep, policy, guard)
+
+
+def _runs(order: Sequence[int], blocks: Sequence[str | None]) -> list[tuple[str | None, list[int]]]:
+    runs: list[tuple[str | None, list[int]]] = []
+    for e in order:
+        if runs and runs[-1][0] == blocks[e]:
+            runs[-1][1].append(e)
+        else:
+            runs.append((blocks[e], [e]))
+    return runs
+
+
+def _checkpointed(prog: Any, run: list[int], env: dict, readers: dict, keep: set, policy: str,
+                  guard: Callable | None) -> None:
+    inside = set(run)
+    made = {k for e in run for k in prog.eqns[e].outputs}
+    ins: list[Any] = []
+    for e in run:
+        for a in prog.eqns[e].inputs:
+            if not jc.is_literal(a) and a not in made and a not in ins:
+                ins.append(a)
+    outs = [k for e in run for k in prog.eqns[e].outputs if k in keep or readers.get(k, set()) - inside]
+
+    def block(*values: Any) -> tuple:
+        local = dict(zip(ins, values, strict=True))
+        for e in run:
+            _bind(prog.eqns[e], local, guard)
+        return tuple(local[k] for k in outs)
+
+    values = jax.checkpoint(block, policy=POLICIES[policy])(*[env[k] for k in ins])
+    env.update(zip(outs, values, strict=True))
+
+
+def remat_loss(fun: Callable, policy: str, labels: Sequence[str]) -> Callable:
+    """`fun` evaluated block by block under `policy` (see the module docstring); same outputs, any
+    pytree of them (a loss, or (loss, aux))."""
+    if policy == "none":
+        return fun
+
+    def run(*args: Any) -> Any:
+        structs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jax.numpy.shape(x), jax.numpy.result_type(x)), args)
+        closed, out_shape = jax.make_jaxpr(fun, return_shape=True)(*structs)
+        prog = jc.flatten_calls(closed)
+        env: dict = dict(prog.consts)
+        env.update(zip(prog.inputs, jax.tree.leaves(args), strict=True))
+        outputs = [k for k in prog.outputs if not jc.is_literal(k)]
+        run_eqns(prog, range(len(prog.eqns)), env, eqn_blocks(prog, labels), policy, set(outputs))
+        return jax.tree.unflatten(jax.tree.structure(out_shape), [_read(env, k) for k in prog.outputs])
+
+    run.__name__ = getattr(fun, "__name__", "loss")
+    return run
