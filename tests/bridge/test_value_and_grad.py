@@ -89,12 +89,19 @@ def test_pipelined_decorator_errors():
     with pytest.raises(PlanError, match="never calls autoshard.value_and_grad"):
         autoshard.autoshard(plain, **kw)(params, opt_state, batch)
 
-    def with_aux(params, opt_state, batch):
-        (loss, _), grads = autoshard.value_and_grad(lambda p, b: (m.loss(p, b), 0.0), has_aux=True)(params, batch)
+    def with_options(params, opt_state, batch):
+        loss, grads = autoshard.value_and_grad(m.loss, allow_int=True)(params, batch)
         return params, opt_state, loss
 
-    with pytest.raises(PlanError, match="has_aux=True"):
-        autoshard.autoshard(with_aux, **kw)(params, opt_state, batch)
+    with pytest.raises(PlanError, match=r"options \['allow_int'\] are not supported"):
+        autoshard.autoshard(with_options, **kw)(params, opt_state, batch)
+
+    from autoshard._src.bridge.loss_call import LossCall
+
+    with pytest.raises(PlanError, match="reads no array with the step's batch size 4"):
+        LossCall(lambda p: jnp.sum(p["wte"]["embedding"] ** 2), (params,), 0, False, 4)
+    with pytest.raises(PlanError, match="argnums=3 does not index"):
+        LossCall(m.loss, (params, batch), 3, False, 4)
 
     def twice(params, opt_state, batch):
         loss, grads = autoshard.value_and_grad(m.loss)(params, batch)
@@ -118,6 +125,41 @@ def test_pipelined_decorator_errors():
 
     with pytest.raises(PipelineError, match="not a mean over samples"):
         autoshard.autoshard(make_step(m, ratio), **kw)(params, opt_state, batch)
+
+
+def _user_losses():
+    m = models.get("gpt", "debug")
+    params, batch = m.init(jax.random.key(0)), m.batch()
+    kw = dict(mesh={"pipe": 4, "data": 2}, pipeline="rannc", hardware="cpu-sim", num_microbatches=2)
+
+    def closure(params, opt_state, batch):
+        loss, grads = autoshard.value_and_grad(lambda p: m.loss(p, batch))(params)
+        updates, opt_state = m.optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    def nested_aux_argnums(params, opt_state, batch):
+        scale = jnp.float32(1.0)
+
+        def loss(tag, p):           # differentiated in its second argument, returns (loss, aux)
+            value = m.loss(p, batch) * scale
+            return value, {"tag": tag, "twice": 2 * value}
+
+        (value, aux), grads = autoshard.value_and_grad(loss, argnums=1, has_aux=True)(jnp.int32(7), params)
+        updates, opt_state = m.optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, value + 0 * aux["twice"] + 0 * aux["tag"]
+
+    return m, params, batch, kw, {"closure": closure, "nested_aux_argnums": nested_aux_argnums}
+
+
+@pytest.mark.parametrize("idiom", ["nested_aux_argnums", pytest.param("closure", marks=pytest.mark.slow)])
+def test_pipelined_losses_as_users_write_them(idiom):
+    """A lambda closing over the batch, a nested def reading it with argnums and has_aux: the
+    pipelined step trains like the same step under jax.jit (the batch found among the closed-over
+    values, micro-batched, the aux computed on the whole batch)."""
+    m, params, batch, kw, steps = _user_losses()
+    fast = autoshard.autoshard(steps[idiom], **kw)
+    train_like_one_device(fast, steps[idiom], m, params, batch)
+    assert len(fast.pipelined.stages) == 4
 
 
 @pytest.mark.slow      # DAG runtime numerics stay in the default suite via tests/bridge/test_runtime.py

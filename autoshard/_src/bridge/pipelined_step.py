@@ -27,33 +27,25 @@ import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from ..core.errors import PlanError
+from ..pipeline.costs import traced_batch
 from ..plan.plan import Plan
 from .cut import pipelined
+from .loss_call import LossCall
 from .remat import remat_loss
 from .trace import Traced
 
 
 @dataclasses.dataclass
 class _Capture:
-    loss_fn: Callable | None = None
-    params: Any = None
-    batch: Any = None
+    batch_size: int
+    call: LossCall | None = None
 
 
 @dataclasses.dataclass
 class _Running:
-    loss_fn: Callable
+    call: LossCall                 # what the capture saw
     make: Callable                 # (loss_fn, params, batch) -> autoshard.Pipelined
     calls: int = 0
-
-
-def _same_function(a: Callable, b: Callable) -> bool:
-    """The loss the capture saw, up to re-creation per call (bound methods, lambdas, partials)."""
-    if a == b:
-        return True
-    fa, fb = getattr(a, "func", a), getattr(b, "func", b)      # functools.partial
-    code_a, code_b = getattr(fa, "__code__", None), getattr(fb, "__code__", None)
-    return code_a is not None and code_a is code_b
 
 
 class _Captured(BaseException):
@@ -88,19 +80,17 @@ def value_and_grad(fun: Callable, argnums: int = 0, has_aux: bool = False, **kwa
             ctx.calls += 1
             return jax.value_and_grad(remat_loss(fun, ctx.policy, ctx.labels), argnums=argnums, has_aux=has_aux,
                                       **kwargs)(*args)
-        if argnums != 0 or has_aux or kwargs or len(args) != 2:
+        if kwargs:
             raise PlanError(
-                f"autoshard.value_and_grad: inside a pipelined @autoshard step the loss is called as "
-                f"loss_fn(params, batch) and differentiated in params only (argnums=0, has_aux=False); got "
-                f"{len(args)} arguments, argnums={argnums!r}, has_aux={has_aux!r}"
-                f"{', ' + ', '.join(kwargs) if kwargs else ''}. Fix: close over other arguments and return aux "
-                f"values from a separate call, or use a tensor sharding plan (no pipeline=).")
-        params, batch = args
+                f"autoshard.value_and_grad: inside a pipelined @autoshard step the options {sorted(kwargs)} are not "
+                "supported (argnums and has_aux are). Fix: drop them, or use a tensor sharding plan (no pipeline=).")
+        size = ctx.batch_size if isinstance(ctx, _Capture) else ctx.call.batch_size
+        call = LossCall(fun, args, argnums, has_aux, size)
         if isinstance(ctx, _Capture):
-            ctx.loss_fn, ctx.params, ctx.batch = fun, params, batch
+            ctx.call = call
             raise _Captured()
         ctx.calls += 1
-        if not _same_function(fun, ctx.loss_fn) or ctx.calls > 1:
+        if not call.same_as(ctx.call) or ctx.calls > 1:
             raise PlanError(
                 "autoshard.value_and_grad: a pipelined @autoshard step pipelines one loss, once per step; this "
                 f"step calls value_and_grad {'again' if ctx.calls > 1 else 'with another function'} "
@@ -108,16 +98,17 @@ def value_and_grad(fun: Callable, argnums: int = 0, has_aux: bool = False, **kwa
                 "jax.value_and_grad for the others (they then run unpipelined).")
         # cut again from the traced function (the capture's cut is the same; this one cannot hold
         # values the capture's closure had baked in); the capture already ran the chunk-mean check
-        run = ctx.make(fun, params, batch)
-        loss, grads = run(run.stack(params), batch)
-        return loss, run.unstack(grads)
+        run = ctx.make(call.loss_fn, call.params, call.batch)
+        loss, grads = run(run.stack(call.params), call.batch)
+        grads = run.unstack(grads)
+        return ((loss, call.aux()), grads) if has_aux else (loss, grads)
 
     return wrapped
 
 
-def capture(fn: Callable, args: tuple) -> _Capture:
+def capture(fn: Callable, args: tuple, batch_size: int) -> _Capture:
     """Run `fn(*args)` eagerly until its autoshard.value_and_grad call; what that call received."""
-    cap = _Capture()
+    cap = _Capture(batch_size)
     token = _ACTIVE.set(cap)
     try:
         fn(*args)
@@ -212,27 +203,27 @@ def pipelined_step(fn: Callable, plan: Plan, mesh: Any, args: tuple, *, num_micr
             f"autoshard: a pipeline plan's step needs concrete example arguments on its first call or lower() "
             f"(it runs the step up to autoshard.value_and_grad and checks the loss on the real batch); got "
             f"abstract {abstract[0]}. Fix: call or lower with arrays, or plan abstractly with autoshard.plan.")
-    cap = capture(fn, args)
+    cap = capture(fn, args, traced_batch(traced.graph))
+    call = cap.call
     M = num_microbatches if num_microbatches is not None else plan.microbatches
     schedule = plan.provenance.get("options", {}).get("schedule", "1f1b")
     kw = dict(mesh=mesh, num_microbatches=M, schedule=schedule, plan=plan, hardware=hardware)
-    run = pipelined(cap.loss_fn, cap.params, cap.batch, **kw)     # checks the loss on real values
+    run = pipelined(call.loss_fn, call.params, call.batch, **kw)     # checks the loss on real values
     if run.program.auto:      # the runtime check ran once: the step's own cut keeps its outcome
         kw["tensor_in_stages"] = run.program.tensor_in_stages
-    ctx_loss = cap.loss_fn
 
     def make(loss_fn: Callable, params: Any, batch: Any) -> Any:
         return pipelined(loss_fn, params, batch, check_loss=False, **kw)
 
     def step(*call_args: Any) -> Any:
-        token = _ACTIVE.set(_Running(ctx_loss, make))
+        token = _ACTIVE.set(_Running(call, make))
         try:
             return fn(*call_args)
         finally:
             _ACTIVE.reset(token)
 
     step.__name__ = getattr(fn, "__name__", "step")
-    batch_ids = {id(x) for x in jax.tree.leaves(cap.batch)}
+    batch_ids = {id(x) for x in call.batch}
     ins = jax.tree.map(lambda x: batch_sharding(mesh, tuple(x.shape)) if id(x) in batch_ids
                        else state_sharding(mesh, tuple(x.shape)), args)
     outs = jax.tree.unflatten(traced.out_tree, [state_sharding(mesh, tuple(a.shape)) for a in traced.closed.out_avals])
