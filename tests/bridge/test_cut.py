@@ -67,6 +67,7 @@ def test_tied_embedding_is_copied_and_its_gradients_summed():
     assert_close(rows[-1][key], want)
 
 
+@pytest.mark.slow      # the decorator's RaNNC steps (default suite) run plan-guided cuts
 def test_plan_guides_the_cut():
     m, params, batch = model_args("gpt")
     opt = m.optimizer.init(params)

@@ -284,11 +284,7 @@ def test_auto_pipeline_routes_options_and_reports_errors(mmt):
     p = autoshard.plan(m.train_step, *args, mesh={"data": 8}, hardware="v100-sxm", pipeline="auto",
                        schedule="gpipe", pipeline_options={"k": 4, "max_microbatch_size": 2})
     assert p.predicted["pipeline"]["units"] == 4                         # k went to RaNNC
-    # a "pipe" axis fixes a 3-D shape instead: stages x data x model, searched jointly on that shape
-    q = autoshard.plan(m.train_step, *args, mesh={"pipe": 2, "data": 4}, hardware="v100-sxm", pipeline="auto")
-    chosen = q.predicted["3d"]["chosen"]
-    assert (chosen["stages"], chosen["data"], chosen["model"]) == (2, 4, 1) and len(q.stages) == 2
-    assert q.mesh == (("pipe", 2), ("data", 4))
+    # (a "pipe" axis with pipeline="auto" fixes a 3-D shape instead: tests/bridge/test_three_d.py)
     with pytest.raises(autoshard.ConfigError, match=r"keys \['blocks'\] are unknown for pipeline='auto'"):
         autoshard.plan(m.train_step, *args, mesh={"data": 8}, hardware="v100-sxm", pipeline="auto",
                        pipeline_options={"blocks": 4})
