@@ -125,6 +125,7 @@ def test_pipe_axis_beyond_the_block_count_is_a_typed_error():
     chosen = q.predicted["3d"]["chosen"]
     assert (chosen["stages"], chosen["data"], chosen["model"]) == (2, 4, 1) and len(q.stages) == 2
     assert q.mesh == (("pipe", 2), ("data", 4)) and q.predicted["3d"]["megatron_grid"]["stages"] == 2
+    assert "best tensor-only              none (not of the mesh's fixed shape pipe 2 x data 4 x model 1)" in q.explain()
     with pytest.raises(autoshard.PlanError, match=r"'pipe' axis has 4 ranks but the step has only 2 pipeline unit"):
         autoshard.plan(make_step(m), *args, mesh={"pipe": 4, "data": 2}, pipeline="auto", hardware="h100-sxm")
     with pytest.raises(autoshard.ConfigError, match="must be named 'data' and/or 'model'"):

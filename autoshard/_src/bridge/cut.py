@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -30,15 +29,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh
-from jax.sharding import PartitionSpec as P
 
 from ..core.attribution import parse_scope
 from ..core.errors import PipelineError
 from ..core.hardware import get_hardware
-from ..core.mesh import MeshSpec
-from ..plan.planner import add_storage_axes
 from . import compat as jc
 from .api import local_hardware
+from .cut_3d import dict_path, guard_gathers, plan_batch_axes, runnable_here, stage_specs
 from .cut_dag import assign as dag_assign
 from .cut_dag import plan_edges
 from .remat import eqn_blocks, run_eqns
@@ -151,7 +148,7 @@ def pipelined(loss_fn: Callable, params: Any, batch: Any, *, mesh: Any, num_micr
     mesh = _mesh(mesh)
     three_d = plan is not None and bool(getattr(plan, "is_pipeline", False)) and "3d" in plan.predicted
     if three_d and data_axes is None:
-        data_axes = _plan_batch_axes(plan, mesh, pipe_axis)
+        data_axes = plan_batch_axes(plan, mesh, pipe_axis)
     S, axes, B, mb = _split_batch(mesh, batch, num_microbatches, pipe_axis, data_axes)
     if three_d:      # stages see the whole micro-batch, split over the data axes by XLA
         mb *= math.prod(mesh.shape[a] for a in axes)
@@ -174,13 +171,13 @@ def pipelined(loss_fn: Callable, params: Any, batch: Any, *, mesh: Any, num_micr
     fns = [_stage_fn(s, prog, cut.stage, needs_batch_only[s], [cut.sends[u] for u in cut.preds[s]],
                      None if s == cut.sink else cut.sends[s], keys, holders, g.loss_key, three_d,
                      (blocks, plan.stages[s].remat if three_d else "none")) for s in range(S)]
-    tied = [[(h, _dict_path(keys[i])) for h in sorted(holders[i])] for i in range(len(keys)) if len(holders[i]) > 1]
-    specs = _stage_specs(plan, S, keys, holders, owner, p_leaves, mesh) if three_d else (None, None)
+    tied = [[(h, dict_path(keys[i])) for h in sorted(holders[i])] for i in range(len(keys)) if len(holders[i]) > 1]
+    specs = stage_specs(_plan_stages(plan, S), keys, holders, owner, p_leaves, mesh) if three_d else (None, None)
     program = pipeline_value_and_grad(fns, mesh, num_microbatches=num_microbatches, schedule=schedule,
                                       edges=cut.edges, pipe_axis=pipe_axis, data_axes=axes, tied=tied,
                                       stage_specs=specs[0], compute_specs=specs[1])
     if three_d and tensor_in_stages is None:
-        _runnable_here(program, keys, holders, p_leaves, batch)
+        runnable_here(program, keys, holders, p_leaves, batch)
     elif three_d and not tensor_in_stages:
         program.drop_tensor_plans()
     infos = _stage_infos(g, cut, S, holders, owner)
@@ -577,61 +574,6 @@ def _plan_anchors(plan: Any, S: int, keys: tuple[str, ...], key_ins: list, param
     return out
 
 
-def _runnable_here(program: Any, keys: tuple[str, ...], holders: list[set[int]], p_leaves: list, batch: Any) -> None:
-    """A 3-D program XLA would make hang on this machine's CPU runtime runs its stages data parallel
-    instead (same results), with a warning naming the collective that forced it."""
-    per_stage: list[dict[str, Any]] = [{} for _ in range(program.num_stages)]
-    for key, held_by, leaf in zip(keys, holders, p_leaves, strict=True):
-        for s in held_by:
-            per_stage[s][key] = jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)
-    bad = program.cpu_deadlocks(per_stage, batch)
-    if not bad:
-        return
-    program.drop_tensor_plans()
-    warnings.warn(
-        "autoshard: the 3-D plan's stage tensor plans compile, for this CPU runtime, to "
-        f"{len(bad)} collective-permute(s) inside the per-stage branches (e.g. {bad[0][:100]}...), which "
-        "jaxlib's CPU collectives cannot run when other pipe ranks run another stage (the step would hang). "
-        "The stages run data parallel here instead (same results; the plan and its predictions are unchanged, "
-        "GPU/TPU runtimes run the plan as planned).", stacklevel=3)
-    if program.cpu_deadlocks(per_stage, batch):
-        raise PipelineError("autoshard.pipelined: even data-parallel stages compile to collective-permutes inside "
-                            "the per-stage branches on this CPU runtime; run this plan on GPU/TPU or without "
-                            "a model axis.")
-
-
-def _plan_batch_axes(plan: Any, mesh: Mesh, pipe_axis: str) -> tuple[str, ...]:
-    """The axes splitting every stage's micro-batch in a 3-D plan (the runtime runs one batch layout)."""
-    common = [a for a in mesh.axis_names if a != pipe_axis and all(a in st.batch_axes for st in plan.stages)]
-    return tuple(common)
-
-
-def _stage_specs(plan: Any, S: int, keys: tuple[str, ...], holders: list[set[int]], owner: list[int],
-                 p_leaves: list, mesh: Mesh) -> tuple[list[dict], list[dict]]:
-    """(stored, compute) spec of every parameter copy per stage, from the 3-D plan's stage tensor plans:
-    a leaf's spec is its owner stage's (tied copies must match to sum their gradients); ZeRO-3 stages
-    store their leaves split further over the axes their plan leaves free."""
-    stages = _plan_stages(plan, S)
-    by_suffix = [{kp: spec for kp, spec in st.param_specs} for st in stages]
-    sub = MeshSpec(tuple((a, mesh.shape[a]) for a in mesh.axis_names if a != "pipe") or (("data", 1),))
-    stored: list[dict] = [{} for _ in range(S)]
-    compute: list[dict] = [{} for _ in range(S)]
-    for i, key in enumerate(keys):
-        o = owner[i]
-        spec = next((sp for kp, sp in by_suffix[o].items() if kp.endswith(key) and kp[:-len(key)].count("[") == 1
-                     and kp[:-len(key)].startswith("[") and kp[:-len(key)].endswith("]")), None)
-        if spec is None:
-            continue        # replicated
-        shape = tuple(p_leaves[i].shape)
-        keep = list(spec)
-        if stages[o].storage == "zero3":
-            keep = add_storage_axes(keep, shape, sub)
-        for h in holders[i]:
-            stored[h][_dict_path(key)] = tuple(tuple(a) for a in keep)
-            compute[h][_dict_path(key)] = tuple(tuple(a) for a in spec)
-    return stored, compute
-
-
 def _avals(prog: Any, closed: Any) -> dict[int, Any]:
     out: dict[int, Any] = {}
     for k, v in zip(prog.inputs, closed.in_avals, strict=True):
@@ -642,16 +584,12 @@ def _avals(prog: Any, closed: Any) -> dict[int, Any]:
     return out
 
 
-def _dict_path(key: str) -> str:
-    return jax.tree_util.keystr((jax.tree_util.DictKey(key),))
-
-
 def _stage_fn(s: int, prog: Any, stage: list[int], batch_only_eqns: list[int], recv: list[list],
               send: list | None, keys: tuple[str, ...], holders: list[set[int]], loss_key: Any,
               auto_axes: bool = False, remat: tuple[list, str] = ([], "none")) -> Callable:
     """Stage s: receives one tuple of values per predecessor (`recv`, in the runtime's order), runs
     its eqns and sends `send` (None: the last stage, returns the loss). `auto_axes`: the stage runs
-    with automatic data/model axes (3-D plans), see `_batched_gather_operand`; `remat`: (block of
+    with automatic data/model axes (3-D plans), see `cut_3d.batched_gather_operand`; `remat`: (block of
     every eqn, policy), its blocks run checkpointed (`remat.run_eqns`)."""
     own = sorted(set(batch_only_eqns) | {e for e, st in enumerate(stage) if st == s})
     n_params = len(keys)
@@ -659,7 +597,7 @@ def _stage_fn(s: int, prog: Any, stage: list[int], batch_only_eqns: list[int], r
     batch_in = prog.inputs[n_params:]
     blocks, policy = remat
     keep = set(send or ()) | ({loss_key} if send is None and not jc.is_literal(loss_key) else set())
-    guard = _guard_gathers if auto_axes else None
+    guard = guard_gathers if auto_axes else None
 
     def fn(params: dict, batch: Any, *inputs: Any) -> Any:
         env: dict = dict(prog.consts)
@@ -673,23 +611,3 @@ def _stage_fn(s: int, prog: Any, stage: list[int], batch_only_eqns: list[int], r
         return tuple(env[k] for k in send)
 
     return fn
-
-
-def _guard_gathers(eqn: Any, ins: list) -> list:
-    if eqn.primitive.name == "gather":
-        ins = [_batched_gather_operand(eqn, ins[0]), *ins[1:]]
-    return ins
-
-
-def _batched_gather_operand(eqn: Any, operand: Any) -> Any:
-    """A batched gather (`take_along_axis`: labels' log-probabilities) whose operand is split over an
-    automatic axis on a batching dim *and* on an indexed dim aborts XLA's SPMD partitioner inside a
-    shard_map that is manual over `pipe` only (jaxlib 0.10.2: spmd_partitioner_util.cc "Check failed:
-    partition_group_list..."). The indexed dims are made whole first (the vocabulary of the logits,
-    an all-gather over the model axis); the other dims keep whatever split XLA chose."""
-    dn = eqn.params["dimension_numbers"]
-    if not dn.operand_batching_dims or not jax.sharding.get_abstract_mesh().axis_names:
-        return operand        # nothing to guard (outside the runtime's shard_map: a shape pass)
-    indexed = set(dn.start_index_map)
-    spec = P(*[None if d in indexed else P.UNCONSTRAINED for d in range(operand.ndim)])
-    return jax.lax.with_sharding_constraint(operand, spec)

@@ -157,7 +157,9 @@ def _point_lines(j: Mapping[str, Any], step: float) -> list[str]:
                       ("megatron_grid", "best Megatron-LM grid point")):
         q = j.get(key)
         if q is None:
-            why = j.get("megatron_grid_reason") if key == "megatron_grid" else "none fits the memory budget"
+            fixed = j.get("fixed_shape")
+            why = (j.get("megatron_grid_reason") if key == "megatron_grid" else
+                   f"not of the mesh's fixed shape {fixed}" if fixed else "none fits the memory budget")
             out.append(f"  {name:<29} none ({why or 'none fits the memory budget'})")
             continue
         out.append(f"  {name:<29} {q['step_time'] * 1e3:12.3f} ms  {q['memory'] / 2**30:8.3f} GiB  {q['label']}"

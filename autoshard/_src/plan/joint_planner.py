@@ -97,6 +97,8 @@ def joint_plan(graph: OpGraph, *, devices: int, hw: HardwareSpec, options: Searc
         raise _infeasible(res, devices, hw, options)
     best = res.best
     summary = _summary(res, best)
+    if joint is not None and joint.stages is not None and joint.shape is not None:
+        summary["fixed_shape"] = f"pipe {joint.stages} x data {joint.shape[0]} x model {joint.shape[1]}"
     if _tensor_point(best):
         plan = _tensor_plan(graph, grouping, res, best, hw, options)
         return dataclasses.replace(plan, predicted={**plan.predicted, "3d": summary})
