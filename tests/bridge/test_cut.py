@@ -154,7 +154,7 @@ def test_integer_value_between_stages_is_refused():
 
 
 def test_balanced_cuts_trade_stage_flops_against_boundary_bytes():
-    from autoshard._src.bridge.cut import _balanced_cuts
+    from autoshard._src.bridge.cut_place import balanced_cuts as _balanced_cuts
 
     # 12 unit-flop eqns; cutting before eqn i sends live[i] bytes: cheap only before 3, 7 and 10
     before = np.arange(12, dtype=float)
