@@ -13,6 +13,7 @@ from jax.sharding import PartitionSpec as P
 from ..core.errors import PipelineError
 from ..core.mesh import MeshSpec
 from ..plan.planner import add_storage_axes
+from .cut_place import in_argument
 
 
 def runnable_here(program: Any, keys: tuple[str, ...], holders: list[set[int]], p_leaves: list, batch: Any) -> None:
@@ -56,8 +57,7 @@ def stage_specs(stages: tuple, keys: tuple[str, ...], holders: list[set[int]], o
     compute: list[dict] = [{} for _ in range(S)]
     for i, key in enumerate(keys):
         o = owner[i]
-        spec = next((sp for kp, sp in by_suffix[o].items() if kp.endswith(key) and kp[:-len(key)].count("[") == 1
-                     and kp[:-len(key)].startswith("[") and kp[:-len(key)].endswith("]")), None)
+        spec = next((sp for kp, sp in by_suffix[o].items() if in_argument(kp, key)), None)
         if spec is None:
             continue        # replicated
         shape = tuple(p_leaves[i].shape)

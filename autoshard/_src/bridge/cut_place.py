@@ -145,6 +145,13 @@ def anchors(plan: Any, S: int, keys: tuple[str, ...], key_ins: list, param_key: 
     return [max(int(np.searchsorted(cuts, e, "right")), a or 0) for e, a in enumerate(plan_anchor)]
 
 
+def in_argument(step_keypath: str, key: str) -> bool:
+    """The step's keypath ("[0]['block_0']['w']") is the loss's parameter `key` ("['block_0']['w']")
+    inside one step argument."""
+    head = step_keypath[:-len(key)] if step_keypath.endswith(key) else ""
+    return head.startswith("[") and head.endswith("]") and head.count("[") == 1
+
+
 def plan_stages(plan: Any, S: int) -> tuple:
     if not getattr(plan, "is_pipeline", False):
         raise PipelineError("autoshard.pipelined: plan= takes a pipeline Plan (autoshard.plan(..., pipeline="
@@ -167,8 +174,7 @@ def plan_anchors(plan: Any, S: int, keys: tuple[str, ...], key_ins: list, param_
             plan_owner[kp] = st.index
     stage_of_leaf = []
     for k in keys:
-        hits = {s for kp, s in plan_owner.items() if kp.endswith(k) and kp[:-len(k)].startswith("[")
-                and kp[:-len(k)].endswith("]") and kp[:-len(k)].count("[") == 1}
+        hits = {s for kp, s in plan_owner.items() if in_argument(kp, k)}
         if len(hits) != 1:
             raise PipelineError(
                 f"autoshard.pipelined: parameter {k} is {'not in' if not hits else 'ambiguous in'} the plan's stage "
