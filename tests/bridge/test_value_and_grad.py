@@ -15,6 +15,7 @@ import models
 from autoshard import ConfigError, PipelineError, PlanError
 
 from .._reference import run_steps
+from .test_repack import check_repack_traffic
 
 
 def assert_close(got, want, tol=1e-5):
@@ -167,6 +168,7 @@ def test_pipelined_losses_as_users_write_them(idiom):
     per_device = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves((p1, o1)))
     assert per_device < sum(x.nbytes for x in jax.tree.leaves((p1, o1))) / 4
     assert np.isfinite(np.asarray(params["wte"]["embedding"])).all()   # the caller's arrays survive donation
+    check_repack_traffic(fast, p1, o1, batch)       # storage <-> stage rows: about a stage per device
 
 
 @pytest.mark.slow      # DAG runtime numerics stay in the default suite via tests/bridge/test_runtime.py

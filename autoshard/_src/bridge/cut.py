@@ -40,6 +40,7 @@ from .cut_dag import assign as dag_assign
 from .cut_dag import plan_edges
 from .cut_place import anchors, live_bytes, plan_anchors, plan_stages
 from .remat import eqn_blocks, run_eqns
+from .repack import Repacker
 from .runtime import pipeline_value_and_grad
 from .trace import eqn_flops
 
@@ -88,6 +89,10 @@ class Pipelined:
         return self.program.mesh
 
     def stack(self, params: Any) -> Any:
+        return self.program.stack(self._per_stage(params))
+
+    def _per_stage(self, params: Any) -> list[dict[str, Any]]:
+        """Each stage's parameters as {key: leaf} (a tied leaf in every stage that reads it)."""
         leaves, treedef = jax.tree.flatten(params)
         if treedef != self._treedef:
             raise PipelineError(
@@ -97,7 +102,14 @@ class Pipelined:
         for key, held_by, leaf in zip(self._keys, self._holders, leaves, strict=True):
             for s in held_by:
                 per_stage[s][key] = leaf
-        return self.program.stack(per_stage)
+        return per_stage
+
+    def repacker(self, params: Any) -> Repacker:
+        """Moves parameters stored ZeRO-style (`repack.storage_spec`) into the stage rows and gradients
+        back, one all-to-all each way (what the decorated pipeline step runs every step)."""
+        structs = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in jax.tree.leaves(params)]
+        stacked = self.program.abstract_stack(self._per_stage(jax.tree.unflatten(self._treedef, structs)))
+        return Repacker(self, structs, stacked)
 
     def unstack(self, stacked: Any) -> Any:
         per_stage = self.program.unstack(stacked)

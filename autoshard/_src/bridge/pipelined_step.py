@@ -32,6 +32,7 @@ from ..plan.plan import Plan
 from .cut import pipelined
 from .loss_call import LossCall
 from .remat import remat_loss
+from .repack import storage_sharding
 from .trace import Traced
 
 
@@ -99,8 +100,9 @@ def value_and_grad(fun: Callable, argnums: int = 0, has_aux: bool = False, **kwa
         # cut again from the traced function (the capture's cut is the same; this one cannot hold
         # values the capture's closure had baked in); the capture already ran the chunk-mean check
         run = ctx.make(call.loss_fn, call.params, call.batch)
-        loss, grads = run(run.stack(call.params), call.batch)
-        grads = run.unstack(grads)
+        repack = run.repacker(call.params)          # storage <-> stage rows, one all-to-all each way
+        loss, grads = run(repack.stack(call.params), call.batch)
+        grads = repack.unstack(grads)
         return ((loss, call.aux()), grads) if has_aux else (loss, grads)
 
     return wrapped
@@ -139,16 +141,9 @@ def rematerialised(fn: Callable, plan: Plan) -> tuple[Callable, Callable[[], int
 
 
 def state_sharding(mesh: Any, shape: tuple[int, ...]) -> Any:
-    """ZeRO-style storage between steps: the largest dimension dividing by the device count is split
-    over every mesh axis (1/N of the leaf per device), else the leaf is replicated. A function of the
-    shape only, so a step's new parameters and optimizer state come out laid out as they went in."""
-    dims = [d for d, n in enumerate(shape) if n % mesh.size == 0]
-    if not dims:
-        return NamedSharding(mesh, PartitionSpec())
-    d = max(dims, key=lambda i: (shape[i], -i))
-    spec: list[Any] = [None] * len(shape)
-    spec[d] = tuple(mesh.axis_names)
-    return NamedSharding(mesh, PartitionSpec(*spec))
+    """ZeRO-style storage between steps (`repack.storage_spec`): 1/N of each leaf per device where a
+    dimension divides by the device count, else replicated."""
+    return storage_sharding(mesh, shape)
 
 
 def batch_sharding(mesh: Any, shape: tuple[int, ...]) -> Any:
