@@ -133,7 +133,10 @@ def test_unknown_hardware_preset():
 def test_memory_budget_no_plan_fits():
     with pytest.raises(autoshard.InfeasiblePlanError, match=r"GiB per device") as info:
         _plan("gpt", {"data": 2, "model": 4}, memory_budget=1000)
-    assert "0.00 GiB per device" in str(info.value) and "memory_budget" in str(info.value)
+    msg = str(info.value)
+    assert "0.00 GiB per device" in msg and "memory_budget" in msg
+    # it names the least-memory plan (storage, what it splits) and the 3-D way out
+    assert "least memory (storage zero" in msg and "-> " in msg and "mesh='auto'" in msg
 
 
 def test_running_on_a_mesh_that_does_not_match_the_devices():

@@ -70,9 +70,9 @@ class _Stored:
     holders: tuple[int, ...]       # the stages whose rows hold it (tied leaves: several)
     offset: int                    # replicated: offset in the replicated buffer; split: in its block
 
-    @property
-    def piece(self) -> int:
-        return 0 if self.dim is None else math.prod(self.shape)
+    def piece_size(self, devices: int) -> int:
+        """Elements of one storage piece (1/devices of the leaf)."""
+        return math.prod(self.shape) // devices
 
 
 class Repacker:
@@ -176,7 +176,7 @@ class Repacker:
             if lf.dim is None:
                 tree.append(x)
                 continue
-            n = lf.piece // self.N
+            n = lf.piece_size(self.N)
             tree.append(self._mesh_order(got[..., at:at + n], leading, lf).astype(lf.dtype))
             at += n
         mine = [k for k, lf in zip(self.run._keys, self.leaves, strict=True) if s in lf.holders]
@@ -233,7 +233,7 @@ class Repacker:
                 n = math.prod(lf.shape)
                 out.append(repl[lf.offset:lf.offset + n].reshape(lf.shape).astype(lf.dtype))
                 continue
-            n = lf.piece // self.N
+            n = lf.piece_size(self.N)
             piece_shape = list(lf.shape)
             piece_shape[lf.dim] //= self.N
             out.append(got[lf.owner, at[lf.owner]:at[lf.owner] + n].reshape(piece_shape).astype(lf.dtype))

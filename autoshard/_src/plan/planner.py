@@ -48,13 +48,17 @@ def tensor_plan(graph: OpGraph, *, mesh: Any, hw: HardwareSpec, options: SearchO
     seconds = time.perf_counter() - t0
     if not best[1].best.feasible:
         b = best[1]
+        splits = [f"{what} -> {'x'.join(axes)}" for _, what, _, axes in
+                  describe_factors(graph, b.factors, b.candidates, b.best.factor_axes) if axes]
         raise InfeasiblePlanError(
             f"autoshard.plan: no plan fits the memory budget of {b.budget / 2**30:.2f} GiB per "
-            f"device on mesh {best[0]} ({hw.name}); the plan needing least memory takes "
+            f"device on mesh {best[0]} ({hw.name}); the plan needing least memory (storage {b.best.storage}; "
+            f"{', '.join(splits[:4]) or 'nothing split'}{' ...' if len(splits) > 4 else ''}) takes "
             f"{b.best.memory['total'] / 2**30:.2f} GiB per device (parameters "
             f"{b.best.memory['params'] / 2**30:.2f}, optimizer state {b.best.memory['optimizer'] / 2**30:.2f}, "
             f"activations {b.best.memory['activations'] / 2**30:.2f} GiB). Fix: raise memory_budget, "
-            "use more devices, a smaller batch, or rematerialisation (nn.remat).",
+            "use more devices or a smaller batch, or plan in 3-D (mesh='auto' with devices=N, or a 'pipe' axis "
+            "with pipeline='auto'), which adds pipeline stages and chooses rematerialisation per stage.",
             min_memory=b.best.memory["total"], budget=b.budget)
     experts = compare_experts(graph, grouping, best[0], best[1])
     return build_plan(graph, grouping, best[0], hw, best[1], options, seconds, experts=experts)
