@@ -254,3 +254,16 @@ def test_unknown_primitive_is_replicated_with_a_warning():
     x = jax.ShapeDtypeStruct((256, 64), jnp.float32)
     p = autoshard.plan(step, w, x, mesh={"x": 8}, hardware="h100-sxm")
     assert any("my_opaque_op" in warning for warning in p.warnings), p.warnings
+
+
+def test_megatron_expert_keeps_position_tables_whole():
+    """T5's relative attention bias ([buckets, heads]) is named like an embedding; Megatron splits
+    its heads, never its buckets, and the shared vocabulary embedding is split by rows."""
+    m = models.get("t5", "debug")
+    plan = autoshard.expert_plan("data-megatron", m.train_step, *m.abstract_state(), mesh={"data": 4, "model": 2},
+                                 hardware="h100-sxm")
+    params = plan.input_specs[0]
+    bias = params["encoder"]["relative_attention_bias"]["embedding"]["embedding"]
+    assert bias[0] is None and bias[1] is not None
+    assert params["shared"]["embedding"][0] is not None
+    assert params["encoder"]["layer_0"]["self_attn"]["q"]["kernel"][1] is not None

@@ -18,6 +18,7 @@ the automatic plan.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Sequence
 
@@ -40,9 +41,13 @@ VOCAB_RULES: tuple[tuple[str, int], ...] = (
     (r"(^|/)(wte|embed|embedding|embeddings|token_embed|token_embedding|tok_embeddings|shared)/embedding$", 0),
     (r"(^|/)(lm_head|head)/kernel$", -1),
 )
+# position tables (T5's relative attention bias, learned positions) look like embeddings but
+# Megatron-LM keeps them whole: their rows are buckets or positions, not the vocabulary
+NOT_VOCAB = re.compile(r"(^|/)(relative_attention_bias|rel_pos\w*|pos_emb\w*|position\w*|wpe)(/|$)")
 _CHAIN = re.compile(r"(^|/)dense_(\d+)/kernel$")
 
 
+@functools.lru_cache(maxsize=16384)   # the planner asks per parameter and per submesh shape
 def keypath_path(keypath: str) -> str:
     """"[0]['block_0']['attn']['q']['kernel']" -> "block_0/attn/q/kernel" (argument index dropped)."""
     parts = re.findall(r"\['([^']*)'\]|\.([A-Za-z_]\w*)|\[(\d+)\]", keypath)
@@ -74,7 +79,7 @@ def tensor_parallel_factors(graph: OpGraph, fg: FactorGraph, in_map: dict[int, i
         if val.role != "parameter" or len(val.shape) < 2:
             continue
         path = keypath_path(val.keypath or "")
-        dims = [d for pat, d in (*COLUMN_RULES, *ROW_RULES, *VOCAB_RULES) if re.search(pat, path)]
+        dims = list(_rule_dims(path, vocab_only=False))
         m = _CHAIN.search(path)
         if m is not None and len(chain) > 1 and int(m.group(2)) < max(i for i, _ in chain):
             dims.append(-1 if int(m.group(2)) % 2 == 0 else 0)  # column, row, column, ... not the last layer
@@ -160,7 +165,16 @@ def vocab_factors(graph: OpGraph, fg: FactorGraph, in_map: dict[int, int]) -> li
             path = keypath_path(val.keypath or "")
             src = in_map.get(v, v)
             fs = fg.value_factors(src)
-            for pat, d in VOCAB_RULES:
-                if re.search(pat, path) and len(fs) == len(val.shape) and fs[d] is not None:
+            for d in _rule_dims(path, vocab_only=True):
+                if len(fs) == len(val.shape) and fs[d] is not None:
                     out.append(fs[d])
     return out
+
+
+@functools.lru_cache(maxsize=16384)
+def _rule_dims(path: str, vocab_only: bool) -> tuple[int, ...]:
+    """The dims the column, row and vocabulary rules split in the parameter at `path` (only the
+    vocabulary rules' with `vocab_only`), in rule order."""
+    vocab = () if NOT_VOCAB.search(path) else VOCAB_RULES
+    rules = vocab if vocab_only else (*COLUMN_RULES, *ROW_RULES, *vocab)
+    return tuple(d for pat, d in rules if re.search(pat, path))
