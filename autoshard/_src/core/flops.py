@@ -7,9 +7,8 @@ roofline's bytes term), data movement (reshape, transpose, slicing, broadcasts) 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
-
-import numpy as np
 
 Shape = tuple[int, ...]
 
@@ -27,7 +26,7 @@ _REDUCTIONS = frozenset({
 
 
 def _size(shape: Shape) -> int:
-    return int(np.prod(shape, dtype=np.int64)) if shape else 1
+    return math.prod(shape)   # exact ints (1 for a scalar), and ~20x faster than np.prod per op
 
 
 def dot_general_flops(lhs: Shape, rhs: Shape, contracting: tuple[Sequence[int], Sequence[int]],

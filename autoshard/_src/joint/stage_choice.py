@@ -29,6 +29,33 @@ from .tables import ShapeTables
 REMAT = ("none", "dots", "full")
 
 
+class SortedParts:
+    """One part (f, b, tail, memory terms) of every choice, read in each composition's sorted order:
+    `parts[u, k]` is the part of composition u's k-th best choice, `parts[u]` its whole row, and
+    `np.asarray(parts)` the [U, X] array. Gathered on access: the search reads a few choices per
+    table (a point's stages), and sorting six parts of each of its ~300 tables up front cost more
+    than building them."""
+
+    __slots__ = ("raw", "order", "per")
+
+    def __init__(self, raw: np.ndarray, order: np.ndarray, per: int = 1) -> None:
+        self.raw, self.order, self.per = raw, order, per   # raw[u, x // per]: the part of choice x
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.order.shape
+
+    def __getitem__(self, index):
+        if isinstance(index, tuple):
+            u, k = index
+            return self.raw[u, self.order[u, k] // self.per]
+        return self.raw[index, self.order[index] // self.per]
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        out = np.take_along_axis(self.raw, self.order // self.per, axis=1)
+        return out if dtype is None else out.astype(dtype)
+
+
 @dataclasses.dataclass
 class ChoiceTable:
     """Per composition: choices sorted by value, their f/b/tail/memory parts and the running
@@ -37,12 +64,12 @@ class ChoiceTable:
     value: np.ndarray           # [U, X] sorted ascending
     order: np.ndarray           # [U, X] choice index (p, z, r) flattened as ((p * Z) + z) * R + r
     allow_max: np.ndarray       # [U, X]
-    f: np.ndarray
-    b: np.ndarray
-    tail: np.ndarray
-    static: np.ndarray
-    held: np.ndarray            # bytes per micro-batch in flight
-    transient: np.ndarray
+    f: SortedParts
+    b: SortedParts
+    tail: SortedParts
+    static: SortedParts
+    held: SortedParts           # bytes per micro-batch in flight
+    transient: SortedParts
     shape: tuple[int, int, int]   # (plans, storage modes, remat policies)
 
     def best(self, qs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -78,40 +105,41 @@ def choice_table(c: dict[str, np.ndarray], microbatches: int, budget: float, rem
     """Every (plan, storage, remat) of every composition of `c` (`compositions`) at M = `microbatches`.
     `valid_plans[p]`: the plan splits a micro-batch evenly."""
     phi = 1.0 / microbatches
-    fwd, bwd, dots, const = c["fwd"], c["bwd"], c["fwd_dots"], c["const"]
-    sync, step, gather, static = c["sync"], c["step"], c["gather"], c["static"]
-    acts, acts_dots, data = c["acts"], c["acts_dots"], c["data"]
-    unit_acts, unit_rest, inputs = c["unit_acts"], c["unit_rest"], c["inputs"]
-    f = phi * fwd + gather
+    # [U, Z, P] -> [U, P, Z]: the choice order (plan-major), so every [U, P, Z, R] array below is
+    # already laid out as the flat [U, X] choices (the search builds ~300 tables: no copies per array)
+    g = {k: np.transpose(v, (0, 2, 1)) for k, v in c.items()}
+    fwd, bwd, dots, const = g["fwd"], g["bwd"], g["fwd_dots"], g["const"]
+    f = phi * fwd + g["gather"]
     b_base = phi * bwd + const
-    tail = np.maximum(0.0, sync - overlap * phi * bwd) + step
-    parts = {"none": (b_base, phi * (acts + data), 0.0 * acts),
-             "dots": (b_base + phi * (fwd - dots), phi * (acts_dots + inputs + data), phi * unit_rest),
-             "full": (b_base + phi * fwd, phi * (inputs + data), phi * unit_acts)}
-    b = np.stack([parts[r][0] for r in remat], axis=-1)           # [U, Z, P, R]
-    held = np.stack([parts[r][1] for r in remat], axis=-1)
-    transient = np.stack([parts[r][2] for r in remat], axis=-1)
-    f4 = np.broadcast_to(f[..., None], b.shape)
-    tail4 = np.broadcast_to(tail[..., None], b.shape)
-    static4 = np.broadcast_to(static[..., None], b.shape)
-    value = f4 + b + tail4 / microbatches
-    value = np.where(valid_plans[None, None, :, None], value, np.inf)
-    room = budget - static4 - transient
-    allow = np.where(held > 0, room / np.where(held > 0, held, 1.0), np.where(room >= 0, np.inf, -np.inf))
-    allow = np.where(np.isfinite(value), allow, -np.inf)
-    U = fwd.shape[0]
-    # flatten to [U, X] with X ordered (p, z, r) and sort by value (stable: ties keep fewer splits)
-    def flat(a: np.ndarray) -> np.ndarray:
-        return np.ascontiguousarray(np.transpose(a, (0, 2, 1, 3))).reshape(U, -1)
-
-    fv, fa = flat(value), flat(allow)
-    order = np.argsort(fv, axis=1, kind="stable")
-    take = lambda a: np.take_along_axis(flat(np.ascontiguousarray(a)), order, axis=1)  # noqa: E731
+    tail = np.maximum(0.0, g["sync"] - overlap * phi * bwd) + g["step"]
+    static = g["static"]
+    acts, acts_dots, data, inputs = g["acts"], g["acts_dots"], g["data"], g["inputs"]
+    parts = {"none": lambda: (b_base, phi * (acts + data), 0.0 * acts),
+             "dots": lambda: (b_base + phi * (fwd - dots), phi * (acts_dots + inputs + data), phi * g["unit_rest"]),
+             "full": lambda: (b_base + phi * fwd, phi * (inputs + data), phi * g["unit_acts"])}
+    per_remat = [parts[r]() for r in remat]
+    b, held, transient = (np.stack([pr[i] for pr in per_remat], axis=-1) for i in range(3))    # [U, P, Z, R]
+    value = np.add(f[..., None], b)
+    value += (tail / microbatches)[..., None]
+    if not valid_plans.all():
+        value[:, ~valid_plans] = np.inf
+    # micro-batches in flight the memory allows: room / held, or +-inf when a choice holds nothing
+    room = budget - static[..., None] - transient
+    allow = np.where(room >= 0, np.inf, -np.inf)
+    np.divide(room, held, out=allow, where=held > 0)
+    allow[~np.isfinite(value)] = -np.inf
+    U, P, Z, R = b.shape
+    X = P * Z * R
+    fv = value.reshape(U, X)
+    order = np.argsort(fv, axis=1, kind="stable")    # stable: ties keep fewer splits
+    at = order + (np.arange(U) * X)[:, None]         # flat positions of the sorted choices
+    pz = (U, P * Z)                                    # parts without a remat axis
     return ChoiceTable(
-        value=np.take_along_axis(fv, order, axis=1), order=order,
-        allow_max=np.maximum.accumulate(np.take_along_axis(fa, order, axis=1), axis=1),
-        f=take(f4), b=take(b), tail=take(tail4), static=take(static4), held=take(held), transient=take(transient),
-        shape=(value.shape[2], value.shape[1], value.shape[3]))
+        value=np.take(fv, at), order=order, allow_max=np.maximum.accumulate(np.take(allow, at), axis=1),
+        f=SortedParts(f.reshape(pz), order, R), b=SortedParts(b.reshape(U, X), order),
+        tail=SortedParts(tail.reshape(pz), order, R), static=SortedParts(static.reshape(pz), order, R),
+        held=SortedParts(held.reshape(U, X), order), transient=SortedParts(transient.reshape(U, X), order),
+        shape=(P, Z, R))
 
 
 def split_choice(flat_index: int, shape: tuple[int, int, int]) -> tuple[int, int, int]:

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from ..core.errors import ConfigError, InfeasiblePlanError, PlanError
-from ..core.graph import OpGraph, fingerprint
+from ..core.graph import OpGraph, fingerprint, op_keys
 from ..core.grouping import Grouping, group
 from ..core.hardware import HardwareSpec, hardware_dict
 from ..core.mesh import MeshSpec
@@ -178,7 +178,10 @@ def _tensor_plan(graph: OpGraph, grouping: Grouping, res: JointResult, best: Joi
 def _staged_plan(graph: OpGraph, grouping: Grouping, res: JointResult, best: JointPoint, hw: HardwareSpec,
                  options: SearchOptions, summary: dict[str, Any]) -> Plan:
     tables = res.tables[(best.data, best.model)]
-    op_map = instance_maps(graph, grouping, tables.space.periods)
+    fg = tables.space.fg
+    # the same for every stage: computed once (each walks the whole graph)
+    op_map, keys = instance_maps(graph, grouping, tables.space.periods), op_keys(graph)
+    described = describe_factors(graph, fg, tables.space.candidates, {})
     sub = tuple(tables.mesh.axes)
     stages, batch = [], traced_batch(graph)
     for i, st in enumerate(best.stages):
@@ -191,10 +194,10 @@ def _staged_plan(graph: OpGraph, grouping: Grouping, res: JointResult, best: Joi
             predicted_forward=st.forward, predicted_backward=st.backward, memory=st.memory,
             microbatches=best.microbatches, after=(i - 1,) if i else (), units=tuple(range(st.start, st.stop)),
             ops=ops, modules=_modules(graph, ops), params=params,
-            factors=tuple(describe_factors(graph, tables.space.fg, tables.space.candidates, axes_of)),
+            factors=tuple((f, desc, size, axes_of.get(f, ())) for f, desc, size, _ in described),
             storage=st.storage, remat=st.remat, param_specs=_param_specs(graph, tables, axes_of, set(params)),
             batch_axes=_batch_axes(graph, tables, axes_of),
-            activation_constraints=tuple(activation_constraints(graph, op_map, tables.space.fg, axes_of, set(ops)))))
+            activation_constraints=tuple(activation_constraints(graph, op_map, fg, axes_of, set(ops), keys))))
     # the runtime's mesh: always a pipe axis (one stage with several micro-batches accumulates gradients)
     mesh = (("pipe", best.num_stages), *((n, s) for n, s in sub if s > 1))
     reports = tuple(ParamReport(graph.values[v].keypath or "", graph.values[v].shape, graph.values[v].dtype,

@@ -154,14 +154,14 @@ def describe_factors(graph: OpGraph, fg, candidates: tuple[int, ...],
 
 
 def activation_constraints(graph: OpGraph, op_map: dict[int, int], fg: Any, axes_of: dict[int, tuple[str, ...]],
-                           ops: set[int] | None = None) -> list[tuple[str, Spec]]:
+                           ops: set[int] | None = None, keys: list[str] | None = None) -> list[tuple[str, Spec]]:
     """(op key, spec) of the forward matmul / gather / convolution outputs the plan splits (of `ops`
-    only, when given): what emission pins so XLA follows the plan between the parameters."""
-    keys = op_keys(graph)
+    only, when given): what emission pins so XLA follows the plan between the parameters. `keys`:
+    `op_keys(graph)`, for callers asking once per stage (it walks the whole graph)."""
+    keys = keys if keys is not None else op_keys(graph)
     out = []
-    for op in graph.ops:
-        if op.phase != "forward" or op.nested or op.primitive not in _CONSTRAINED or (ops is not None
-                                                                                        and op.index not in ops):
+    for op in (graph.ops if ops is None else (graph.ops[i] for i in sorted(ops))):
+        if op.phase != "forward" or op.nested or op.primitive not in _CONSTRAINED:
             continue
         src = op_map.get(op.index, op.index)
         if src not in fg.op_factors:

@@ -18,6 +18,7 @@ gradient all-reduce (the weight-gradient matmul contracts over the batch).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 from collections.abc import Callable, Iterable, Sequence
 
@@ -454,19 +455,25 @@ def corresponding_ops(graph: OpGraph, a: Sequence[int], b: Sequence[int]) -> lis
     """Pairs of ops of two instances of one block that do the same thing, phase by phase, matched
     on (primitive, shapes) in program order; instances that differ slightly (the first block's
     backward has no input gradient) still pair up everywhere else."""
-    import difflib
-
     pairs: list[tuple[int, int]] = []
     for phase in ("forward", "backward", "optimizer", "other"):
         oa = [i for i in a if graph.ops[i].phase == phase]
         ob = [i for i in b if graph.ops[i].phase == phase]
-        sa = [(graph.ops[i].primitive, graph.ops[i].in_shapes, graph.ops[i].out_shapes) for i in oa]
-        sb = [(graph.ops[i].primitive, graph.ops[i].in_shapes, graph.ops[i].out_shapes) for i in ob]
+        sa = tuple((graph.ops[i].primitive, graph.ops[i].in_shapes, graph.ops[i].out_shapes) for i in oa)
+        sb = tuple((graph.ops[i].primitive, graph.ops[i].in_shapes, graph.ops[i].out_shapes) for i in ob)
         if sa == sb:
             pairs.extend(zip(oa, ob, strict=True))
             continue
-        matcher = difflib.SequenceMatcher(a=sa, b=sb, autojunk=False)
-        for block in matcher.get_matching_blocks():
-            pairs.extend(zip(oa[block.a:block.a + block.size], ob[block.b:block.b + block.size],
-                             strict=True))
+        for ia, ib, size in _matching_blocks(sa, sb):
+            pairs.extend(zip(oa[ia:ia + size], ob[ib:ib + size], strict=True))
     return pairs
+
+
+@functools.lru_cache(maxsize=256)
+def _matching_blocks(sa: tuple, sb: tuple) -> tuple[tuple[int, int, int], ...]:
+    """difflib's matching blocks of two op signature sequences. The instances of a block differ from
+    their representative in the same way (a 96-layer model asks ~190 times), so each distinct pair
+    of sequences is matched once."""
+    import difflib
+
+    return tuple(tuple(m) for m in difflib.SequenceMatcher(a=sa, b=sb, autojunk=False).get_matching_blocks())

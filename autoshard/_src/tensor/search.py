@@ -88,6 +88,30 @@ def _mask_size(mesh: MeshSpec, mask: int) -> int:
     return math.prod(s for i, s in enumerate(mesh.sizes) if mask >> i & 1)
 
 
+class _Shared:
+    """What the evaluators of one plan space share (the 3-D search builds ~20 per submesh shape):
+    the collective cost tables per cost model and the candidate masks of factor sets."""
+
+    def __init__(self) -> None:
+        self.cmasks: dict[tuple | frozenset, tuple[int, ...]] = {}
+        self._coll: dict[int, tuple[CostModel, dict]] = {}
+
+    def collective_tables(self, mesh: MeshSpec, cost: CostModel) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        """Per collective kind, (latency, seconds per byte) over each mask of `mesh`'s axes."""
+        hit = self._coll.get(id(cost))
+        if hit is not None and hit[0] is cost:
+            return hit[1]
+        nm = 1 << len(mesh.names)
+        coll = {}
+        for kind in KINDS:   # every collective kind the cost model knows
+            alpha = np.array([cost.collective(kind, 0.0, _mask_axes(mesh, m)) for m in range(nm)])
+            beta = np.array([(cost.collective(kind, 1e9, _mask_axes(mesh, m)) - alpha[m]) / 1e9
+                             for m in range(nm)])
+            coll[kind] = (alpha, beta)
+        self._coll[id(cost)] = (cost, coll)
+        return coll
+
+
 class _Evaluator:
     """Vectorised cost and memory of many plans over one factor graph."""
 
@@ -95,7 +119,7 @@ class _Evaluator:
                  grad_ops: frozenset[int], cands: tuple[int, ...], mesh: MeshSpec,
                  hw: HardwareSpec, cost: CostModel, options: SearchOptions,
                  in_map: dict[int, int], inputs: Sequence[int] | None = None,
-                 fused_update: bool | None = None) -> None:
+                 fused_update: bool | None = None, shared: _Shared | None = None) -> None:
         self.graph, self.fg, self.mesh, self.hw, self.cost = graph, fg, mesh, hw, cost
         self.in_map = in_map
         # the inputs whose bytes count (parameters, state, data): all, or a pipeline stage's own
@@ -109,18 +133,20 @@ class _Evaluator:
         nm = 1 << len(mesh.names)
         self.nm = nm
         self.msize = np.array([_mask_size(mesh, m) for m in range(nm)], dtype=np.float64)
-        self.coll = {}
-        for kind in KINDS:   # every collective kind the cost model knows
-            alpha = np.array([cost.collective(kind, 0.0, _mask_axes(mesh, m)) for m in range(nm)])
-            beta = np.array([(cost.collective(kind, 1e9, _mask_axes(mesh, m)) - alpha[m]) / 1e9
-                             for m in range(nm)])
-            self.coll[kind] = (alpha, beta)
+        shared = shared if shared is not None else _Shared()
+        self.coll = shared.collective_tables(mesh, cost)
+        self._cmasks = shared.cmasks
         self._build_groups(weights, grad_ops)
         self._build_tensors(weights)
 
     # --- summaries -------------------------------------------------------------------------
     def _cmask(self, factors) -> tuple[int, ...]:
-        return tuple(sorted({self.cidx[f] for f in factors if f in self.cidx}))
+        """Candidate indices among `factors` (sorted): ops repeat few factor sets, so each is looked up once."""
+        key = factors if isinstance(factors, frozenset | tuple) else tuple(factors)
+        hit = self._cmasks.get(key)
+        if hit is None:
+            hit = self._cmasks[key] = tuple(sorted({self.cidx[f] for f in key if f in self.cidx}))
+        return hit
 
     def _build_groups(self, weights: dict[int, float], grad_ops: frozenset[int]) -> None:
         hw = self.hw
@@ -414,6 +440,7 @@ class PlanSpace:
     in_map: dict[int, int]
     notes: list[str]
     fused_update: bool = True
+    _shared: _Shared = dataclasses.field(default_factory=_Shared, repr=False, compare=False)
 
     @property
     def analysis(self) -> Analysis:
@@ -425,7 +452,7 @@ class PlanSpace:
         """An evaluator of this space's plans over the ops in `weights` (op -> how many times it
         counts) and the bytes of `inputs` (None: every input of the step)."""
         ev = _Evaluator(self.graph, self.fg, weights, self.grad_ops, self.candidates, self.mesh, hw, cost,
-                        options, self.in_map, inputs, self.fused_update)
+                        options, self.in_map, inputs, self.fused_update, self._shared)
         bwd = sum(w for (_, _, kind), w, _, _ in ev.groups if kind in ("backward", "grad"))
         allw = sum(w for _, w, _, _ in ev.groups) or 1.0
         ev.bwd_share = bwd / allw
