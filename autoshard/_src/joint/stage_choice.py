@@ -86,16 +86,18 @@ class ChoiceTable:
 
 
 def compositions(tables: ShapeTables, comps: np.ndarray, kind_inputs: np.ndarray) -> dict[str, np.ndarray]:
-    """The kind arrays summed over each composition in `comps` [U, K] -> [U, Z, P] (independent of
+    """The kind arrays summed over each composition in `comps` [U, K] -> [U, P, Z] (independent of
     the micro-batch count: computed once per submesh shape), plus the largest unit's activations
-    and the units' input bytes per device."""
+    and the units' input bytes per device. Plan-major, as `choice_table` orders the choices (it
+    runs once per micro-batch count on contiguous arrays)."""
     v = tables.values
     out = {name: np.einsum("uk,kzp->uzp", comps, v[name]) for name in v}
     present = comps > 0
     # the largest unit's activations: recomputed one unit at a time under remat
     out["unit_acts"] = np.where(present[:, :, None, None], v["acts"][None], 0.0).max(axis=1)
     out["unit_rest"] = np.where(present[:, :, None, None], (v["acts"] - v["acts_dots"])[None], 0.0).max(axis=1)
-    out["inputs"] = np.broadcast_to((comps @ kind_inputs)[:, None, None] / tables.batch_split[None, None, :],
+    out = {name: np.ascontiguousarray(np.transpose(a, (0, 2, 1))) for name, a in out.items()}
+    out["inputs"] = np.broadcast_to((comps @ kind_inputs)[:, None, None] / tables.batch_split[None, :, None],
                                     out["fwd"].shape)
     return out
 
@@ -105,18 +107,17 @@ def choice_table(c: dict[str, np.ndarray], microbatches: int, budget: float, rem
     """Every (plan, storage, remat) of every composition of `c` (`compositions`) at M = `microbatches`.
     `valid_plans[p]`: the plan splits a micro-batch evenly."""
     phi = 1.0 / microbatches
-    # [U, Z, P] -> [U, P, Z]: the choice order (plan-major), so every [U, P, Z, R] array below is
-    # already laid out as the flat [U, X] choices (the search builds ~300 tables: no copies per array)
-    g = {k: np.transpose(v, (0, 2, 1)) for k, v in c.items()}
-    fwd, bwd, dots, const = g["fwd"], g["bwd"], g["fwd_dots"], g["const"]
-    f = phi * fwd + g["gather"]
+    # the [U, P, Z] arrays are plan-major, so every [U, P, Z, R] array below is already laid out as
+    # the flat [U, X] choices (the search builds ~300 tables: no copies per array)
+    fwd, bwd, dots, const = c["fwd"], c["bwd"], c["fwd_dots"], c["const"]
+    f = phi * fwd + c["gather"]
     b_base = phi * bwd + const
-    tail = np.maximum(0.0, g["sync"] - overlap * phi * bwd) + g["step"]
-    static = g["static"]
-    acts, acts_dots, data, inputs = g["acts"], g["acts_dots"], g["data"], g["inputs"]
+    tail = np.maximum(0.0, c["sync"] - overlap * phi * bwd) + c["step"]
+    static = c["static"]
+    acts, acts_dots, data, inputs = c["acts"], c["acts_dots"], c["data"], c["inputs"]
     parts = {"none": lambda: (b_base, phi * (acts + data), 0.0 * acts),
-             "dots": lambda: (b_base + phi * (fwd - dots), phi * (acts_dots + inputs + data), phi * g["unit_rest"]),
-             "full": lambda: (b_base + phi * fwd, phi * (inputs + data), phi * g["unit_acts"])}
+             "dots": lambda: (b_base + phi * (fwd - dots), phi * (acts_dots + inputs + data), phi * c["unit_rest"]),
+             "full": lambda: (b_base + phi * fwd, phi * (inputs + data), phi * c["unit_acts"])}
     per_remat = [parts[r]() for r in remat]
     b, held, transient = (np.stack([pr[i] for pr in per_remat], axis=-1) for i in range(3))    # [U, P, Z, R]
     value = np.add(f[..., None], b)

@@ -72,17 +72,19 @@ def batch_factors(graph: OpGraph, fg: FactorGraph) -> list[int]:
 def tensor_parallel_factors(graph: OpGraph, fg: FactorGraph, in_map: dict[int, int]) -> list[int]:
     """Factors Megatron splits, from the parameters' keypaths."""
     out: list[int] = []
-    chain = [(int(m.group(2)), v) for v in graph.inputs if graph.values[v].role == "parameter"
-             and (m := _CHAIN.search(keypath_path(graph.values[v].keypath or ""))) is not None]
-    for v in graph.inputs:
-        val = graph.values[v]
-        if val.role != "parameter" or len(val.shape) < 2:
+    params = [(v, val, keypath_path(val.keypath or "")) for v in graph.inputs
+              if (val := graph.values[v]).role == "parameter"]
+    chain = [i for _, _, path in params if (i := _chain_index(path)) is not None]
+    last = max(chain) if len(chain) > 1 else None
+    for v, val, path in params:
+        if len(val.shape) < 2:
             continue
-        path = keypath_path(val.keypath or "")
         dims = list(_rule_dims(path, vocab_only=False))
-        m = _CHAIN.search(path)
-        if m is not None and len(chain) > 1 and int(m.group(2)) < max(i for i, _ in chain):
-            dims.append(-1 if int(m.group(2)) % 2 == 0 else 0)  # column, row, column, ... not the last layer
+        i = _chain_index(path)
+        if i is not None and last is not None and i < last:
+            dims.append(-1 if i % 2 == 0 else 0)  # column, row, column, ... not the last layer
+        if not dims:
+            continue
         src = in_map.get(v, v)
         fs = fg.value_factors(src)
         for d in dims:
@@ -90,6 +92,13 @@ def tensor_parallel_factors(graph: OpGraph, fg: FactorGraph, in_map: dict[int, i
             if f is not None and f not in out:
                 out.append(f)
     return out
+
+
+@functools.lru_cache(maxsize=16384)
+def _chain_index(path: str) -> int | None:
+    """k of a chain of dense layers' "dense_<k>/kernel", else None."""
+    m = _CHAIN.search(path)
+    return int(m.group(2)) if m is not None else None
 
 
 def _fits(fg: FactorGraph, factors: Sequence[int], mesh: MeshSpec, axes: Sequence[str]) -> bool:
@@ -162,10 +171,9 @@ def vocab_factors(graph: OpGraph, fg: FactorGraph, in_map: dict[int, int]) -> li
     for v in graph.inputs:
         val = graph.values[v]
         if val.role == "parameter" and len(val.shape) >= 2:
-            path = keypath_path(val.keypath or "")
-            src = in_map.get(v, v)
-            fs = fg.value_factors(src)
-            for d in _rule_dims(path, vocab_only=True):
+            dims = _rule_dims(keypath_path(val.keypath or ""), vocab_only=True)
+            fs = fg.value_factors(in_map.get(v, v)) if dims else ()
+            for d in dims:
                 if len(fs) == len(val.shape) and fs[d] is not None:
                     out.append(fs[d])
     return out
