@@ -67,6 +67,10 @@ def test_gpt_megatron_stages_train_like_one_device_and_compile_as_planned():
     assert all(model_split(st) > 0 and st.batch_axes == ("data",) and st.remat == "full" for st in plan.stages)
     prog = fast.pipelined.program
     assert prog.auto and prog.tensor_in_stages and prog.data_axes == ("data",)
+    # every activation constraint of the stage plans found its eqn in the loss and was placed
+    acts = prog.activation_specs
+    assert acts.enabled and len(acts.specs) == acts.wanted == sum(len(st.activation_constraints)
+                                                                  for st in plan.stages) > 0
 
     # collectives the plan implies: Megatron's all-reduces over `model` inside the stages (forward
     # and backward), gradient all-reduces over `data`, activations and gradients between stages as
@@ -121,10 +125,11 @@ def test_t5_searched_stage_plans_train_like_one_device():
         fast, *_ = train_both("t5", hardware=slow_compute(), num_microbatches=1)
     assert any(model_split(st) > 0 for st in fast.plan.stages)
     prog = fast.pipelined.program
-    # this CPU runtime cannot run collective-permutes inside the per-stage branches: if XLA placed
-    # any there, the stages ran data parallel instead, and said so
-    fell_back = any("collective-permute" in str(w.message) for w in caught)
-    assert prog.tensor_in_stages != fell_back
+    # this CPU runtime cannot run collective-permutes inside the per-stage branches; without the
+    # plan's activation constraints XLA placed some there and the stages fell back to data
+    # parallel -- with them placed, the stage plans run as planned
+    assert not any("collective-permute" in str(w.message) for w in caught)
+    assert prog.tensor_in_stages and len(prog.activation_specs.specs) == prog.activation_specs.wanted > 0
 
 
 def test_pipe_axis_beyond_the_block_count_is_a_typed_error():

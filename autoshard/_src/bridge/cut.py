@@ -35,7 +35,7 @@ from ..core.errors import PipelineError
 from ..core.hardware import get_hardware
 from . import compat as jc
 from .api import local_hardware
-from .cut_3d import dict_path, guard_gathers, plan_batch_axes, runnable_here, stage_specs
+from .cut_3d import ActivationSpecs, dict_path, guard_gathers, plan_batch_axes, runnable_here, stage_specs
 from .cut_dag import assign as dag_assign
 from .cut_dag import plan_edges
 from .cut_place import anchors, live_bytes, plan_anchors, plan_stages
@@ -181,8 +181,9 @@ def pipelined(loss_fn: Callable, params: Any, batch: Any, *, mesh: Any, num_micr
     holders, owner = _holders(g, cut.stage)
     needs_batch_only = _batch_only_needs(g, cut, S)
     blocks = eqn_blocks(prog, plan.predicted["3d"]["unit_labels"]) if three_d else []
+    acts = ActivationSpecs(prog, g.modules, plan, mesh) if three_d else None
     fns = [_stage_fn(s, prog, cut.stage, needs_batch_only[s], [cut.sends[u] for u in cut.preds[s]],
-                     None if s == cut.sink else cut.sends[s], keys, holders, g.loss_key, three_d,
+                     None if s == cut.sink else cut.sends[s], keys, holders, g.loss_key, acts,
                      (blocks, plan.stages[s].remat if three_d else "none")) for s in range(S)]
     tied = [[(h, dict_path(keys[i])) for h in sorted(holders[i])] for i in range(len(keys)) if len(holders[i]) > 1]
     specs = stage_specs(plan_stages(plan, S), keys, holders, owner, p_leaves, mesh) if three_d else (None, None)
@@ -193,6 +194,9 @@ def pipelined(loss_fn: Callable, params: Any, batch: Any, *, mesh: Any, num_micr
         runnable_here(program, keys, holders, p_leaves, batch)
     elif three_d and not tensor_in_stages:
         program.drop_tensor_plans()
+    if acts is not None:      # data-parallel stages place no activations either
+        acts.enabled = program.tensor_in_stages
+        program.activation_specs = acts
     infos = _stage_infos(g, cut, S, holders, owner)
     return Pipelined(program, infos, treedef, keys, tuple(owner), tuple(map(tuple, holders)))
 
@@ -423,18 +427,20 @@ def _avals(prog: Any, closed: Any) -> dict[int, Any]:
 
 def _stage_fn(s: int, prog: Any, stage: list[int], batch_only_eqns: list[int], recv: list[list],
               send: list | None, keys: tuple[str, ...], holders: list[set[int]], loss_key: Any,
-              auto_axes: bool = False, remat: tuple[list, str] = ([], "none")) -> Callable:
+              acts: ActivationSpecs | None = None, remat: tuple[list, str] = ([], "none")) -> Callable:
     """Stage s: receives one tuple of values per predecessor (`recv`, in the runtime's order), runs
-    its eqns and sends `send` (None: the last stage, returns the loss). `auto_axes`: the stage runs
-    with automatic data/model axes (3-D plans), see `cut_3d.batched_gather_operand`; `remat`: (block of
-    every eqn, policy), its blocks run checkpointed (`remat.run_eqns`)."""
+    its eqns and sends `send` (None: the last stage, returns the loss). `acts`: a 3-D stage runs with
+    automatic data/model axes, its plan's activation constraints placed (and
+    `cut_3d.batched_gather_operand` guarding gathers); `remat`: (block of every eqn, policy), its
+    blocks run checkpointed (`remat.run_eqns`)."""
     own = sorted(set(batch_only_eqns) | {e for e, st in enumerate(stage) if st == s})
     n_params = len(keys)
     my_params = [(prog.inputs[i], keys[i]) for i in range(n_params) if s in holders[i]]
     batch_in = prog.inputs[n_params:]
     blocks, policy = remat
     keep = set(send or ()) | ({loss_key} if send is None and not jc.is_literal(loss_key) else set())
-    guard = guard_gathers if auto_axes else None
+    guard = guard_gathers if acts is not None else None
+    after = acts.after if acts is not None else None
 
     def fn(params: dict, batch: Any, *inputs: Any) -> Any:
         env: dict = dict(prog.consts)
@@ -442,7 +448,7 @@ def _stage_fn(s: int, prog: Any, stage: list[int], batch_only_eqns: list[int], r
         env.update({k: params[name] for k, name in my_params})
         for ks, values in zip(recv, inputs, strict=True):
             env.update(zip(ks, values, strict=True))
-        run_eqns(prog, own, env, blocks or [None] * len(prog.eqns), policy, keep, guard)
+        run_eqns(prog, own, env, blocks or [None] * len(prog.eqns), policy, keep, guard, after)
         if send is None:
             return loss_key.val if jc.is_literal(loss_key) else env[loss_key]
         return tuple(env[k] for k in send)

@@ -14,6 +14,7 @@ from ..core.errors import PipelineError
 from ..core.mesh import MeshSpec
 from ..plan.planner import add_storage_axes
 from .cut_place import in_argument
+from .layouts import fitting_spec, partition_spec
 
 
 def runnable_here(program: Any, keys: tuple[str, ...], holders: list[set[int]], p_leaves: list, batch: Any) -> None:
@@ -68,6 +69,39 @@ def stage_specs(stages: tuple, keys: tuple[str, ...], holders: list[set[int]], o
             stored[h][dict_path(key)] = tuple(tuple(a) for a in keep)
             compute[h][dict_path(key)] = tuple(tuple(a) for a in spec)
     return stored, compute
+
+
+class ActivationSpecs:
+    """A 3-D plan's activation constraints on the loss's eqns: the plan keys ops of the traced step as
+    "<module>/<primitive>:<k>" (`core.graph.op_keys`); the loss's forward eqns come first in the step,
+    in the same order, so the k-th eqn of a primitive in a module is the same op in both. Matched
+    outputs are constrained to the stage plan's spec inside the runtime's shard_map (the automatic
+    data/model axes); `enabled` is cleared when the stages run data parallel instead."""
+
+    def __init__(self, prog: Any, modules: list[str], plan: Any, mesh: Mesh):
+        wanted = {key: spec for st in plan.stages for key, spec in st.activation_constraints}
+        seen: dict[tuple[str, str], int] = {}
+        self.specs: dict[int, Any] = {}
+        sizes = dict(mesh.shape)
+        for e, fe in enumerate(prog.eqns):
+            name = (modules[e] or "<root>", fe.eqn.primitive.name)
+            k = seen.get(name, 0)
+            seen[name] = k + 1
+            spec = wanted.get(f"{name[0]}/{name[1]}:{k}")
+            out = fe.eqn.outvars[0].aval if fe.eqn.outvars else None
+            if spec is None or out is None or len(spec) != len(out.shape):
+                continue
+            # axes the runtime's mesh lacks (size 1) or that do not divide this micro-batch shape drop out
+            spec = tuple(tuple(a for a in ax if a in sizes and a != "pipe") for ax in spec)
+            self.specs[e] = fitting_spec(tuple(out.shape), spec, sizes)
+        self.wanted = len(wanted)
+        self.enabled = True
+
+    def after(self, e: int, outs: list) -> list:
+        spec = self.specs.get(e) if self.enabled else None
+        if spec is None or not jax.sharding.get_abstract_mesh().axis_names:
+            return outs         # outside the runtime's shard_map (a shape pass): nothing to place
+        return [jax.lax.with_sharding_constraint(outs[0], partition_spec(spec)), *outs[1:]]
 
 
 def dict_path(key: str) -> str:

@@ -252,7 +252,7 @@ class ShardedCodec:
             piece = lax.slice_in_dim(row[leaf.group], leaf.offset, leaf.offset + leaf.size, axis=-1)
             x = from_shard_major(piece, leaf.shape, leaf.spec, sizes, self.axes[leaf.group])
             if constrain:
-                x = constrain_to(x, _pspec(leaf.compute), self.mesh)
+                x = constrain_to(x, partition_spec(leaf.compute), self.mesh)
             leaves.append(x)
         return jax.tree.unflatten(lay.treedef, leaves)
 
@@ -297,7 +297,7 @@ def constrain_to(x: jax.Array, spec: P, mesh: Mesh) -> jax.Array:
     return lax.with_sharding_constraint(x, spec if context.axis_names else NamedSharding(mesh, spec))
 
 
-def _pspec(spec: Spec) -> P:
+def partition_spec(spec: Spec) -> P:
     return P(*[(ax[0] if len(ax) == 1 else ax) if ax else None for ax in spec])
 
 

@@ -43,22 +43,27 @@ def _read(env: dict, a: Any) -> Any:
     return a.val if jc.is_literal(a) else env[a]
 
 
-def _bind(fe: Any, env: dict, guard: Callable | None) -> None:
+def _bind(prog: Any, e: int, env: dict, guard: Callable | None, after: Callable | None = None) -> None:
+    fe = prog.eqns[e]
     ins = [_read(env, a) for a in fe.inputs]
     if guard is not None:
         ins = guard(fe.eqn, ins)
-    env.update(zip(fe.outputs, jc.bind_eqn(fe.eqn, ins), strict=True))
+    outs = jc.bind_eqn(fe.eqn, ins)
+    if after is not None:
+        outs = after(e, outs)
+    env.update(zip(fe.outputs, outs, strict=True))
 
 
 def run_eqns(prog: Any, order: Sequence[int], env: dict, blocks: Sequence[str | None], policy: str,
-             keep: set, guard: Callable | None = None) -> None:
+             keep: set, guard: Callable | None = None, after: Callable | None = None) -> None:
     """Evaluate eqns `order` (program order) into `env`; with a policy other than "none", each run of
     consecutive eqns of one block is one checkpointed function. `keep`: keys read after `order`
     (outputs, values sent to other stages) besides the readers among `prog`'s eqns. `guard(eqn,
-    inputs) -> inputs` may rewrite an eqn's inputs (sharding constraints)."""
+    inputs) -> inputs` may rewrite an eqn's inputs, `after(eqn index, outputs) -> outputs` its
+    outputs (sharding constraints)."""
     if policy == "none":
         for e in order:
-            _bind(prog.eqns[e], env, guard)
+            _bind(prog, e, env, guard, after)
         return
     if policy not in POLICIES:
         raise ValueError(f"remat policy {policy!r}: valid 'none', {', '.join(map(repr, POLICIES))}")
@@ -70,9 +75,9 @@ def run_eqns(prog: Any, order: Sequence[int], env: dict, blocks: Sequence[str | 
     for label, run in _runs(order, blocks):
         if label is None:
             for e in run:
-                _bind(prog.eqns[e], env, guard)
+                _bind(prog, e, env, guard, after)
             continue
-        _checkpointed(prog, run, env, readers, keep, policy, guard)
+        _checkpointed(prog, run, env, readers, keep, policy, guard, after)
 
 
 def _runs(order: Sequence[int], blocks: Sequence[str | None]) -> list[tuple[str | None, list[int]]]:
@@ -86,7 +91,7 @@ def _runs(order: Sequence[int], blocks: Sequence[str | None]) -> list[tuple[str 
 
 
 def _checkpointed(prog: Any, run: list[int], env: dict, readers: dict, keep: set, policy: str,
-                  guard: Callable | None) -> None:
+                  guard: Callable | None, after: Callable | None) -> None:
     inside = set(run)
     made = {k for e in run for k in prog.eqns[e].outputs}
     ins: list[Any] = []
@@ -99,7 +104,7 @@ def _checkpointed(prog: Any, run: list[int], env: dict, readers: dict, keep: set
     def block(*values: Any) -> tuple:
         local = dict(zip(ins, values, strict=True))
         for e in run:
-            _bind(prog.eqns[e], local, guard)
+            _bind(prog, e, local, guard, after)
         return tuple(local[k] for k in outs)
 
     values = jax.checkpoint(block, policy=POLICIES[policy])(*[env[k] for k in ins])

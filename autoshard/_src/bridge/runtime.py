@@ -66,6 +66,7 @@ class PipelineProgram:
         self._static = static_plan(sched)
         self._compiled: dict[Any, Callable] = {}
         self.checked_hlo = ""             # the compiled program `cpu_deadlocks` inspected (CPU, 3-D)
+        self.activation_specs: Any = None  # a 3-D cut's placed activations (`cut_3d.ActivationSpecs`)
 
     @property
     def auto(self) -> bool:
