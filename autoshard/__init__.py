@@ -35,6 +35,8 @@ if TYPE_CHECKING:   # the lazy names below, for type checkers and IDEs
     from ._src.bridge.api import plan as plan
     from ._src.bridge.audit import Audit as Audit
     from ._src.bridge.audit import audit as audit
+    from ._src.bridge.checkpoint import restore as restore
+    from ._src.bridge.checkpoint import save as save
     from ._src.bridge.cut import pipelined as pipelined
     from ._src.bridge.decorator import autoshard as autoshard
     from ._src.bridge.pipelined_step import value_and_grad as value_and_grad
@@ -50,6 +52,8 @@ __getattr__, __dir__ = lazy_attributes(__name__, {
     "Audit": "autoshard._src.bridge.audit",
     "value_and_grad": "autoshard._src.bridge.pipelined_step",
     "pipelined": "autoshard._src.bridge.cut",
+    "save": "autoshard._src.bridge.checkpoint",
+    "restore": "autoshard._src.bridge.checkpoint",
 }, eager=[n for n in dir() if not n.startswith("_") and n not in ("TYPE_CHECKING", "lazy_attributes", "VERSION")])
 
 __version__ = VERSION
