@@ -139,11 +139,11 @@ def test_memory_budget_no_plan_fits():
     assert "least memory (storage zero" in msg and "-> " in msg and "mesh='auto'" in msg
 
 
-def test_running_on_a_mesh_that_does_not_match_the_devices():
+def test_running_on_a_mesh_larger_than_the_host():
     m = models.get("mlp", "debug")
-    step = autoshard.autoshard(m.train_step, mesh={"data": 2, "model": 2}, hardware="cpu-sim")
+    step = autoshard.autoshard(m.train_step, mesh={"data": 4, "model": 4}, hardware="cpu-sim")
     params = m.init(jax.random.key(0))
-    with pytest.raises(autoshard.MeshError, match="needs 4 devices, but 8"):
+    with pytest.raises(autoshard.MeshError, match="needs 16 devices, but 8"):
         step(params, m.init_opt_state(params), m.batch())
 
 

@@ -17,6 +17,7 @@ from ..core.errors import ConfigError, PlanError
 from ..core.graph import fingerprint
 from ..plan.config import Config
 from ..plan.plan import Plan
+from ..plan.planner import IDLE_AXIS
 from .api import bind, hardware_of, local_config, plan_traced
 from .emit import ShapesChanged, donated_argnums, jit_step, make_mesh, shape_guarded, shardings
 from .pipelined_step import pipelined_step, rematerialised
@@ -41,6 +42,10 @@ class Autosharded:
     def __init__(self, fn: Callable, *, config: Any = None, plan: Plan | str | os.PathLike | None = None,
                  **kwargs: Any):
         self.config = Config.make(config, **kwargs)
+        # a jax Mesh names its devices (maybe a subset): the step runs on exactly those
+        given = kwargs.get("mesh")
+        self._devices = list(given.devices.flat) if isinstance(given, jax.sharding.Mesh) else None
+        self.plan_args: tuple | None = None
         if self.config.mesh is None and plan is None:
             raise ConfigError("autoshard: no mesh given; pass mesh={'data': 2, 'model': 4} (axis "
                               "name -> size), a jax Mesh, or 'auto', or a config file with [mesh].")
@@ -58,7 +63,18 @@ class Autosharded:
 
     def _load_given(self, traced: Traced, args: tuple) -> Plan:
         given = self._given_plan
-        p = given if isinstance(given, Plan) else Plan.from_json(Path(given).read_text())
+        p = given if isinstance(given, Plan) else Plan.from_json(_read_plan_file(given))
+        asked = self.config.mesh
+        if asked is not None and asked != "auto" and tuple(asked.axes) != tuple(p.mesh):
+            raise PlanError(
+                f"autoshard: plan= was made for mesh {dict(p.mesh)} but mesh={dict(asked.axes)} was also given; the "
+                "plan's shardings only fit its own mesh. Fix: drop mesh= to run the plan on its mesh, or drop plan= "
+                "to plan for the new mesh (autoshard.restore moves a checkpoint between the two).")
+        named = {a for spec in (*p.input_specs_flat, *p.output_specs_flat) for axes in spec for a in axes}
+        unknown = sorted(named - {n for n, _ in p.mesh})
+        if unknown:
+            raise PlanError(f"autoshard: plan= splits arrays over axes {unknown} that its mesh {dict(p.mesh)} does not "
+                            "have (an edited or corrupted plan file). Fix: re-plan, or correct the file's mesh.")
         fp = fingerprint(traced.graph)
         if p.provenance.get("fingerprint") != fp:
             raise PlanError(
@@ -66,6 +82,7 @@ class Autosharded:
                 f"{p.provenance.get('fingerprint')}, step {p.provenance.get('step')!r}; this step's "
                 f"fingerprint {fp}). Fix: re-plan with autoshard.plan(step, *args, mesh=...) or drop "
                 "the plan= argument.")
+        p.check_runnable("autoshard: plan=")          # stages on unequal submeshes: planned, not runnable yet
         return bind(p, *args)
 
     def _make_plan(self, traced: Traced, trace_seconds: float, args: tuple) -> Plan:
@@ -98,8 +115,11 @@ class Autosharded:
         t0 = time.perf_counter()
         traced = trace_step(self.fn, *abstract, keep_eqns=self.config.profile == "measured")
         self._plan = self._make_plan(traced, time.perf_counter() - t0, args)
+        for w in self._plan.warnings:
+            if w.startswith(IDLE_AXIS):
+                warnings.warn(f"autoshard: {w}", stacklevel=3)
         self.plan_args = abstract
-        self._mesh = make_mesh(self._plan)
+        self._mesh = make_mesh(self._plan, self._devices)
         if self._plan.is_pipeline:
             self._prepare_pipeline(args, traced)
             return
@@ -133,6 +153,7 @@ class Autosharded:
 
     # --- public ---------------------------------------------------------------------------
     def __call__(self, *args):
+        _check_call_args(args, self.plan_args, concrete=True)
         if self._jitted is None:
             self._prepare(args)
             args = self._placed(args)
@@ -151,6 +172,7 @@ class Autosharded:
         return self._plan
 
     def lower(self, *args):
+        _check_call_args(args, self.plan_args, concrete=False)
         if self._jitted is None:
             self._prepare(args)
         try:
@@ -219,6 +241,34 @@ class Autosharded:
             return new
 
         return jax.tree.map(own, args, placed, self._in_shardings)
+
+
+def _read_plan_file(path: Any) -> str:
+    try:
+        return Path(path).read_text()
+    except OSError as err:
+        raise PlanError(f"autoshard: cannot read the plan file plan={str(path)!r} ({err.strerror}). Fix: pass the path "
+                        "of a file written by plan.to_json(), a Plan, or drop plan= to plan now.") from err
+
+
+def _check_call_args(args: tuple, planned: tuple | None, concrete: bool) -> None:
+    """Typed errors for arguments the compiled step cannot take: donated (deleted) arrays, abstract
+    values on a call (`lower` takes them), another argument count than the step was planned for."""
+    if planned is not None and len(args) != len(planned):
+        raise PlanError(f"autoshard: the step was planned for {len(planned)} argument(s) and is now called with "
+                        f"{len(args)}. Fix: call it with the same arguments (a new batch shape is fine: it re-plans).")
+    for kp, x in jax.tree_util.tree_flatten_with_path(args)[0]:
+        where = f"argument {jax.tree_util.keystr(kp)}"
+        if isinstance(x, jax.Array) and x.is_deleted():
+            raise PlanError(
+                f"autoshard: {where} (shape {tuple(x.shape)}) was deleted: an earlier call of the step consumed it "
+                "(the step donates the state it returns, like jax.jit(donate_argnums=...)). Fix: pass the arrays "
+                "the previous call returned, or decorate with donate=False to keep the inputs.")
+        if concrete and isinstance(x, jax.ShapeDtypeStruct):
+            raise PlanError(
+                f"autoshard: {where} is an abstract jax.ShapeDtypeStruct {x.shape}; the step runs on arrays. Fix: "
+                "plan abstractly with autoshard.plan(step.fn, *abstract_args, ...), or compile with "
+                "step.lower(*abstract_args).")
 
 
 def _buffers(x: Any) -> set[int]:

@@ -51,11 +51,13 @@ def make_mesh(plan_or_axes: Plan | tuple, devices: list | None = None) -> Mesh:
     need = 1
     for s in sizes:
         need *= s
+    if need < len(devices):      # a smaller mesh runs on the first devices, as jax.make_mesh does
+        devices = devices[:need]
     if need != len(devices):
         raise MeshError(
             f"autoshard: mesh {dict(axes)} needs {need} devices, but {len(devices)} are available "
             f"({devices[0].platform if devices else 'none'}). Fix: choose axis sizes whose product is "
-            f"{len(devices)}, or run with more devices (on CPU: "
+            f"at most {len(devices)}, or run with more devices (on CPU: "
             f"jax.config.update('jax_num_cpu_devices', {need}) before jax starts).")
     return jax.make_mesh(sizes, names, axis_types=(AxisType.Auto,) * len(names), devices=devices)
 
@@ -110,8 +112,11 @@ class ShapesChanged(Exception):
 
 
 def _signature(args: tuple) -> tuple:
+    """(structure, (shape, dtype) per leaf); Python scalars count as the 0-d arrays jax traces them as."""
     leaves, treedef = jax.tree_util.tree_flatten(args)
-    return treedef, tuple((tuple(x.shape), jax.numpy.dtype(x.dtype)) for x in leaves)
+    return treedef, tuple((tuple(jax.numpy.shape(x)) if not hasattr(x, "shape") else tuple(x.shape),
+                           jax.numpy.dtype(x.dtype) if hasattr(x, "dtype") else jax.numpy.result_type(x))
+                          for x in leaves)
 
 
 def shape_guarded(fn: Callable, args: tuple) -> Callable:

@@ -27,7 +27,7 @@ from ..core.hardware import HardwareSpec, get_hardware
 from ..core.mesh import MeshSpec, mesh_spec
 from ..pipeline.registry import AUTO, get_partitioner, partitioner_names
 from ..pipeline.schedules.registry import schedule_names
-from ..tensor.search import SearchOptions
+from ..tensor.search import STORAGE_MODES, SearchOptions
 from .joint_planner import JOINT_OPTION_KEYS
 
 PROFILES = ("model", "measured")
@@ -180,7 +180,24 @@ def _search_options(value: Any, memory_budget: float | None, where: str = "autos
         raise ConfigError(f"{where}={value!r} must be a SearchOptions or a dict of its fields.")
     if memory_budget is not None:
         value = dataclasses.replace(value, memory_budget=float(memory_budget))
+    _check_search_fields(value, where)
     return value
+
+
+def _check_search_fields(opts: SearchOptions, where: str) -> None:
+    """Each SearchOptions field within what the search can use (else a ConfigError naming it)."""
+    modes = opts.storage_modes
+    if isinstance(modes, str) or not modes or any(m not in STORAGE_MODES for m in modes):
+        raise ConfigError(f"{where}: storage_modes={modes!r}; give a non-empty tuple of {list(STORAGE_MODES)}.")
+    checks = (("max_plans", opts.max_plans, lambda x: isinstance(x, int) and not isinstance(x, bool) and x >= 1,
+               "an int >= 1 (the enumeration cap)"),
+              ("overlap", opts.overlap, lambda x: isinstance(x, numbers.Real) and 0 <= x <= 1,
+               "a number in [0, 1] (the share of backward compute gradient sync can hide behind)"),
+              ("bucket_bytes", opts.bucket_bytes, _positive, "a number of bytes > 0"),
+              ("memory_budget", opts.memory_budget, lambda x: x is None or _positive(x), "bytes per device > 0"))
+    for name, value, ok, want in checks:
+        if not ok(value):
+            raise ConfigError(f"{where}: {name}={value!r} must be {want}.")
 
 
 def _positive(x: Any) -> bool:

@@ -217,7 +217,7 @@ def build_plan(graph: OpGraph, grouping: Grouping, mesh: MeshSpec, hw: HardwareS
 
     warnings = tuple(f"unknown primitive '{graph.ops[i].primitive}' in module "
                      f"'{graph.ops[i].module or '(root)'}': its operands are replicated"
-                     for i in fg.unknown_ops) + tuple(res.notes)
+                     for i in fg.unknown_ops) + tuple(res.notes) + idle_axes(mesh, res, specs)
     b = res.best
     ev = res._evaluator
     row = np.array([sum(1 << mesh.names.index(a) for a in b.factor_axes.get(f, ())) for f in res.candidates],
@@ -243,6 +243,25 @@ def build_plan(graph: OpGraph, grouping: Grouping, mesh: MeshSpec, hw: HardwareS
         input_specs_flat=tuple(specs), output_keypaths=tuple(graph.output_keypaths),
         output_specs_flat=tuple(out_specs), stages=(stage,), predicted=predicted, params=tuple(reports),
         warnings=warnings, provenance=provenance)
+
+
+IDLE_AXIS = "mesh axis"      # warnings the decorator raises as Python warnings (results stay right, speed suffers)
+
+
+def idle_axes(mesh: MeshSpec, res: SearchResult, specs: list[Spec]) -> tuple[str, ...]:
+    """A warning per mesh axis the plan cannot use because no dimension of the step divides it: every
+    device along it repeats the same work on the same data (silent replication)."""
+    used = {a for spec in specs for axes in spec for a in axes} | {a for axes in res.best.factor_axes.values()
+                                                                   for a in axes}
+    out = []
+    for name, size in mesh.axes:
+        if size == 1 or name in used or any(res.factors.divides(f, size) for f in res.candidates):
+            continue
+        dims = sorted({res.factors.factor_size(f) for f in res.candidates})[:6]
+        out.append(f"{IDLE_AXIS} {name!r} (size {size}) splits nothing: no dimension of the step divides by {size} "
+                   f"(candidate dims {dims}), so the {size} devices along it repeat the same work. Fix: a mesh whose "
+                   "axis sizes divide the batch and model dims, or fewer devices on that axis.")
+    return tuple(out)
 
 
 def _whole_mesh_stage(graph: OpGraph, mesh: MeshSpec, choice: PlanChoice, batch_axes: set[str],
