@@ -19,6 +19,7 @@ from autoshard import ConfigError, HardwareError, MeshError, NotCallableError, P
 from autoshard._src.tensor.search import SearchOptions
 
 M = models.get("mlp", "debug")
+GPT6 = models.get("gpt", "debug", num_heads=6, d_model=48)     # 6 heads: the model axis of 4 cannot split them
 
 
 def fresh():
@@ -117,6 +118,9 @@ CASES = [
      UntraceableArgumentError, "str"),
     ("expert unknown", lambda a, t: autoshard.expert_plan("zero-bubble", M.train_step, *a, mesh={"data": 8}),
      PlanError, "unknown"),
+    ("expert whose heads do not divide", lambda a, t: autoshard.expert_plan(
+        "data-megatron", GPT6.train_step, *GPT6.abstract_state(), mesh={"data": 2, "model": 4}, hardware="h100-sxm"),
+     PlanError, r"dims of size \[6\] \(parts of the dim of size 48\) do not divide axes \('model',\)"),
     ("checkpoint of a string", lambda a, t: autoshard.save(t / "c", {"w": a[0], "tag": "x"}), ConfigError,
      "checkpoints hold arrays"),
     ("checkpoint missing", lambda a, t: autoshard.restore(t / "none", like=a[0]), ConfigError, "no checkpoint at"),

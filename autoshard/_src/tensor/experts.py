@@ -130,7 +130,8 @@ def expert_assignments(graph: OpGraph, fg: FactorGraph, in_map: dict[int, int], 
     def split(axes: Sequence[str]) -> list[int] | str:
         bad = [f for f in tp if not _fits(fg, [f], mesh, axes) and f not in vocab]
         if bad:
-            return f"tensor-parallel dims of size {[fg.factor_size(f) for f in bad]} do not divide axes {tuple(axes)}"
+            return f"tensor-parallel dims {', '.join(_not_dividing(fg, f, mesh, axes) for f in bad)} do not divide " \
+                   f"axes {tuple(axes)}"
         return [f for f in tp if _fits(fg, [f], mesh, axes)]
 
     tp_all = split(names)
@@ -154,6 +155,18 @@ def expert_assignments(graph: OpGraph, fg: FactorGraph, in_map: dict[int, int], 
             if clash:
                 out[name] = clash
     return out
+
+
+def _not_dividing(fg: FactorGraph, f: int, mesh: MeshSpec, axes: Sequence[str]) -> str:
+    """The sizes of one logical dim that a split over `axes` does not divide: a dim is also seen as its
+    parts (768 = 12 heads x 64), and the parts must divide too ("of size 12 (heads of 768)")."""
+    n = 1
+    for a in axes:
+        n *= mesh.axis_size(a)
+    sizes = sorted(set(fg.factor_sizes.get(f, ())))
+    failing = [s for s in sizes if s % n]
+    whole = [s for s in sizes if s not in failing]
+    return f"of size {failing}" + (f" (parts of the dim of size {max(whole)})" if whole else "")
 
 
 def _clash(fg: FactorGraph, fa: dict[int, tuple[str, ...]]) -> str:
