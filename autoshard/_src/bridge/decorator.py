@@ -12,6 +12,8 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
+from jax.experimental import multihost_utils
 
 from ..core.errors import ConfigError, PlanError
 from ..core.graph import fingerprint
@@ -104,7 +106,7 @@ class Autosharded:
         # mesh="auto": tensor plans, the part of the 3-D space this runtime runs from a plain step
         p = bind(plan_traced(self.fn, _abstract(args), traced.graph, config, trace_seconds, three_d=False), *args)
         _PLAN_CACHE[key] = p
-        if path is not None:
+        if path is not None and jax.process_index() == 0:      # one writer on a shared file system
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(p.to_json())
         return p
@@ -114,7 +116,7 @@ class Autosharded:
         abstract = _abstract(args)
         t0 = time.perf_counter()
         traced = trace_step(self.fn, *abstract, keep_eqns=self.config.profile == "measured")
-        self._plan = self._make_plan(traced, time.perf_counter() - t0, args)
+        self._plan = same_plan_everywhere(self._make_plan(traced, time.perf_counter() - t0, args), args)
         for w in self._plan.warnings:
             if w.startswith(IDLE_AXIS):
                 warnings.warn(f"autoshard: {w}", stacklevel=3)
@@ -241,6 +243,19 @@ class Autosharded:
             return new
 
         return jax.tree.map(own, args, placed, self._in_shardings)
+
+
+def same_plan_everywhere(plan: Plan, args: tuple) -> Plan:
+    """In a multi-process run every process plans the same step the same way, but timings in the plan
+    differ; process 0's plan is broadcast so all run (and report) exactly one plan."""
+    if jax.process_count() == 1:
+        return plan
+    text = np.frombuffer(plan.to_json().encode(), dtype=np.uint8)
+    n = int(multihost_utils.broadcast_one_to_all(np.int64(text.size)))
+    padded = np.zeros(n, np.uint8)
+    padded[:min(n, text.size)] = text[:n]
+    ours = np.asarray(multihost_utils.broadcast_one_to_all(padded))
+    return bind(Plan.from_json(ours.tobytes().decode()), *args)
 
 
 def _read_plan_file(path: Any) -> str:
