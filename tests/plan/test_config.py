@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import re
+from pathlib import Path
 
 import pytest
 
@@ -60,3 +62,15 @@ def test_decorator_and_plan_take_the_same_config():
     assert step.config.mesh.to_dict() == {"data": 8} and not step.config.donate
     with pytest.raises(ConfigError, match="no mesh"):
         autoshard.autoshard(lambda x: x)
+
+
+def test_readme_toml_examples_are_valid_configs(tmp_path):
+    """Every ```toml block of the README loads as a Config (the docs cannot drift from the keys)."""
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    blocks = re.findall(r"```toml\n(.*?)```", readme, flags=re.S)
+    assert len(blocks) >= 2
+    for i, text in enumerate(blocks):
+        f = tmp_path / f"example{i}.toml"
+        f.write_text(text)
+        cfg = autoshard.Config.make(f)
+        assert cfg.mesh is not None and cfg.hardware is not None and cfg.hardware.name == "h100-sxm"
