@@ -2,15 +2,29 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 import autoshard
 import models
+from autoshard._src.plan.joint_planner import auto_mesh_options, joint_plan
+from autoshard._src.tensor.search import SearchOptions
 
 
 def gpt():
     m = models.get("gpt", "debug", batch_size=64, d_model=256, num_heads=4, seq_len=64)
     return m, m.abstract_state()
+
+
+@pytest.fixture(scope="module")
+def alpa_like():
+    """Three blocks, the vocabulary head joining the last: on 8 H100s the search gives the last
+    stage more devices than the other two (Alpa's stages of 2, 2 and 4), which the runtime cannot
+    run yet. (model, args, plan)"""
+    m = models.get("gpt", "debug", vocab_size=2048, num_layers=3, d_model=128, batch_size=64, seq_len=64)
+    args = m.abstract_state()
+    return m, args, autoshard.plan(m.train_step, *args, mesh="auto", devices=8, hardware="h100-sxm")
 
 
 def test_auto_mesh_plans_the_3d_space_and_beats_its_reference_points():
@@ -54,3 +68,49 @@ def test_the_decorator_keeps_tensor_plans_for_auto_meshes():
     step = autoshard.autoshard(m.train_step, mesh="auto", hardware="h100-sxm")
     step.lower(*args)
     assert not step.plan.is_pipeline and "3d" not in step.plan.predicted
+
+
+def test_unequal_submeshes_are_planned_compared_and_marked_not_runnable(alpa_like):
+    _, _, p = alpa_like
+    j = p.predicted["3d"]
+    assert not j["runnable"] and not p.runnable and not j["chosen"]["runnable"]
+    assert len({s.mesh for s in p.stages}) > 1
+    assert sum(math.prod(k for _, k in s.mesh) for s in p.stages) == 8 and p.mesh == (("devices", 8),)
+    assert [s.mesh for s in p.stages] == [tuple((n, k) for n, k in (("data", d), ("model", t)) if k > 1)
+                                          for d, t in j["chosen"]["submeshes"]]
+    alt = j["runnable_alternative"]
+    assert alt["runnable"] and alt["data"] * alt["model"] * alt["stages"] == 8
+    assert p.predicted["step_time"] < alt["step_time"]
+    text = p.explain()
+    assert "not runnable yet" in text and "Runnable alternative" in text
+    assert alt["label"] in text and f"{alt['step_time'] * 1e3:.3f} ms" in text
+    again = autoshard.Plan.from_json(p.to_json())
+    assert again.stages == p.stages and again.mesh == p.mesh
+    assert again.predicted["3d"]["runnable"] is False and again.predicted["3d"]["runnable_alternative"] == alt
+    assert not again.runnable
+
+
+def test_equal_submeshes_keeps_to_runnable_plans(alpa_like):
+    m, args, free = alpa_like
+    graph = autoshard.trace(m.train_step, *args)
+    p = joint_plan(graph, devices=8, hw=autoshard.get_hardware("h100-sxm"), options=SearchOptions(),
+                   joint=auto_mesh_options({"equal_submeshes": True}))
+    assert p.runnable and p.predicted["3d"]["runnable"] and p.predicted["3d"]["runnable_alternative"] is None
+    assert p.predicted["3d"]["chosen"] == free.predicted["3d"]["runnable_alternative"]
+    with pytest.raises(autoshard.ConfigError, match="equal_submeshes"):
+        auto_mesh_options({"equal_submeshes": "yes"})
+
+
+def test_the_decorator_refuses_a_plan_with_unequal_submeshes(alpa_like):
+    m, args, p = alpa_like
+    alt = p.predicted["3d"]["runnable_alternative"]
+    step = autoshard.autoshard(m.train_step, plan=p)
+    with pytest.raises(autoshard.PlanError, match="unequal submeshes") as err:
+        step.lower(*args)
+    msg = str(err.value)
+    for s in p.stages:
+        d, t = dict(s.mesh).get("data", 1), dict(s.mesh).get("model", 1)
+        assert f"data {d} x model {t}" in msg
+    assert "equal submeshes of one pipe x data x model mesh" in msg
+    assert alt["label"] in msg and f"{alt['step_time'] * 1e3:.3f} ms" in msg
+    assert '"equal_submeshes": True' in msg and "mesh={" in msg

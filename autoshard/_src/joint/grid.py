@@ -91,7 +91,7 @@ def _grid_point(srch: SearchState, tables, r_idx: int, storage: str, remat: str,
         f = float(ct.f[s, k] + (send_f[j] if j < U else 0.0))
         b = float(ct.b[s, k] + (send_b[i] if i > 0 else 0.0))
         stages.append(JointStage(i, j, tuple(int(x) for x in tables.rows[r_idx]), storage, remat, f, b,
-                                 float(ct.tail[s, k]), mem, qs[s]))
+                                 float(ct.tail[s, k]), mem, qs[s], d, t))
     v = [st.forward + st.backward + st.tail / M for st in stages]
     return JointPoint(tuple(stages), d, t, M, "1f1b", sum(v) + (M - 1) * max(v), np.inf,
                       label=f"Megatron grid: tp {t} x pp {S} x dp {d}")

@@ -1,8 +1,8 @@
 """3-D search: stages x per-stage submesh and tensor plan x remat x micro-batches x schedule
 (pure: no jax import).
 
-The space (Alpa's inter-op pass over equal submeshes, with the intra-op choice taken from our own
-tensor search): for every stage count S dividing the device count N (at most the number of units),
+The space (Alpa's inter-op pass, with the intra-op choice taken from our own tensor search),
+first over equal submeshes: for every stage count S dividing the device count N (at most the number of units),
 every submesh shape data d x model t with d * t = N / S (t at most a node: tensor parallelism
 stays on the fast links), every micro-batch count M (powers of two dividing the batch; with one
 stage, M > 1 accumulates gradients) and schedule (1F1B, GPipe): the best contiguous split of the
@@ -11,7 +11,10 @@ for its units and in-flight micro-batches (`stage_choice`). Tensor-only plans ar
 S = 1; pipeline-only plans the points with t = 1. The formula ranks every point; the best few are
 then timed by the event simulator, and the shortest simulated step wins. Deterministic: ties keep
 the earlier point in enumeration order (fewer stages, less tensor parallelism, fewer
-micro-batches, 1F1B).
+micro-batches, 1F1B). Then stages with unequal submeshes (`unequal_points`: Alpa's stages of 2, 2
+and 4 devices) for the best equal points' micro-batch counts and schedules; the pipeline runtime
+runs one pipe x data x model mesh, so the result carries the best point and the best `runnable`
+one (equal submeshes) beside it.
 """
 
 from __future__ import annotations
@@ -44,12 +47,14 @@ from .space import (
 )
 from .stage_choice import ChoiceTable, choice_table, split_choice
 from .tables import ShapeTables
+from .unequal_points import unequal_points
 from .units import Units
 
 
 @dataclasses.dataclass
 class JointResult:
     best: JointPoint | None
+    runnable: JointPoint | None            # the best point with equal stage submeshes (`best` when it is one)
     tensor_only: JointPoint | None
     pipeline_only: JointPoint | None
     grid: GridResult
@@ -91,7 +96,7 @@ def _point(srch: SearchState, tables: ShapeTables, ct: ChoiceTable, d: int, t: i
         b = float(ct.b[u, k] + (send_b[i] if i > 0 else 0.0))
         mem = float(ct.static[u, k] + ct.transient[u, k] + qs[s] * ct.held[u, k])
         stages.append(JointStage(i, j, tuple(int(x) for x in tables.rows[p]), tables.storage_modes[z],
-                                 srch.joint.remat[r], f, b, float(ct.tail[u, k]), mem, qs[s]))
+                                 srch.joint.remat[r], f, b, float(ct.tail[u, k]), mem, qs[s], d, t))
     return JointPoint(tuple(stages), d, t, M, schedule, float(obj), math.inf)
 
 
@@ -126,26 +131,37 @@ def joint_search(graph: OpGraph, grouping: Grouping, devices: int, hw: HardwareS
                     p = _point(srch, tables, ct, d, t, S, M, sched)
                     if p is not None:
                         points.append(p)
-    ranked = sorted(points, key=lambda p: p.objective)
-    timed = [simulated(p) for p in ranked[:SIMULATED]]
-    best = min(timed, key=lambda p: p.step_time) if timed else None
-    tensor = _best_of([p for p in points if p.num_stages == 1])
-    pipe = _best_of([p for p in points if p.num_stages > 1 and p.model == 1])   # stages data parallel inside
-    least = None if best is not None else _least_memory(srch, counts, max_model)
+    unequal = unequal_points(srch, points)
+    timer = _Timer()
+    best = timer.best_of(points + unequal)
+    runnable = timer.best_of(points)
+    tensor = timer.best_of([p for p in points if p.num_stages == 1])
+    pipe = timer.best_of([p for p in points if p.num_stages > 1 and p.model == 1])   # stages data parallel inside
+    least = None if runnable is not None else _least_memory(srch, counts, max_model)
     grid = megatron_grid(srch)
     # the formula ranks pipelines only approximately; the reference points are points of this space
     # too, timed by the same simulator, so the chosen one is never slower than any of them
-    best = min((p for p in (best, tensor, pipe, grid.best) if p is not None), key=lambda p: p.step_time,
-               default=None)
-    return JointResult(best, tensor, pipe, grid, srch.units, srch.tables, n_points, time.perf_counter() - t0, least,
-                       notes)
+    runnable = min((p for p in (runnable, tensor, pipe, grid.best) if p is not None), key=lambda p: p.step_time,
+                   default=None)
+    if best is None or (runnable is not None and runnable.step_time <= best.step_time):
+        best = runnable
+    return JointResult(best, runnable, tensor, pipe, grid, srch.units, srch.tables, n_points + len(unequal),
+                       time.perf_counter() - t0, least, notes)
 
 
-def _best_of(points: Sequence[JointPoint]) -> JointPoint | None:
-    if not points:
-        return None
-    ranked = sorted(points, key=lambda p: p.objective)[:SIMULATED]
-    return min((simulated(p) for p in ranked), key=lambda p: p.step_time)
+class _Timer:
+    """The best of some points by simulated step, among the SIMULATED best by the formula; each
+    point simulated once however many of these sets it is in."""
+
+    def __init__(self) -> None:
+        self._done: dict[int, JointPoint] = {}
+
+    def best_of(self, points: Sequence[JointPoint]) -> JointPoint | None:
+        ranked = sorted(points, key=lambda p: p.objective)[:SIMULATED]
+        for p in ranked:
+            if id(p) not in self._done:
+                self._done[id(p)] = simulated(p)
+        return min((self._done[id(p)] for p in ranked), key=lambda p: p.step_time, default=None)
 
 
 def _least_memory(srch: SearchState, counts: list[int], max_model: int) -> JointPoint | None:
@@ -186,5 +202,5 @@ def _least_memory_point(srch: SearchState, tables: ShapeTables, d: int, t: int, 
         p, z, r = split_choice(ct.order[0, k], ct.shape)
         stages.append(JointStage(bounds[s], bounds[s + 1], tuple(int(x) for x in tables.rows[p]),
                                  tables.storage_modes[z], srch.joint.remat[r], float(ct.f[0, k]),
-                                 float(ct.b[0, k]), float(ct.tail[0, k]), float(mem[k]), qs[s]))
+                                 float(ct.b[0, k]), float(ct.tail[0, k]), float(mem[k]), qs[s], d, t))
     return JointPoint(tuple(stages), d, t, M, "1f1b", math.inf, math.inf)

@@ -30,7 +30,8 @@ class JointOptions:
     `max_model`: largest tensor-parallel size (None: the hardware's devices per node);
     `tensor_in_stages=False` keeps pipeline stages data parallel inside; `remat` the policies it
     may choose (("none",) when the step cannot be rematerialised); `shape` a fixed (data, model)
-    submesh and `microbatches` a fixed micro-batch count (a mesh with a "pipe" axis fixes all three)."""
+    submesh and `microbatches` a fixed micro-batch count (a mesh with a "pipe" axis fixes all three);
+    `equal_submeshes=True` keeps to points whose stages share one submesh shape (the runnable ones)."""
 
     schedules: tuple[str, ...] = SCHEDULES
     remat: tuple[str, ...] = REMAT
@@ -40,12 +41,14 @@ class JointOptions:
     max_microbatches: int = 512
     shape: tuple[int, int] | None = None
     microbatches: int | None = None
+    equal_submeshes: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
 class JointStage:
-    """One stage of a 3-D point: units [start, stop), its tensor plan (row of axis masks over the
-    shape's candidate factors), storage and remat, and its costs per micro-batch."""
+    """One stage of a 3-D point: units [start, stop), its submesh (data x model), its tensor plan
+    (row of axis masks over that shape's candidate factors), storage and remat, and its costs per
+    micro-batch (transfers to and from its neighbours included)."""
 
     start: int
     stop: int
@@ -57,15 +60,23 @@ class JointStage:
     tail: float                  # per step: exposed gradient sync + optimizer
     memory: float
     inflight: int
+    data: int
+    model: int
+
+    @property
+    def devices(self) -> int:
+        return self.data * self.model
 
 
 @dataclasses.dataclass(frozen=True)
 class JointPoint:
-    """A point of the 3-D space with its best split and predicted step."""
+    """A point of the 3-D space with its best split and predicted step. `data` x `model` is the
+    submesh every stage shares; None for points whose stages have unequal submeshes (Alpa's
+    inter-op space: planned and priced, not `runnable` by the pipeline runtime yet)."""
 
     stages: tuple[JointStage, ...]
-    data: int
-    model: int
+    data: int | None
+    model: int | None
     microbatches: int
     schedule: str
     objective: float             # the formula the split minimises
@@ -78,7 +89,12 @@ class JointPoint:
 
     @property
     def devices(self) -> int:
-        return self.num_stages * self.data * self.model
+        return sum(s.devices for s in self.stages)
+
+    @property
+    def runnable(self) -> bool:
+        """Every stage on the same submesh shape: one pipe x data x model mesh, which the runtime runs."""
+        return len({(s.data, s.model) for s in self.stages}) == 1
 
     @property
     def memory(self) -> float:
@@ -86,8 +102,21 @@ class JointPoint:
 
     def describe(self) -> str:
         rm = sorted({s.remat for s in self.stages})
-        return (f"{self.num_stages} stage(s) x data {self.data} x model {self.model}, {self.microbatches} "
-                f"micro-batch(es), {self.schedule}, remat {'/'.join(rm)}")
+        shape = (f"x data {self.data} x model {self.model}" if self.runnable else
+                 f"on unequal submeshes {submesh_runs([(s.data, s.model) for s in self.stages])}")
+        return (f"{self.num_stages} stage(s) {shape}, {self.microbatches} micro-batch(es), {self.schedule}, "
+                f"remat {'/'.join(rm)}")
+
+
+def submesh_runs(shapes: list[tuple[int, int]]) -> str:
+    """Stage submeshes in order, runs of one shape folded: "[2x1 x2, 2x2]" (data x model)."""
+    runs: list[list] = []
+    for shape in shapes:
+        if runs and runs[-1][0] == shape:
+            runs[-1][1] += 1
+        else:
+            runs.append([shape, 1])
+    return "[" + ", ".join(f"{d}x{t}" + (f" x{n}" if n > 1 else "") for (d, t), n in runs) + "] (data x model)"
 
 
 def submesh(data: int, model: int) -> MeshSpec:

@@ -116,15 +116,18 @@ def explain_pipeline(self: Any) -> str:
 
 def explain_3d(self: Any) -> str:
     """3-D plan report: per stage its units, submesh, tensor plan by block type, remat, memory and
-    times; then the comparison with the best tensor-only, pipeline-only and Megatron-LM grid points."""
+    times; then the comparison with the best tensor-only, pipeline-only and Megatron-LM grid points
+    (and, for stages on unequal submeshes, why the plan does not run yet and what does)."""
     p, j = self.predicted, self.predicted["3d"]
     labels = j["unit_labels"]
+    where = (f"mesh {' x '.join(f'{n}={s}' for n, s in self.mesh)}" if j["runnable"] else
+             f"{self.mesh[0][1]} devices, stages on unequal submeshes")
     lines = [
-        f"autoshard 3-D plan on mesh {' x '.join(f'{n}={s}' for n, s in self.mesh)}, hardware {self.hardware}: "
-        f"{j['chosen']['label']}",
+        f"autoshard 3-D plan on {where}, hardware {self.hardware}: {j['chosen']['label']}",
         f"predicted step {p['step_time'] * 1e3:.3f} ms; peak memory {p['memory']['total'] / 2**30:.3f} GiB per device "
         f"of {p['memory_budget'] / 2**30:.2f} GiB; search {j['search_seconds']:.2f} s over {j['points']} points, "
-        f"{j['units']} units" + ("" if j["runnable"] else "; runnable: not yet (planned and priced)"),
+        f"{j['units']} units",
+        *([] if j["runnable"] else [not_runnable_line(self)]),
         "",
     ]
     rows = [("stage", "units", "submesh", "tensor plan", "storage", "remat", "forward ms", "backward ms",
@@ -142,6 +145,43 @@ def explain_3d(self: Any) -> str:
     for w in self.warnings:
         lines.append(f"warning: {w}")
     return "\n".join(lines)
+
+
+def stage_submeshes(stages: Any) -> str:
+    """Each stage's submesh, runs of one shape folded: "stages 0-13 data 4 x model 1, stage 14 data 4 x model 2"."""
+    runs: list[list] = []
+    for s in stages:
+        axes = dict(s.mesh)
+        shape = (f"data {axes.get('data', 1)} x model {axes.get('model', 1)}" if set(axes) <= {"data", "model"}
+                 else " x ".join(f"{n} {k}" for n, k in s.mesh))
+        if runs and runs[-1][1] == shape:
+            runs[-1][0].append(s.index)
+        else:
+            runs.append([[s.index], shape])
+    return ", ".join((f"stage {ix[0]}" if len(ix) == 1 else f"stages {ix[0]}-{ix[-1]}") + f" {shape}"
+                     for ix, shape in runs)
+
+
+def runnable_alternative(j: Mapping[str, Any]) -> str:
+    """The best runnable point of a 3-D search, its predicted step and how to plan it."""
+    alt = j.get("runnable_alternative")
+    if alt is None:
+        return "no plan with equal stage submeshes fits the memory budget"
+    staged = alt["stages"] > 1 or alt["microbatches"] > 1
+    axes = [(n, k) for n, k in (("pipe", alt["stages"]), ("data", alt["data"]), ("model", alt["model"]))
+            if k > 1 or (n == "pipe" and staged)] or [("data", 1)]
+    mesh = "{" + ", ".join(f'"{n}": {k}' for n, k in axes) + "}" + (', pipeline="auto"' if staged else "")
+    return (f"{alt['label']}, predicted step {alt['step_time'] * 1e3:.3f} ms; plan it with "
+            f'pipeline_options={{"equal_submeshes": True}} (mesh="auto") or the fixed mesh={mesh}')
+
+
+def not_runnable_line(self: Any) -> str:
+    j, step = self.predicted["3d"], self.predicted["step_time"]
+    alt = j.get("runnable_alternative")
+    slower = f" ({alt['step_time'] / step:.2f}x this plan's step)" if alt else ""
+    return (f"not runnable yet: the pipeline runtime runs stages on equal submeshes of one pipe x data x model "
+            f"mesh; this plan's are {stage_submeshes(self.stages)}. Runnable alternative{slower}: "
+            f"{runnable_alternative(j)}")
 
 
 def explain_3d_comparison(self: Any) -> list[str]:

@@ -7,8 +7,11 @@ units, submesh, tensor plan (factors -> axes, parameter specs by keypath, the ax
 micro-batch, activation constraints), storage and remat policy, and predicted costs; the decorator
 runs it on that mesh (`@autoshard(mesh={"pipe": ..}, pipeline="auto")` or `plan=`).
 `predicted["3d"]` compares it with the best tensor-only and pipeline-only points and the best
-Megatron-LM grid point. Every point of the space has equal stage submeshes, so every plan is
-runnable (`runnable` stays in the summary for plans with unequal submeshes).
+Megatron-LM grid point. When the best point gives its stages unequal submeshes (Alpa's stages of
+2, 2 and 4 devices) the plan is that point, each stage on its own submesh and the plan's mesh its
+devices as one axis; the runtime runs stages on equal submeshes of one pipe x data x model mesh
+only, so `predicted["3d"]["runnable"]` is False and `runnable_alternative` is the best point that
+runs (`pipeline_options={"equal_submeshes": True}` plans only those).
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ from .plan import ParamReport, Plan, Stage
 from .planner import activation_constraints, build_plan, describe_factors
 from .specs import Spec
 
-JOINT_OPTION_KEYS = ("remat", "max_microbatches", "max_model", "expert")
+JOINT_OPTION_KEYS = ("remat", "max_microbatches", "max_model", "expert", "equal_submeshes")
 EXPERTS_3D = ("megatron",)
 STAGE_AXES = ("data", "model")
 
@@ -57,19 +60,44 @@ def fixed_shape_options(mesh: MeshSpec, schedule: str, num_microbatches: int | N
     if schedule not in SCHEDULES:
         raise ConfigError(f"autoshard: pipeline='auto' on a 'pipe' mesh runs a chain of stages; schedule={schedule!r} "
                           f"is not one of {list(SCHEDULES)}.")
-    remat = options.get("remat", REMAT)
-    remat = (remat,) if isinstance(remat, str) else tuple(remat)
     if options.get("expert") not in (None, *EXPERTS_3D):
         raise ConfigError(f"autoshard: pipeline_options expert={options.get('expert')!r}: valid {list(EXPERTS_3D)} "
                           "(the best Megatron-LM grid point of the mesh's shape) or None (the 3-D search's best).")
-    if not remat or any(r not in REMAT for r in remat):
-        raise ConfigError(f"autoshard: pipeline_options remat={options.get('remat')!r}: give policies among "
-                          f"{list(REMAT)}.")
+    remat = _remat_policies(options)
     shape = tuple(mesh.axis_size(n) if n in others else 1 for n in STAGE_AXES)
     return JointOptions(schedules=(schedule,), remat=remat, stages=mesh.axis_size("pipe"),
                         shape=shape, microbatches=num_microbatches,
                         max_microbatches=int(options.get("max_microbatches", JointOptions.max_microbatches)),
-                        max_model=options.get("max_model"))
+                        max_model=options.get("max_model"), equal_submeshes=_equal_submeshes(options))
+
+
+def auto_mesh_options(options: Mapping[str, Any]) -> JointOptions:
+    """The 3-D search of mesh="auto" under `pipeline_options` (keys among JOINT_OPTION_KEYS but
+    "expert"): remat policies, micro-batch cap, tensor-parallel cap, equal_submeshes."""
+    if options.get("expert") is not None:
+        raise ConfigError("autoshard: pipeline_options expert=... picks the Megatron-LM grid point of a fixed "
+                          "shape; with mesh='auto' pass a mesh with a 'pipe' axis and pipeline='auto' instead.")
+    return JointOptions(remat=_remat_policies(options), max_model=options.get("max_model"),
+                        max_microbatches=int(options.get("max_microbatches", JointOptions.max_microbatches)),
+                        equal_submeshes=_equal_submeshes(options))
+
+
+def _remat_policies(options: Mapping[str, Any]) -> tuple[str, ...]:
+    remat = options.get("remat", REMAT)
+    remat = (remat,) if isinstance(remat, str) else tuple(remat)
+    if not remat or any(r not in REMAT for r in remat):
+        raise ConfigError(f"autoshard: pipeline_options remat={options.get('remat')!r}: give policies among "
+                          f"{list(REMAT)}.")
+    return remat
+
+
+def _equal_submeshes(options: Mapping[str, Any]) -> bool:
+    value = options.get("equal_submeshes", False)
+    if not isinstance(value, bool):
+        raise ConfigError(f"autoshard: pipeline_options equal_submeshes={value!r} must be True (only plans whose "
+                          "stages share one submesh shape: the runtime runs those) or False (also stages on "
+                          "unequal submeshes, planned and priced but not runnable yet).")
+    return value
 
 
 def joint_plan(graph: OpGraph, *, devices: int, hw: HardwareSpec, options: SearchOptions,
@@ -112,10 +140,12 @@ def _tensor_point(p: JointPoint) -> bool:
 
 
 def point_summary(p: JointPoint | None) -> dict[str, Any] | None:
-    """A point as plain data for reports and JSON."""
+    """A point as plain data for reports and JSON (`data` / `model` None when its stages' submeshes
+    differ: `submeshes` has them per stage)."""
     if p is None:
         return None
-    return {"stages": p.num_stages, "data": p.data, "model": p.model, "microbatches": p.microbatches,
+    return {"stages": p.num_stages, "data": p.data, "model": p.model, "runnable": p.runnable,
+            "submeshes": tuple((s.data, s.model) for s in p.stages), "microbatches": p.microbatches,
             "schedule": p.schedule, "step_time": p.step_time, "memory": p.memory,
             "remat": tuple(sorted({s.remat for s in p.stages})),
             "storage": tuple(sorted({s.storage for s in p.stages})),
@@ -127,7 +157,8 @@ def _summary(res: JointResult, best: JointPoint) -> dict[str, Any]:
     return {"chosen": point_summary(best), "tensor_only": point_summary(res.tensor_only),
             "pipeline_only": point_summary(res.pipeline_only), "megatron_grid": point_summary(grid.best),
             "megatron_grid_points": grid.points, "megatron_grid_reason": grid.reason,
-            "runnable": True,        # equal stage submeshes (the only kind this space has) run
+            "runnable": best.runnable,
+            "runnable_alternative": None if best.runnable else point_summary(res.runnable),
             "points": res.points, "units": len(res.units), "unit_labels": tuple(res.units.labels),
             "search_seconds": res.seconds, "notes": tuple(res.notes)}
 
@@ -177,14 +208,16 @@ def _tensor_plan(graph: OpGraph, grouping: Grouping, res: JointResult, best: Joi
 
 def _staged_plan(graph: OpGraph, grouping: Grouping, res: JointResult, best: JointPoint, hw: HardwareSpec,
                  options: SearchOptions, summary: dict[str, Any]) -> Plan:
-    tables = res.tables[(best.data, best.model)]
-    fg = tables.space.fg
-    # the same for every stage: computed once (each walks the whole graph)
-    op_map, keys = instance_maps(graph, grouping, tables.space.periods), op_keys(graph)
-    described = describe_factors(graph, fg, tables.space.candidates, {})
-    sub = tuple(tables.mesh.axes)
+    first = res.tables[(best.stages[0].data, best.stages[0].model)]
+    # the same for every stage: computed once (each walks the whole graph); factors per submesh
+    op_map, keys = instance_maps(graph, grouping, first.space.periods), op_keys(graph)
+    described: dict[tuple[int, int], list] = {}
     stages, batch = [], traced_batch(graph)
     for i, st in enumerate(best.stages):
+        tables = res.tables[(st.data, st.model)]
+        fg, sub = tables.space.fg, tuple(tables.mesh.axes)
+        if (st.data, st.model) not in described:
+            described[(st.data, st.model)] = describe_factors(graph, fg, tables.space.candidates, {})
         ops = tuple(sorted({o for u in range(st.start, st.stop) for o in res.units.ops[u]}))
         axes_of = _factor_axes(tables, st.row)
         split = int(tables.batch_split[_row_index(tables, st.row)])
@@ -194,12 +227,14 @@ def _staged_plan(graph: OpGraph, grouping: Grouping, res: JointResult, best: Joi
             predicted_forward=st.forward, predicted_backward=st.backward, memory=st.memory,
             microbatches=best.microbatches, after=(i - 1,) if i else (), units=tuple(range(st.start, st.stop)),
             ops=ops, modules=_modules(graph, ops), params=params,
-            factors=tuple((f, desc, size, axes_of.get(f, ())) for f, desc, size, _ in described),
+            factors=tuple((f, desc, size, axes_of.get(f, ())) for f, desc, size, _ in described[(st.data, st.model)]),
             storage=st.storage, remat=st.remat, param_specs=_param_specs(graph, tables, axes_of, set(params)),
             batch_axes=_batch_axes(graph, tables, axes_of),
             activation_constraints=tuple(activation_constraints(graph, op_map, fg, axes_of, set(ops), keys))))
-    # the runtime's mesh: always a pipe axis (one stage with several micro-batches accumulates gradients)
-    mesh = (("pipe", best.num_stages), *((n, s) for n, s in sub if s > 1))
+    # the runtime's mesh: always a pipe axis (one stage with several micro-batches accumulates gradients);
+    # stages on unequal submeshes share no such mesh: their devices as one axis, each stage's its own
+    mesh = (("pipe", best.num_stages), *((n, s) for n, s in sub if s > 1)) if best.runnable else \
+        (("devices", best.devices),)
     reports = tuple(ParamReport(graph.values[v].keypath or "", graph.values[v].shape, graph.values[v].dtype,
                                 tuple(() for _ in graph.values[v].shape), 0, "see the stage holding it")
                     for v in graph.inputs if graph.values[v].role == "parameter")

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from typing import Any, Protocol
 
 from ..core.errors import PlanError
-from .explain import explain_3d, explain_pipeline, explain_tensor
+from .explain import explain_3d, explain_pipeline, explain_tensor, runnable_alternative, stage_submeshes
 from .specs import Spec, as_spec
 
 FORMAT_VERSION = 2   # 2: stages for every plan, activation constraints keyed by op key (1: by op index)
@@ -132,6 +132,26 @@ class Plan:
     @property
     def activation_constraints(self) -> tuple[tuple[str, Spec], ...]:
         return () if self.is_pipeline else self.stages[0].activation_constraints
+
+    @property
+    def runnable(self) -> bool:
+        """False for a 3-D plan whose stages have unequal submeshes: planned and priced, but the
+        pipeline runtime runs stages on equal submeshes of one pipe x data x model mesh only."""
+        three_d = self.predicted.get("3d")
+        if three_d is None:
+            return True
+        return bool(three_d.get("runnable", True)) and len({s.mesh for s in self.stages}) == 1
+
+    def check_runnable(self, where: str = "autoshard") -> None:
+        """PlanError naming the stages' submeshes and the runnable alternative unless `runnable`."""
+        if self.runnable:
+            return
+        devices = self.mesh[0][1] if len(self.mesh) == 1 else None
+        raise PlanError(
+            f"{where}: the plan gives its stages unequal submeshes ({stage_submeshes(self.stages)}; "
+            f"{devices} devices, predicted step {self.predicted['step_time'] * 1e3:.3f} ms), which autoshard plans "
+            "and prices but cannot run yet: the pipeline runtime runs stages on equal submeshes of one pipe x data x "
+            f"model mesh. The best runnable plan of the same search: {runnable_alternative(self.predicted['3d'])}.")
 
     # --- pytrees -------------------------------------------------------------------------------
     @property
