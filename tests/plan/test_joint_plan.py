@@ -8,8 +8,7 @@ import pytest
 
 import autoshard
 import models
-from autoshard._src.plan.joint_planner import auto_mesh_options, joint_plan
-from autoshard._src.tensor.search import SearchOptions
+from autoshard._src.plan.joint_planner import auto_mesh_options
 
 
 def gpt():
@@ -92,13 +91,14 @@ def test_unequal_submeshes_are_planned_compared_and_marked_not_runnable(alpa_lik
 
 def test_equal_submeshes_keeps_to_runnable_plans(alpa_like):
     m, args, free = alpa_like
-    graph = autoshard.trace(m.train_step, *args)
-    p = joint_plan(graph, devices=8, hw=autoshard.get_hardware("h100-sxm"), options=SearchOptions(),
-                   joint=auto_mesh_options({"equal_submeshes": True}))
+    p = autoshard.plan(m.train_step, *args, mesh="auto", devices=8, hardware="h100-sxm",
+                       pipeline_options={"equal_submeshes": True})       # the public way, as the error says
     assert p.runnable and p.predicted["3d"]["runnable"] and p.predicted["3d"]["runnable_alternative"] is None
     assert p.predicted["3d"]["chosen"] == free.predicted["3d"]["runnable_alternative"]
     with pytest.raises(autoshard.ConfigError, match="equal_submeshes"):
         auto_mesh_options({"equal_submeshes": "yes"})
+    with pytest.raises(autoshard.ConfigError, match=r"\['k'\] do not apply to mesh='auto'"):
+        autoshard.plan(m.train_step, *args, mesh="auto", devices=8, pipeline_options={"k": 3})
 
 
 def test_the_decorator_refuses_a_plan_with_unequal_submeshes(alpa_like):

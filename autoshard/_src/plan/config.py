@@ -75,6 +75,12 @@ class Config:
     def _check_pipeline(self) -> None:
         if self.pipeline is None:
             given = [k for k in _PIPELINE_ONLY if getattr(self, k) != _DEFAULTS[k]]
+            if self.mesh == "auto" and given == ["pipeline_options"]:      # the 3-D search's own options
+                unknown = sorted(set(self.pipeline_options) - set(JOINT_OPTION_KEYS))
+                if unknown:
+                    raise ConfigError(f"autoshard: pipeline_options {unknown} do not apply to mesh='auto' (the 3-D "
+                                      f"search); valid: {sorted(JOINT_OPTION_KEYS)}.")
+                return
             if given:
                 verb = "apply" if len(given) > 1 else "applies"
                 raise ConfigError(f"autoshard: {', '.join(given)} {verb} to pipeline plans only; pass "

@@ -12,7 +12,7 @@ from ..core.hardware import HardwareSpec
 from ..core.mesh import MeshSpec
 from ..pipeline.partition import Profiler
 from .config import Config
-from .joint_planner import fixed_shape_options, joint_plan
+from .joint_planner import auto_mesh_options, fixed_shape_options, joint_plan
 from .pipeline_planner import pipeline_plan
 from .plan import Plan
 from .planner import tensor_plan
@@ -32,7 +32,8 @@ def make_plan(graph: OpGraph, config: Config, hardware: HardwareSpec, *, profile
     if config.pipeline is None and config.mesh == "auto" and three_d:
         grouping = group(graph)
         group_seconds = time.perf_counter() - t0
-        plan = joint_plan(graph, devices=config.devices, hw=hardware, options=config.search, grouping=grouping)
+        plan = joint_plan(graph, devices=config.devices, hw=hardware, options=config.search, grouping=grouping,
+                          joint=auto_mesh_options(config.pipeline_options))
     elif config.pipeline == "auto" and isinstance(config.mesh, MeshSpec) and "pipe" in config.mesh.names:
         # a "pipe" mesh fixes the 3-D shape: stages x data x model, searched jointly
         grouping = group(graph)

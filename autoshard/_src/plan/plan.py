@@ -204,6 +204,16 @@ class Plan:
                 + (". The file was written by an earlier autoshard (plans now hold stages, and activation "
                    "constraints are keyed by op name, not trace position). Fix: re-plan with "
                    "autoshard.plan(step, *args, ...) and save the new plan." if old else "."))
+        try:
+            return cls._from_dict(d)
+        except (KeyError, TypeError, ValueError) as err:
+            what = (f"the key {err.args[0]!r} is missing" if isinstance(err, KeyError)
+                    else f"{type(err).__name__}: {err}")
+            raise PlanError(f"Plan.from_json: not a complete autoshard plan ({what}). Fix: load a file written by "
+                            "plan.to_json(), or re-plan with autoshard.plan(step, *args, ...).") from err
+
+    @classmethod
+    def _from_dict(cls, d: dict[str, Any]) -> Plan:
         spec = as_spec
         return cls(
             mesh=tuple((n, int(s)) for n, s in d["mesh"]),
