@@ -159,6 +159,8 @@ def pipelined(loss_fn: Callable, params: Any, batch: Any, *, mesh: Any, num_micr
     if not callable(loss_fn):
         raise PipelineError(f"autoshard.pipelined: loss_fn must be callable, got {type(loss_fn).__name__}.")
     mesh = _mesh(mesh)
+    if plan is not None and hasattr(plan, "check_runnable"):
+        plan.check_runnable("autoshard.pipelined: plan=")     # unequal stage submeshes: planned, not run
     three_d = plan is not None and bool(getattr(plan, "is_pipeline", False)) and "3d" in plan.predicted
     if three_d and data_axes is None:
         data_axes = plan_batch_axes(plan, mesh, pipe_axis)
