@@ -12,7 +12,6 @@ from pathlib import Path
 
 import jax
 import numpy as np
-import pytest
 
 import autoshard
 import models
@@ -24,7 +23,6 @@ ROOT = Path(__file__).resolve().parents[2]
 STEPS, KILL_AFTER = 5, 2
 
 
-@pytest.mark.slow      # a second jax process and two compiles (~30 s here)
 def test_killed_run_resumes_on_another_mesh(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen([sys.executable, str(WORKER), str(tmp_path), str(STEPS)], cwd=ROOT, env=env,

@@ -14,7 +14,6 @@ from pathlib import Path
 import jax
 import numpy as np
 import optax
-import pytest
 
 import models
 
@@ -28,7 +27,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.slow      # ~45-65 s here: two more jax processes, two plans each, on 2 shared cores
 def test_two_processes_train_like_one_device():
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
