@@ -182,5 +182,8 @@ def test_bad_input_raises_typed_errors():
         partition([], CPU_ETH, 2)
     with pytest.raises(PlanError, match="no direction"):
         CostModel(layers, CPU_ETH, 2).plan_latency({"x": None})
+    with pytest.raises(PlanError, match="layer 'c1' .* cannot be split 'N'"):
+        CostModel(layers, CPU_ETH, 2).plan_latency({n: "N" if n == "c1" else None for n in ("x", "c1", "c2", "c3",
+                                                                                            "pool", "head")})
     with pytest.raises(ConfigError, match="not an earlier layer"):
         partition(layers[1:], CPU_ETH, 2)

@@ -114,6 +114,8 @@ class CostModel:
         self.alpha, self.beta = alpha, beta
         self.rate = hardware.peak_flops(dtype) * hardware.compute_efficiency
         self._cache: dict[tuple, LayerCost] = {}
+        self._canonical = {layer.name: self._canonical_layer(layer) for layer in self.layers}
+        self._options = {name: self.options(name) for name in self.by_name}
 
     def split(self, direction: Direction) -> Split:
         return Split(direction, self.num_nodes, self.weights)
@@ -138,29 +140,39 @@ class CostModel:
 
     def layer_cost(self, name: str, direction: Direction, producers: Mapping[str, Direction]) -> LayerCost:
         """`name`'s compute and receive times when split `direction`, its producers split as given."""
-        layer = self.by_name[name]
-        srcs = tuple(dict.fromkeys(layer.inputs))
-        key = (name, direction, tuple(producers[s] for s in srcs))
-        if key not in self._cache:
+        if direction not in self._options[name]:
+            raise PlanError(f"autoshard: layer {name!r} output {self.by_name[name].output_shape} cannot be split "
+                            f"{_name(direction)!r} over {self.num_nodes} nodes; use one of "
+                            f"{[_name(d) for d in self._options[name]]}.")
+        layer, srcs = self._canonical[name]
+        key = (layer, direction, tuple((self.by_name[s].output_shape, self.by_name[s].itemsize, producers[s])
+                                       for s in srcs))
+        if key not in self._cache:     # keyed by structure: the repeated blocks of a network share it
             self._cache[key] = self._layer_cost(layer, direction, key[2])
         return self._cache[key]
 
-    def _layer_cost(self, layer: Layer, direction: Direction, producer_dirs: tuple[Direction, ...]) -> LayerCost:
+    def _canonical_layer(self, layer: Layer) -> tuple[Layer, tuple[str, ...]]:
+        """The layer renamed "layer", reading producers renamed "in0", "in1"...; its distinct producers."""
+        srcs = tuple(dict.fromkeys(layer.inputs))
+        inputs = tuple(f"in{srcs.index(s)}" for s in layer.inputs)
+        return dataclasses.replace(layer, name="layer", inputs=inputs), srcs
+
+    def _layer_cost(self, layer: Layer, direction: Direction,
+                    producers: tuple[tuple[tuple[int, ...], int, Direction], ...]) -> LayerCost:
         nodes = range(self.num_nodes)
         regions = self.split(direction).regions(layer.output_shape, f"layer {layer.name!r} output")
         per_element = flops_per_element(layer)
         compute = tuple(regions[i].num_elements * per_element / (self.speeds[i] * self.rate) for i in nodes)
         receive, received = [0.0] * self.num_nodes, [0] * self.num_nodes
-        if layer.inputs:
-            # the consumer alone, its producers as stand-in inputs: the optimiser's per-edge fetches
-            srcs = tuple(dict.fromkeys(layer.inputs))
-            stand_ins = [Layer(s, "input", output_shape=self.by_name[s].output_shape,
-                               itemsize=self.by_name[s].itemsize) for s in srcs]
-            splits = {s: self.split(d) for s, d in zip(srcs, producer_dirs, strict=True)}
+        if producers:
+            # the consumer alone, its producers as stand-in inputs: the optimiser's per-edge fetches (§3.3)
+            stand_ins = [Layer(f"in{i}", "input", output_shape=shape, itemsize=itemsize)
+                         for i, (shape, itemsize, _) in enumerate(producers)]
+            splits = {s.name: self.split(d) for s, (_, _, d) in zip(stand_ins, producers, strict=True)}
             splits[layer.name] = self.split(direction)
             analysis = analyse_transfers([*stand_ins, layer], splits)
             for edge in analysis.inputs_of(layer.name):
-                itemsize = self.by_name[edge.producer].itemsize
+                itemsize = producers[int(edge.producer[2:])][1]
                 for dst in nodes:
                     for src in nodes:
                         nbytes = edge.fetched[dst][src].num_elements * itemsize
