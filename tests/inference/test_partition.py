@@ -49,6 +49,26 @@ def brute_force(model):
                for combo in itertools.product(*(model.options(n) for n in names)))
 
 
+def segmentations(model, start=0):
+    """Every way to cut layers[start:] into single layers and fusable runs."""
+    if start == len(model.layers):
+        yield ()
+        return
+    for run in ((model.layers[start].name,), *model.fusable_runs(start)):
+        for rest in segmentations(model, start + len(run)):
+            yield (run, *rest)
+
+
+def brute_force_fused(model):
+    best = float("inf")
+    for steps in segmentations(model):
+        choices = [model.options(run[0]) if len(run) == 1 else ("H", "W") for run in steps]
+        for combo in itertools.product(*choices):
+            directions = {n: d for run, d in zip(steps, combo, strict=True) for n in run}
+            best = min(best, model.plan_latency(directions, [run for run in steps if len(run) > 1]))
+    return best
+
+
 # ---- the cost model -------------------------------------------------------------------------------------
 
 def test_flops_per_output_element():
@@ -93,7 +113,7 @@ def test_removed_transfers_cost_nothing_and_kept_ones_are_serial_per_node():
                          [(1, 16, 2, None), (4, 8, 2, None), (2, 12, 3, (1, 2, 1))])
 def test_dp_equals_brute_force(build, batch, size, nodes, speeds):
     layers = build(batch=batch, size=size)
-    plan = partition(layers, CPU_ETH, nodes, speeds)
+    plan = partition(layers, CPU_ETH, nodes, speeds, max_fuse=1)
     model = CostModel(layers, CPU_ETH, nodes, speeds)
     assert plan.exact
     assert plan.latency == pytest.approx(brute_force(model), rel=1e-12)
@@ -166,6 +186,59 @@ def test_a_beam_cut_is_never_worse_than_the_baselines():
 def test_ties_break_deterministically():
     first = partition(toy_cnn(batch=8, size=8), CPU_ETH, 2).directions
     assert all(partition(toy_cnn(batch=8, size=8), CPU_ETH, 2).directions == first for _ in range(3))
+
+
+# ---- fused layers ------------------------------------------------------------------------------------------
+
+SLOW_LINK = get_hardware({"base": "cpu-sim", "flops": {"float32": 500e9}, "inter_node_bandwidth": 125e6,
+                          "inter_node_latency": 2e-3})
+
+
+def conv_stack(depth=4, size=64, channels=16):
+    shape = (1, size, size, channels)
+    layers = [Layer("x", "input", output_shape=shape)]
+    for i in range(depth):
+        layers.append(conv(f"c{i}", layers[-1].name, shape, channels))
+    return layers
+
+
+@pytest.mark.parametrize(("hardware", "nodes"), [(CPU_ETH, 2), (SLOW_LINK, 3)])
+def test_dp_with_fusion_equals_brute_force(hardware, nodes):
+    layers = conv_stack(depth=3, size=16, channels=8)
+    plan = partition(layers, hardware, nodes, max_fuse=3)
+    model = CostModel(layers, hardware, nodes, max_fuse=3)
+    assert plan.latency == pytest.approx(brute_force_fused(model), rel=1e-12)
+    assert plan.latency == pytest.approx(model.plan_latency(plan.directions, plan.fused), rel=1e-12)
+
+
+def test_fusion_pays_on_a_slow_link_and_grows_the_halo():
+    """Per-message latency dominates: one exchange of a grown halo beats one halo per conv."""
+    layers = conv_stack(depth=4)
+    plan = partition(layers, SLOW_LINK, 2)
+    assert plan.fused == (("c0", "c1", "c2", "c3"),), plan.summary()
+    assert plan.latency < partition(layers, SLOW_LINK, 2, max_fuse=1).latency
+    head, last = plan.layer("c0"), plan.layer("c3")
+    axis = {"H": 1, "W": 2}[head.direction]
+    assert [e[axis] for e in last.extents] == [32, 32]
+    assert [e[axis] for e in head.extents] == [35, 35]             # 3 more rows/columns: one per later conv
+    run = plan.fused[0]
+    costs = CostModel(layers, SLOW_LINK, 2).run_cost(run, "H", {"x": "H"})
+    assert costs[0].received_nbytes == (4 * 64 * 16 * 4,) * 2     # an H-split input: its 4-deep halo, once
+    assert all(c.received_nbytes == (0, 0) for c in costs[1:])
+    assert all(plan.layer(n).received_nbytes == (0, 0) for n in ("c1", "c2", "c3"))
+    assert sum(lp.latency for lp in plan.layers) == pytest.approx(plan.latency)
+    assert "fused from c0" in plan.summary()
+
+
+def test_bad_fused_runs_are_plan_errors():
+    model = CostModel(toy_cnn(), CPU_ETH, 2)
+    directions = {"x": None, "c1": "H", "c2": "H", "c3": "H", "pool": None, "head": None}
+    with pytest.raises(PlanError, match="cannot be fused"):
+        model.plan_latency({**directions, "pool": "H"}, [("c3", "pool")])
+    with pytest.raises(PlanError, match="overlap"):
+        model.plan_latency(directions, [("c1", "c2"), ("c2", "c3")])
+    with pytest.raises(PlanError, match="several directions"):
+        model.plan_latency({**directions, "c2": "W"}, [("c1", "c2")])
 
 
 # ---- bad input ------------------------------------------------------------------------------------------
