@@ -251,6 +251,10 @@ def test_bad_input_raises_typed_errors():
         partition(layers, "cpu-sim", 2)
     with pytest.raises(PlanError, match="weights"):
         partition(layers, CPU_ETH, 2, speeds=(1, 1, 1))
+    with pytest.raises(PlanError, match="weights"):
+        partition(layers, CPU_ETH, 2, speeds=("fast", 1))
+    with pytest.raises(ConfigError, match="max_fuse"):
+        partition(layers, CPU_ETH, 2, max_fuse=0)
     with pytest.raises(PlanError, match="no layers"):
         partition([], CPU_ETH, 2)
     with pytest.raises(PlanError, match="no direction"):

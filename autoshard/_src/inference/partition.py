@@ -112,8 +112,9 @@ class CostModel:
         self.by_name = {layer.name: layer for layer in self.layers}
         analyse_transfers(self.layers, {n: Split(None, num_nodes) for n in self.by_name})   # validates the graph
         self.hardware, self.num_nodes, self.dtype = hardware, num_nodes, dtype
+        if speeds is not None:
+            Split(None, num_nodes, tuple(speeds))          # checks: one finite number > 0 per node
         self.speeds = tuple(float(s) for s in speeds) if speeds is not None else (1.0,) * num_nodes
-        Split(None, num_nodes, self.speeds)                # checks: one finite speed > 0 per node
         weighted = uneven and len(set(self.speeds)) > 1
         self.weights = self.speeds if weighted else None
         if isinstance(max_states, bool) or not isinstance(max_states, int) or max_states < 1:
