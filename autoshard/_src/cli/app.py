@@ -21,8 +21,9 @@ from ..pipeline.registry import partitioner_names
 from ..pipeline.schedules.registry import schedule_names
 from ..plan.config import PROFILES
 from ..tensor.experts import EXPERTS
-from . import args as flags
-from .args import Parser, UsageError
+from .args import Parser, UsageError, input_path, memory_budget, output_path, positive_int
+from .args import hardware as hardware_flag
+from .args import mesh as mesh_flag
 from .progress import Progress
 from .units import fmt_bytes
 
@@ -36,18 +37,18 @@ COMMANDS = {"run": ("running", "cmd_run"), "audit": ("running", "cmd_audit"), "p
 def _model_flags(p: argparse.ArgumentParser, config: str) -> None:
     p.add_argument("model", nargs="?", default="gpt", help="zoo model (default gpt; see autoshard list)")
     p.add_argument("--config", default=config, help=f"model config (default {config})")
-    p.add_argument("--layers", type=flags.positive_int, default=None, help="override num_layers (>= 1)")
+    p.add_argument("--layers", type=positive_int, default=None, help="override num_layers (>= 1)")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config field, e.g. d_model=64")
 
 
 def _planning_flags(p: argparse.ArgumentParser, mesh: str | None, hardware: str, auto: bool = False) -> None:
     shown = mesh or "data=4,model=2, or the --plan file's"
-    p.add_argument("--mesh", type=flags.mesh, default=None if mesh is None else flags.mesh(mesh),
+    p.add_argument("--mesh", type=mesh_flag, default=None if mesh is None else mesh_flag(mesh),
                    help=f"axis=size,... (default {shown})" + ("; 'auto': the planner chooses the shape of --devices"
                                                                if auto else ""))
-    p.add_argument("--hardware", type=flags.hardware, default=hardware, metavar="PRESET",
+    p.add_argument("--hardware", type=hardware_flag, default=hardware, metavar="PRESET",
                    help=f"cost-model hardware, one of: {', '.join(presets())} (default {hardware})")
-    p.add_argument("--memory-budget", type=flags.memory_budget, default=None, metavar="SIZE",
+    p.add_argument("--memory-budget", type=memory_budget, default=None, metavar="SIZE",
                    help="bytes per device with a unit, e.g. 16GiB (default: the hardware's memory)")
 
 
@@ -55,7 +56,7 @@ def _pipeline_flags(p: argparse.ArgumentParser, default: str | None) -> None:
     p.add_argument("--pipeline", default=default, choices=[*partitioner_names(), "auto"],
                    help="pipeline stages instead of tensor sharding (a 'pipe' mesh axis fixes the stage count)")
     p.add_argument("--schedule", default="1f1b", choices=schedule_names(), help="pipeline schedule (default 1f1b)")
-    p.add_argument("--blocks", type=flags.positive_int, default=None, help="RaNNC block count k")
+    p.add_argument("--blocks", type=positive_int, default=None, help="RaNNC block count k")
     p.add_argument("--recompute", action="store_true", help="recompute stage forwards in backward")
 
 
@@ -76,11 +77,11 @@ def build_parser() -> argparse.ArgumentParser:
              common)
     _model_flags(r, "debug")
     _planning_flags(r, None, "cpu-sim")
-    r.add_argument("--plan", type=flags.input_path, metavar="FILE", help="run a saved plan (autoshard plan ... --out)")
-    r.add_argument("--steps", type=flags.positive_int, default=3, help="training steps (default 3)")
+    r.add_argument("--plan", type=input_path, metavar="FILE", help="run a saved plan (autoshard plan ... --out)")
+    r.add_argument("--steps", type=positive_int, default=3, help="training steps (default 3)")
     r.add_argument("--pipeline", default=None, choices=[*partitioner_names(), "auto"],
                    help="run a pipeline plan (rannc/auto: give the mesh a 'pipe' axis)")
-    r.add_argument("--microbatches", type=flags.positive_int, default=None, help="pipeline micro-batches")
+    r.add_argument("--microbatches", type=positive_int, default=None, help="pipeline micro-batches")
     r.add_argument("--full", action="store_true", help="one row per parameter")
     for name, text in (("plan", "plan a zoo model abstractly (any mesh size) and summarise the plan by block type"),
                        ("explain", "plan (or load --plan FILE) and say why: every logical dim, and the expert "
@@ -88,35 +89,35 @@ def build_parser() -> argparse.ArgumentParser:
         pl = _add(sub, name, text, common)
         _model_flags(pl, "gpt2-small")
         _planning_flags(pl, "data=2,model=4", "h100-sxm", auto=True)
-        pl.add_argument("--devices", type=flags.positive_int, default=8,
+        pl.add_argument("--devices", type=positive_int, default=8,
                         help="device count for --mesh auto (default 8)")
         _pipeline_flags(pl, None)
         pl.add_argument("--profile", default="model", choices=list(PROFILES),
                         help="pipeline op costs: the hardware roofline, or measured on this machine")
-        pl.add_argument("--plan", type=flags.input_path, metavar="FILE", help="show a saved plan instead of planning")
-        pl.add_argument("--out", type=flags.output_path, metavar="FILE", help="write the plan as JSON")
+        pl.add_argument("--plan", type=input_path, metavar="FILE", help="show a saved plan instead of planning")
+        pl.add_argument("--out", type=output_path, metavar="FILE", help="write the plan as JSON")
         pl.add_argument("--full", action="store_true", help="one row per parameter")
     sc = _add(sub, "schedule", "pipeline-plan a zoo model and draw its schedule (Gantt chart)", common)
     _model_flags(sc, "debug")
     _planning_flags(sc, "pipe=4,data=2", "cpu-sim")
     _pipeline_flags(sc, "rannc")
-    sc.add_argument("--width", type=flags.positive_int, default=120, help="chart columns (default 120)")
+    sc.add_argument("--width", type=positive_int, default=120, help="chart columns (default 120)")
     au = _add(sub, "audit", "compile a plan on simulated devices; collectives and memory vs the prediction", common)
     _model_flags(au, "debug")
     _planning_flags(au, None, "cpu-sim")
     au.add_argument("--expert", default=None, choices=EXPERTS, help="audit an expert plan instead")
-    au.add_argument("--plan", type=flags.input_path, metavar="FILE", help="audit a saved plan")
-    au.add_argument("--out", type=flags.output_path, metavar="FILE", help="write the audit as JSON")
+    au.add_argument("--plan", type=input_path, metavar="FILE", help="audit a saved plan")
+    au.add_argument("--out", type=output_path, metavar="FILE", help="write the audit as JSON")
     g = _add(sub, "group", "trace a zoo model's train step and print its unique block types", common)
     _model_flags(g, "gpt2-small")
-    g.add_argument("--min-duplicate", type=flags.positive_int, default=2, help="TAP's minDuplicate (default 2)")
+    g.add_argument("--min-duplicate", type=positive_int, default=2, help="TAP's minDuplicate (default 2)")
     g.add_argument("--json", action="store_true", help="print JSON instead of the table")
     _add(sub, "list", "models and configs, hardware presets, schedules, partitioners, expert plans", common)
     sw = _add(sub, "sweep", "plan every model x mesh cell of a TOML file against the expert plans", common)
-    sw.add_argument("config", metavar="CONFIG", type=flags.input_path, help="sweep TOML (layout of bench/sweep.toml)")
+    sw.add_argument("config", metavar="CONFIG", type=input_path, help="sweep TOML (layout of bench/sweep.toml)")
     sw.add_argument("--quick", action="store_true", help="only entries marked quick = true")
     sw.add_argument("--audit", action="store_true", help="also compile the [[compiled]] cells and audit them")
-    sw.add_argument("--out", type=flags.output_path, metavar="FILE", help="write the rows as JSON")
+    sw.add_argument("--out", type=output_path, metavar="FILE", help="write the rows as JSON")
     return p
 
 

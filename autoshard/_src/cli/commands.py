@@ -16,9 +16,10 @@ from ..pipeline.registry import get_partitioner, partitioner_names
 from ..pipeline.schedules.registry import schedule_names
 from ..plan.config import Config
 from ..tensor.experts import EXPERTS
-from . import report, stages
 from .args import UsageError
 from .progress import Progress
+from .report import explanation, summary
+from .stages import gantt_lines
 from .tables import mesh_text, table
 from .units import fmt_bytes, fmt_count, fmt_flops, fmt_rate
 from .zoo import model_from_args, model_names
@@ -86,7 +87,7 @@ def cmd_plan(args: argparse.Namespace, progress: Progress, out: Any) -> int:
         plan = trace_and_plan(args, model, progress)
         out(model_line(args, model, overrides))
     out("")
-    for line in (report.explanation(plan, args.full) if why else report.summary(plan, args.full)):
+    for line in (explanation(plan, args.full) if why else summary(plan, args.full)):
         out(line)
     write_out(getattr(args, "out", None), plan.to_json(), out)
     return 0
@@ -100,7 +101,7 @@ def cmd_schedule(args: argparse.Namespace, progress: Progress, out: Any) -> int:
     plan = trace_and_plan(args, model, progress)
     out(model_line(args, model, overrides))
     out("")
-    for line in report.summary(plan):
+    for line in summary(plan):
         out(line)
     if plan.schedule == "graph-1f1b":   # a stage DAG with per-stage micro-batch counts
         sched = pipeline.schedule(plan.schedule, num_microbatches=[s.microbatches for s in plan.stages],
@@ -110,7 +111,7 @@ def cmd_schedule(args: argparse.Namespace, progress: Progress, out: Any) -> int:
     sim = pipeline.simulate(sched, forward=[s.predicted_forward for s in plan.stages],
                             backward=[s.predicted_backward for s in plan.stages])
     out("")
-    for line in stages.gantt_lines(sim, args.width):
+    for line in gantt_lines(sim, args.width):
         out(line)
     return 0
 
@@ -123,10 +124,10 @@ def cmd_group(args: argparse.Namespace, progress: Progress, out: Any) -> int:
         graph = autoshard.trace(model.train_step, *state, name=f"{args.model}:{args.config}")
     with progress.phase("group"):
         grouping = autoshard.group(graph, min_duplicate=args.min_duplicate)
-    summary = grouping.summary()
+    grouped = grouping.summary()
     if args.json:
         out(json.dumps({"model": args.model, "config": args.config, "overrides": overrides,
-                        "params": model.num_params(), **summary}, indent=2))
+                        "params": model.num_params(), **grouped}, indent=2))
         return 0
     phases = ", ".join(f"{k} {v}" for k, v in graph.ops_by_phase().items() if v)
     out(model_line(args, model, overrides) + ", traced abstractly")
@@ -135,16 +136,16 @@ def cmd_group(args: argparse.Namespace, progress: Progress, out: Any) -> int:
     out("")
     rows = [("block type", "depth", "instances", "forward ops", "backward ops", "optimizer ops", "params",
              "compute/instance")]
-    for b in summary["block_types"]:
+    for b in grouped["block_types"]:
         ops = b["ops_per_instance"]
         rows.append((b["name"], str(b["depth"]), str(b["instances"]), str(ops["forward"]), str(ops["backward"]),
                      str(ops["optimizer"]), str(b["params_per_instance"]), fmt_flops(b["gflops_per_instance"] * 1e9)))
     for line in table(rows, align="lrrrrrrr", indent=""):
         out(line)
-    out(f"(and {summary['remainder_ops']} ops outside every block: embeddings, loss, the rest of the optimizer)")
+    out(f"(and {grouped['remainder_ops']} ops outside every block: embeddings, loss, the rest of the optimizer)")
     out("")
     out(f"repeated groups by depth (min_duplicate={args.min_duplicate}):")
-    for lv in summary["levels"]:
+    for lv in grouped["levels"]:
         out(f"  depth {lv['depth']}: {lv['name']} x{lv['count']} ({lv['forward_ops']} forward ops)"
             + (" selected" if lv["selected"] else ""))
     return 0

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import stages
+from .stages import explanation as stage_explanation
+from .stages import point_lines
+from .stages import summary as stage_summary
 from .tables import (
     ParamRecord,
     bytes_per_device,
@@ -33,7 +35,7 @@ _MEMORY = (("params", "parameters"), ("optimizer", "optimizer state"), ("grads",
 def summary(plan: Any, full: bool = False) -> list[str]:
     """The plan at a glance: cost, what each mesh axis splits, collectives, parameters by block type."""
     if plan.is_pipeline:
-        return stages.summary(plan, full)
+        return stage_summary(plan, full)
     lines = [*header(plan), "", *axes_lines(plan), ""]
     lines += collective_lines(plan)
     lines += ["", *param_lines(plan, full)]
@@ -44,10 +46,10 @@ def summary(plan: Any, full: bool = False) -> list[str]:
 def explanation(plan: Any, full: bool = False) -> list[str]:
     """Why this plan: every logical dim's mesh axes, and the expert plans priced term by term."""
     if plan.is_pipeline:
-        return stages.explanation(plan, full)
+        return stage_explanation(plan, full)
     lines = [*header(plan), "", *axes_lines(plan), "", *factor_lines(plan), "", *expert_table(plan)]
     if "3d" in plan.predicted:
-        lines += ["", *stages.point_lines(plan)]
+        lines += ["", *point_lines(plan)]
     if full:
         lines += ["", *param_lines(plan, full=True)]
     return lines + warning_lines(plan)

@@ -17,10 +17,10 @@ from pathlib import Path
 from typing import Any
 
 from ..core.errors import MeshError
-from . import report
 from .args import UsageError
 from .commands import load_plan, model_line
 from .progress import NativeStderr, Progress
+from .report import summary
 from .tables import mesh_text, table
 from .units import fmt_bytes, fmt_count, fmt_flops
 from .zoo import base_train_step, model_from_args
@@ -138,7 +138,7 @@ def cmd_run(args: argparse.Namespace, progress: Progress, out: Any) -> int:
     out(f"{model_line(args, model, overrides)}; {jax.device_count()} simulated CPU devices, mesh "
         f"{mesh_text(plan.mesh)}")
     out("")
-    for line in report.summary(plan, args.full):
+    for line in summary(plan, args.full):
         out(line)
     if step.pipelined is not None:
         out("")
