@@ -272,18 +272,21 @@ def _check_call_args(args: tuple, planned: tuple | None, concrete: bool) -> None
     if planned is not None and len(args) != len(planned):
         raise PlanError(f"autoshard: the step was planned for {len(planned)} argument(s) and is now called with "
                         f"{len(args)}. Fix: call it with the same arguments (a new batch shape is fine: it re-plans).")
-    for kp, x in jax.tree_util.tree_flatten_with_path(args)[0]:
-        where = f"argument {jax.tree_util.keystr(kp)}"
-        if isinstance(x, jax.Array) and x.is_deleted():
-            raise PlanError(
-                f"autoshard: {where} (shape {tuple(x.shape)}) was deleted: an earlier call of the step consumed it "
-                "(the step donates the state it returns, like jax.jit(donate_argnums=...)). Fix: pass the arrays "
-                "the previous call returned, or decorate with donate=False to keep the inputs.")
-        if concrete and isinstance(x, jax.ShapeDtypeStruct):
-            raise PlanError(
-                f"autoshard: {where} is an abstract jax.ShapeDtypeStruct {x.shape}; the step runs on arrays. Fix: "
-                "plan abstractly with autoshard.plan(step.fn, *abstract_args, ...), or compile with "
-                "step.lower(*abstract_args).")
+    bad = [x for x in jax.tree.leaves(args) if (isinstance(x, jax.Array) and x.is_deleted())
+           or (concrete and isinstance(x, jax.ShapeDtypeStruct))]
+    if not bad:          # the per-call cost: one flatten; paths only for the message
+        return
+    kp, x = next((kp, x) for kp, x in jax.tree_util.tree_flatten_with_path(args)[0] if x is bad[0])
+    where = f"argument {jax.tree_util.keystr(kp)}"
+    if isinstance(x, jax.ShapeDtypeStruct):
+        raise PlanError(
+            f"autoshard: {where} is an abstract jax.ShapeDtypeStruct {x.shape}; the step runs on arrays. Fix: "
+            "plan abstractly with autoshard.plan(step.fn, *abstract_args, ...), or compile with "
+            "step.lower(*abstract_args).")
+    raise PlanError(
+        f"autoshard: {where} (shape {tuple(x.shape)}) was deleted: an earlier call of the step consumed it "
+        "(the step donates the state it returns, like jax.jit(donate_argnums=...)). Fix: pass the arrays "
+        "the previous call returned, or decorate with donate=False to keep the inputs.")
 
 
 def _buffers(x: Any) -> set[int]:
