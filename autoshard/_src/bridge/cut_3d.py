@@ -11,6 +11,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from ..core.errors import PipelineError
+from ..core.graph import keys_in_order
 from ..core.mesh import MeshSpec
 from ..plan.planner import add_storage_axes
 from .cut_place import in_argument
@@ -80,14 +81,11 @@ class ActivationSpecs:
 
     def __init__(self, prog: Any, modules: list[str], plan: Any, mesh: Mesh):
         wanted = {key: spec for st in plan.stages for key, spec in st.activation_constraints}
-        seen: dict[tuple[str, str], int] = {}
+        keys = keys_in_order((modules[e], fe.eqn.primitive.name) for e, fe in enumerate(prog.eqns))
         self.specs: dict[int, Any] = {}
         sizes = dict(mesh.shape)
         for e, fe in enumerate(prog.eqns):
-            name = (modules[e] or "<root>", fe.eqn.primitive.name)
-            k = seen.get(name, 0)
-            seen[name] = k + 1
-            spec = wanted.get(f"{name[0]}/{name[1]}:{k}")
+            spec = wanted.get(keys[e])
             out = fe.eqn.outvars[0].aval if fe.eqn.outvars else None
             if spec is None or out is None or len(spec) != len(out.shape):
                 continue

@@ -140,12 +140,6 @@ def rematerialised(fn: Callable, plan: Plan) -> tuple[Callable, Callable[[], int
     return step, lambda: state.calls
 
 
-def state_sharding(mesh: Any, shape: tuple[int, ...]) -> Any:
-    """ZeRO-style storage between steps (`repack.storage_spec`): 1/N of each leaf per device where a
-    dimension divides by the device count, else replicated."""
-    return storage_sharding(mesh, shape)
-
-
 def batch_sharding(mesh: Any, shape: tuple[int, ...]) -> Any:
     """The batch: split on its leading dimension over the non-pipe axes when it divides, else whole."""
     data = tuple(a for a in mesh.axis_names if a != "pipe")
@@ -181,7 +175,7 @@ def _graph_mesh(plan: Plan, mesh: Any) -> Any:
 def pipelined_step(fn: Callable, plan: Plan, mesh: Any, args: tuple, *, num_microbatches: int | None,
                    hardware: Any, traced: Traced) -> tuple[Callable, Any, Any, Any]:
     """(step, the Pipelined it runs, in_shardings, out_shardings) for a pipeline `plan` on `mesh`:
-    the step's arguments and results are stored ZeRO-style (`state_sharding`), except the leaves the
+    the step's arguments and results are stored ZeRO-style (`repack.storage_sharding`), except the leaves the
     loss receives as its batch, split over the data axes (`batch_sharding`). `traced`: the step's
     one trace (its output shapes give the out shardings)."""
     replicas = [s.replicas for s in plan.stages]
@@ -220,6 +214,7 @@ def pipelined_step(fn: Callable, plan: Plan, mesh: Any, args: tuple, *, num_micr
     step.__name__ = getattr(fn, "__name__", "step")
     batch_ids = {id(x) for x in call.batch}
     ins = jax.tree.map(lambda x: batch_sharding(mesh, tuple(x.shape)) if id(x) in batch_ids
-                       else state_sharding(mesh, tuple(x.shape)), args)
-    outs = jax.tree.unflatten(traced.out_tree, [state_sharding(mesh, tuple(a.shape)) for a in traced.closed.out_avals])
+                       else storage_sharding(mesh, tuple(x.shape)), args)
+    outs = jax.tree.unflatten(traced.out_tree, [storage_sharding(mesh, tuple(a.shape))
+                                                for a in traced.closed.out_avals])
     return step, run, ins, outs

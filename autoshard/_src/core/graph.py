@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Literal
 
 Phase = Literal["forward", "backward", "optimizer", "other"]
@@ -212,10 +212,15 @@ def op_keys(graph: OpGraph) -> list[str]:
     """A stable name per op: "<module>/<primitive>:<k>", the k-th op of that primitive attributed to
     that module in program order ("<root>" outside every module). Unlike op indices, keys survive
     unrelated changes elsewhere in the program and read well in a plan file."""
+    return keys_in_order((op.module, op.primitive) for op in graph.ops)
+
+
+def keys_in_order(ops: Iterable[tuple[str, str]]) -> list[str]:
+    """`op_keys` of any (module, primitive) sequence in program order (a loss jaxpr's eqns, say)."""
     seen: dict[tuple[str, str], int] = {}
     out = []
-    for op in graph.ops:
-        key = (op.module or "<root>", op.primitive)
+    for module, primitive in ops:
+        key = (module or "<root>", primitive)
         k = seen.get(key, 0)
         seen[key] = k + 1
         out.append(f"{key[0]}/{key[1]}:{k}")
