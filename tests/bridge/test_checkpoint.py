@@ -26,18 +26,28 @@ def _expert_step(m, name, mesh, *state_and_batch):
     return autoshard.autoshard(m.train_step, mesh=mesh, hardware="h100-sxm", plan=plan)
 
 
+def _megatron_step_saved(m, params, opt_state, batch, path):
+    """One step under a data x model Megatron plan, its state saved at `path`: (losses, p, o, step)."""
+    first = _expert_step(m, "data-megatron", {"data": 2, "model": 4}, params, opt_state, batch)
+    got, p1, o1 = run_steps(first, params, opt_state, batch, 1)
+    autoshard.save(path, (p1, o1), plan=first.plan)
+    return got, p1, o1, first
+
+
+def _like(tree, shardings):
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
+
+
 def test_megatron_state_restores_into_an_fsdp_step_and_training_continues(tmp_path):
     m, params, opt_state, batch = _setup()
     want, _, _ = run_steps(jax.jit(m.train_step), params, opt_state, batch, 3)
 
-    first = _expert_step(m, "data-megatron", {"data": 2, "model": 4}, params, opt_state, batch)
-    got, p1, o1 = run_steps(first, params, opt_state, batch, 1)
-    autoshard.save(tmp_path / "ckpt", (p1, o1), plan=first.plan)
+    got, p1, o1, first = _megatron_step_saved(m, params, opt_state, batch, tmp_path / "ckpt")
     assert autoshard.Plan.from_json((tmp_path / "ckpt" / "plan.json").read_text()).mesh == first.plan.mesh
 
     second = _expert_step(m, "fsdp", {"data": 8}, params, opt_state, batch)
     shardings = second.shardings(params, opt_state, batch)[:2]
-    like = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), (params, opt_state), shardings)
+    like = _like((params, opt_state), shardings)
     p2, o2 = autoshard.restore(tmp_path / "ckpt", like=like)
 
     # the optax state's own types, each leaf already in the new plan's layout, values as saved
@@ -85,9 +95,7 @@ def test_tensor_plan_state_restores_into_a_pipelined_step(tmp_path):
     """From a data x model tensor plan to a pipe x data pipeline plan's ZeRO-style storage."""
     m, params, opt_state, batch = _setup()
     want, _, _ = run_steps(jax.jit(m.train_step), params, opt_state, batch, 2)
-    first = _expert_step(m, "data-megatron", {"data": 2, "model": 4}, params, opt_state, batch)
-    got, p1, o1 = run_steps(first, params, opt_state, batch, 1)
-    autoshard.save(tmp_path / "ckpt", (p1, o1), plan=first.plan)
+    got, *_ = _megatron_step_saved(m, params, opt_state, batch, tmp_path / "ckpt")
 
     def step(params, opt_state, batch):
         loss, grads = autoshard.value_and_grad(m.loss)(params, batch)
@@ -97,7 +105,7 @@ def test_tensor_plan_state_restores_into_a_pipelined_step(tmp_path):
     piped = autoshard.autoshard(step, mesh={"pipe": 4, "data": 2}, pipeline="rannc", hardware="cpu-sim",
                                 num_microbatches=2)
     shardings = piped.shardings(params, opt_state, batch)[:2]
-    like = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), (params, opt_state), shardings)
+    like = _like((params, opt_state), shardings)
     p2, o2 = autoshard.restore(tmp_path / "ckpt", like=like)
     more, _, _ = run_steps(piped, p2, o2, batch, 1)
     np.testing.assert_allclose(got + more, want, rtol=1e-5)
