@@ -21,13 +21,14 @@ partitioner never reasons about a layer it does not understand.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import numpy as np
 
-from ..core.errors import PlanError
+from ..core.errors import ConfigError, PlanError
 from ..core.shapemap import Layer, Window
 from . import compat as jc
 
@@ -35,22 +36,50 @@ _POOLS = ("reduce_window_max", "reduce_window_sum", "reduce_window_min", "reduce
 _REDUCES = ("reduce_sum", "reduce_max", "reduce_min", "argmax", "argmin")
 
 
+@dataclasses.dataclass(frozen=True)
+class TracedInference:
+    """`fn(*args)` flattened to one program, with the layers it holds."""
+
+    layers: tuple[Layer, ...]
+    program: Any                          # compat.FlatProgram
+    in_tree: Any                          # treedef of args
+    out_tree: Any                         # treedef of the result
+    input_keys: dict[Any, str]            # program input key -> its "input" layer name (the data leaves)
+    eqn_layers: dict[int, str]            # eqn index -> its layer name (eqns on activations)
+    act_keys: frozenset                   # program keys holding activations (computed from the data)
+
+    @property
+    def by_name(self) -> dict[str, Layer]:
+        return {layer.name: layer for layer in self.layers}
+
+
 def inference_layers(fn: Callable, *args: Any, data_argnums: Sequence[int] = (1,)) -> tuple[Layer, ...]:
     """The layers of `fn(*args)` (arrays or ShapeDtypeStructs) in program order: one "input" layer per
     leaf of the arguments in `data_argnums`, then one layer per eqn on activations."""
+    return trace_inference(fn, *args, data_argnums=data_argnums).layers
+
+
+def trace_inference(fn: Callable, *args: Any, data_argnums: Sequence[int] = (1,)) -> TracedInference:
+    """`inference_layers` with the flat program they come from (for emission)."""
+    bad = [i for i in data_argnums if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < len(args)]
+    if bad or not data_argnums:
+        raise ConfigError(f"autoshard (inference): data_argnums={tuple(data_argnums)!r} must name at least one of "
+                          f"the {len(args)} positional arguments (0-based); the images are usually argument 1.")
     structs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jax.numpy.result_type(x)), args)
-    closed = jax.make_jaxpr(fn)(*structs)
+    closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*structs)
     prog = jc.flatten_calls(closed)
     leaves_per_arg = [len(jax.tree.leaves(a)) for a in args]
     starts = np.cumsum([0, *leaves_per_arg])
     names: dict[Any, str] = {}
     shapes: dict[Any, tuple[int, ...]] = {}
     layers: list[Layer] = []
-    for i in data_argnums:
+    for i in sorted(set(data_argnums)):
         for k in range(int(starts[i]), int(starts[i + 1])):
             key, aval = prog.inputs[k], closed.jaxpr.invars[k].aval
             names[key], shapes[key] = f"input{len(layers)}", tuple(aval.shape)
             layers.append(Layer(names[key], "input", output_shape=tuple(aval.shape), itemsize=aval.dtype.itemsize))
+    input_keys = dict(names)
+    eqn_layers: dict[int, str] = {}
     for n, fe in enumerate(prog.eqns):
         acts = [a for a in fe.inputs if not jc.is_literal(a) and a in names]
         if not acts:
@@ -60,9 +89,11 @@ def inference_layers(fn: Callable, *args: Any, data_argnums: Sequence[int] = (1,
         layer = _layer(name, fe.eqn, [names[a] for a in acts], [shapes[a] for a in acts], tuple(out.shape),
                        out.dtype.itemsize)
         layers.append(layer)
+        eqn_layers[n] = name
         for k in fe.outputs:
             names[k], shapes[k] = name, tuple(out.shape)
-    return tuple(layers)
+    return TracedInference(tuple(layers), prog, jax.tree.structure(args), jax.tree.structure(out_shape),
+                           input_keys, eqn_layers, frozenset(names))
 
 
 def _layer(name: str, eqn: Any, inputs: list[str], in_shapes: list[tuple[int, ...]], out: tuple[int, ...],
