@@ -21,7 +21,7 @@ from autoshard._src.core.cost import (
     pack_gradients,
 )
 from autoshard._src.core.errors import AutoshardError, ConfigError, HardwareError, MeshError
-from autoshard._src.core.hardware import HardwareSpec, get_hardware, presets
+from autoshard._src.core.hardware import HardwareSpec, get_hardware, hardware_dict, presets
 from autoshard._src.core.mesh import Link, MeshSpec, axis_links, candidate_meshes, mesh_spec
 
 GB = 1e9
@@ -126,6 +126,64 @@ def test_get_hardware_errors():
     with pytest.raises(HardwareError, match="all-to-all"):
         get_hardware({"base": "h100-sxm", "collective_efficiency": {"all-to-all": 1.5}})
 
+
+
+def test_bbgrap_desktop_preset():
+    hw = get_hardware("i5-10400-1gbe")
+    assert hw.devices_per_node == 1 and hw.node_speeds is None
+    assert hw.peak_flops("float32") == pytest.approx(6 * 2.9e9 * 32)     # cores x base clock x AVX2 FMA
+    assert hw.peak_flops("bfloat16") == hw.peak_flops("float32")         # no bf16 units on Comet Lake
+    assert hw.inter_node_bandwidth == 125e6                              # 1 Gb/s
+    assert hw.memory_bandwidth == 41.6e9 and 0 < hw.inter_node_latency < 1e-3
+    assert hw.collective_efficiency["collective-permute"] == pytest.approx(1448 / 1538, abs=0.01)
+    for cite in ("BBGraP", "i5-10400", "AVX2", "gigabit", "assum"):
+        assert cite in hw.source
+
+
+def test_node_speeds_normalised_and_kept_through_get_hardware():
+    base = get_hardware("cpu-sim")
+    assert base.node_speeds is None
+    hw = get_hardware({"base": "cpu-sim", "node_speeds": [2, 1, 1.5]})
+    assert hw.node_speeds == (2.0, 1.0, 1.5) and all(type(s) is float for s in hw.node_speeds)
+    assert "node_speeds" in hw.source
+    assert dataclasses.replace(base, node_speeds=np.array([1, 3])).node_speeds == (1.0, 3.0)
+    assert hash(hw) != hash(base) and hw != base
+    assert get_hardware({"base": hw, "node_speeds": None}).node_speeds is None
+    # a full dict without node_speeds still works (the field has a default)
+    full = {f.name: getattr(base, f.name) for f in dataclasses.fields(HardwareSpec) if f.name != "node_speeds"}
+    assert get_hardware(full) == base
+
+
+@pytest.mark.parametrize("name", ["cpu-sim", "i5-10400-1gbe", "h100-sxm"])
+@pytest.mark.parametrize("speeds", [None, (2.0, 1.0, 1.0, 1.0), (0.25,)])
+def test_hardware_dict_round_trip_is_lossless(name, speeds):
+    import json
+
+    hw = dataclasses.replace(get_hardware(name), node_speeds=speeds)
+    data = hardware_dict(hw)
+    assert get_hardware(data) == hw
+    again = get_hardware(json.loads(json.dumps(data)))
+    assert again == hw and again.node_speeds == hw.node_speeds and hash(again) == hash(hw)
+    assert hardware_dict(again) == data
+
+
+@pytest.mark.parametrize(("speeds", "match"), [
+    ((1.0, 0.0), r"node_speeds\[1\]=0\.0 must be a finite number > 0"),
+    ((1.0, -2.0), r"node_speeds\[1\]=-2\.0"),
+    ((float("inf"),), r"node_speeds\[0\]=inf"),
+    ((float("nan"), 1.0), r"node_speeds\[0\]=nan"),
+    ((True, 1.0), r"node_speeds\[0\]=True"),
+    (("2", 1.0), r"node_speeds\[0\]='2'"),
+    ((), r"node_speeds=\(\) is empty"),
+    ("fast", r"node_speeds='fast' is not a sequence"),
+    (2.0, r"node_speeds=2\.0 is not a sequence"),
+    ({"a": 1.0}, r"is not a sequence"),
+])
+def test_node_speeds_errors_name_the_value_and_the_fix(speeds, match):
+    with pytest.raises(HardwareError, match=match) as info:
+        get_hardware({"base": "cpu-sim", "node_speeds": speeds})
+    assert "one finite number > 0 per node" in str(info.value) and "None" in str(info.value)
+    assert isinstance(info.value, ConfigError)
 
 # ---- meshes -----------------------------------------------------------------------------------------
 

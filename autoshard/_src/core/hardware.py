@@ -2,9 +2,10 @@
 
 A `HardwareSpec` holds the few numbers an analytical cost model needs: peak flop/s per dtype, HBM
 size and bandwidth, and the two link classes of a GPU cluster (NVLink inside a node, the network
-between nodes). Presets cover the GPUs of the papers we reproduce (V100 in TAP and RaNNC) and the
-current ones (A100, H100); `get_hardware` also takes explicit numbers, so a user on other hardware
-never has to edit this file.
+between nodes). Presets cover the GPUs of the papers we reproduce (V100 in TAP and RaNNC), the
+current ones (A100, H100) and BBGraP's desktop CPU nodes on gigabit Ethernet; `get_hardware` also
+takes explicit numbers, so a user on other hardware never has to edit this file. `node_speeds`
+describes heterogeneous nodes (relative speeds, None when all are alike).
 
 Conventions: all rates are per device; link bandwidths are per direction, as a ring uses them; flop
 rates are dense (datasheets headline the 2:4-sparsity number, twice as large). On A100 and H100 the
@@ -44,6 +45,7 @@ class HardwareSpec:
     collective_efficiency: Mapping[str, float]  # kind -> achievable fraction of link bandwidth
     compute_efficiency: float           # achievable fraction of peak flops for large matmuls
     source: str                         # where the numbers come from
+    node_speeds: tuple[float, ...] | None = None   # relative speed per node (heterogeneous); None: all equal
 
     def __post_init__(self) -> None:
         # Validate here, so presets, overrides and hand-built specs all fail at construction with
@@ -86,6 +88,19 @@ class HardwareSpec:
                 raise bad("collective_efficiency", eff, f"has unknown kind {kind!r}; valid: {list(KINDS)}")
             if not (_number(frac) and 0 < frac <= 1):
                 raise bad(f"collective_efficiency[{kind!r}]", frac, "must be in (0, 1]")
+        if self.node_speeds is not None:
+            speeds = self.node_speeds
+            fix = ("give one finite number > 0 per node, relative to this spec's flop rates (e.g. (2, 1, 1) "
+                   "for one node twice as fast), or None when all nodes are alike")
+            if isinstance(speeds, (str, bytes, Mapping)) or not hasattr(speeds, "__iter__"):
+                raise bad("node_speeds", speeds, f"is not a sequence; {fix}")
+            speeds = tuple(speeds)
+            if not speeds:
+                raise bad("node_speeds", self.node_speeds, f"is empty; {fix}")
+            for i, speed in enumerate(speeds):
+                if not _positive(speed):
+                    raise bad(f"node_speeds[{i}]", speed, f"must be a finite number > 0; {fix}")
+            object.__setattr__(self, "node_speeds", tuple(float(x) for x in speeds))   # lists, numpy arrays
         # read-only copies: a frozen spec must not change under a planner that cached it
         object.__setattr__(self, "flops", types.MappingProxyType(dict(self.flops)))
         object.__setattr__(self, "collective_efficiency", types.MappingProxyType(dict(eff)))
@@ -137,6 +152,8 @@ _RANNC_NET = ("RaNNC §IV (Hardware): V100s joined by NVLink at '25 GB/s or 50 G
               "at 100 Gbps = 12.5 GB/s, taken per device (the paper does not say how many NICs a node has; "
               "override inter_node_bandwidth if 8 GPUs share one).")
 
+_I5_10400_FLOPS = 6 * 2.9e9 * 32    # cores x base clock x float32 flop/cycle (2 AVX2 FMA x 8 lanes x 2)
+
 _PRESETS: dict[str, HardwareSpec] = {
     "h100-sxm": HardwareSpec(
         name="h100-sxm",
@@ -174,6 +191,30 @@ _PRESETS: dict[str, HardwareSpec] = {
         "TAP §4.6 profiling cluster: two nodes of 8 GPUs 'interconnected by 32 Gbps Ethernet' = 4 GB/s, "
         "taken per device. TAP calls its intra-node link 'PCI-e'; this preset keeps the V100 SXM2 NVLink2 "
         "50 GB/s of its evaluation node (§6) -- override intra_node_bandwidth (~12e9, PCIe 3.0 x16) for PCIe."),
+    "i5-10400-1gbe": HardwareSpec(
+        name="i5-10400-1gbe",
+        flops={"float32": _I5_10400_FLOPS, "bfloat16": _I5_10400_FLOPS, "float16": _I5_10400_FLOPS},
+        memory_bytes=16 * 2**30, memory_bandwidth=41.6e9, devices_per_node=1,
+        intra_node_bandwidth=41.6e9, intra_node_latency=1e-6,
+        inter_node_bandwidth=125e6, inter_node_latency=50e-6,
+        collective_efficiency={**_EFFICIENCY, "collective-permute": 0.94}, compute_efficiency=0.6,
+        source=("BBGraP §4 (Mateu Cuadrat, Park, Egger): each node is 'an Intel i5-10400 6-core/12-thread "
+                "processor and sufficient memory', operators run by oneDNN; one node = one device. Intel ARK "
+                "i5-10400 (Comet Lake): 6 cores, 2.9 GHz base (4.3 GHz max turbo), dual-channel DDR4-2666, "
+                "max memory bandwidth 41.6 GB/s. float32 peak = 6 cores x 2.9 GHz base x 32 flop/cycle (two "
+                "256-bit AVX2 FMA units x 8 float32 lanes x 2 flops per FMA, the Skylake core Comet Lake "
+                "reuses) = 556.8 GFLOP/s; the base clock, as sustained all-core AVX2 load at the 65 W TDP "
+                "runs near it (the 4.0 GHz all-core turbo would give 768 GFLOP/s). No AVX-512 BF16/FP16: "
+                "bfloat16 and float16 get the float32 rate. Memory: 16 GiB assumed (the paper says only "
+                "'sufficient memory'). The paper does not name its network; gigabit Ethernet assumed: 1 Gb/s "
+                "= 125 MB/s per direction per node; collective-permute (a point-to-point send) efficiency "
+                "0.94 = TCP payload per wire bytes at MTU 1500 (1448 of 1538 B with TCP timestamps, the "
+                "~941 Mb/s iperf shows on 1 GbE); other collective kinds keep the defaults. Inter-node latency "
+                "50 us = half the ~100 us small-message TCP round trip typical of commodity 1 GbE NICs through a "
+                "switch (NetPIPE / netperf TCP_RR ping-pong report RTT/2) -- an order-of-magnitude estimate, not "
+                "measured on the paper's nodes. Intra-node numbers are unused (one device per node): the memory "
+                "bandwidth and 1 us stand in. compute_efficiency 0.6 is an assumption (oneDNN AVX2 "
+                f"convolutions reach roughly half to two thirds of peak), not a measurement. {_EFF_NOTE}")),
     "cpu-sim": HardwareSpec(
         name="cpu-sim",
         flops={"float32": 1e11, "bfloat16": 1e11, "float16": 1e11},
@@ -198,7 +239,8 @@ def get_hardware(spec: str | HardwareSpec | Mapping[str, Any]) -> HardwareSpec:
     `spec` is a preset name (see `presets()`), a `HardwareSpec` (returned as is) or a mapping of
     field overrides on a preset, e.g. `{"base": "h100-sxm", "memory_bytes": 40e9}`. `flops` and
     `collective_efficiency` overrides are merged into the base's mappings. A mapping without
-    "base" must give every field.
+    "base" must give every field except those with a default (`node_speeds`). `node_speeds` takes
+    any sequence of numbers (a JSON list), kept as a tuple.
     """
     if isinstance(spec, HardwareSpec):
         return spec
@@ -225,7 +267,8 @@ def _from_mapping(spec: Mapping[str, Any]) -> HardwareSpec:
             f"autoshard: hardware override field(s) {unknown} do not exist; valid fields: {fields} (plus 'base', "
             "the preset the overrides apply to).")
     if "base" not in spec:
-        missing = [f for f in fields if f not in overrides]
+        missing = [f.name for f in dataclasses.fields(HardwareSpec)
+                   if f.name not in overrides and f.default is dataclasses.MISSING]
         if missing:
             raise HardwareError(
                 f"autoshard: hardware dict {dict(spec)!r} has no 'base' preset and lacks fields {missing}; add "
@@ -249,6 +292,10 @@ def _from_mapping(spec: Mapping[str, Any]) -> HardwareSpec:
 
 
 def hardware_dict(hw: HardwareSpec) -> dict[str, Any]:
-    """Every field of `hw` as plain data (for plan provenance)."""
-    return {f.name: (dict(getattr(hw, f.name)) if isinstance(getattr(hw, f.name), Mapping) else getattr(hw, f.name))
-            for f in dataclasses.fields(hw)}
+    """Every field of `hw` as plain data (for plan provenance); `get_hardware` of it, also after a JSON
+    round trip, gives back an equal spec (node_speeds travels as a list)."""
+    def plain(value: Any) -> Any:
+        if isinstance(value, Mapping):
+            return dict(value)
+        return list(value) if isinstance(value, tuple) else value
+    return {f.name: plain(getattr(hw, f.name)) for f in dataclasses.fields(hw)}
