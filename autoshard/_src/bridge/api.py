@@ -8,7 +8,7 @@ from typing import Any
 
 import jax
 
-from ..core.errors import HardwareError
+from ..core.errors import ConfigError, HardwareError
 from ..core.graph import OpGraph
 from ..core.hardware import HardwareSpec, get_hardware
 from ..plan.config import Config
@@ -50,7 +50,7 @@ def hardware_of(config: Config) -> HardwareSpec:
     return config.hardware if config.hardware is not None else local_hardware()
 
 
-def plan(step: Callable, *args: Any, config: Any = None, **kwargs: Any) -> Plan:
+def plan(step: Callable, *args: Any, config: Any = None, mode: str = "train", **kwargs: Any) -> Plan:
     """Plan `step(*args)` (arrays or ShapeDtypeStructs): keywords are `Config` fields (mesh, devices,
     hardware, memory_budget, search or options, pipeline, schedule, profile, pipeline_options, ...),
     `config` a TOML path, mapping or Config they override.
@@ -62,7 +62,19 @@ def plan(step: Callable, *args: Any, config: Any = None, **kwargs: Any) -> Plan:
     "1f1b" / "graph-1f1b"; options max_microbatch_size, depth, per_stage_microbatch); "auto" plans
     with every registered partitioner that applies and keeps the shorter simulated step.
     `profile="measured"` times the ops on the local device instead of the hardware roofline.
+
+    `mode="inference"` partitions an inference function `step(params, images)` instead (BBGraP: a split
+    direction per layer over a one-axis mesh) and returns an `InferencePlan`; options are those of
+    `inference.plan.InferenceConfig` (speeds, direction, max_fuse, data_argnums, emission).
     """
+    if mode != "train":
+        if mode != "inference":
+            raise ConfigError(f"autoshard.plan: mode={mode!r} must be 'train' or 'inference'.")
+        if config is not None:
+            raise ConfigError("autoshard.plan: mode='inference' takes its options as keywords (mesh, hardware, "
+                              "speeds, direction, max_fuse, data_argnums, emission), not config=.")
+        from .infer_api import plan_inference
+        return plan_inference(step, *args, **kwargs)  # type: ignore[return-value]
     cfg = local_config(Config.make(config, **kwargs))
     t0 = time.perf_counter()
     graph = trace(step, *args, keep_eqns=cfg.profile == "measured")

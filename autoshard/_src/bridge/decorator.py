@@ -17,6 +17,7 @@ from jax.experimental import multihost_utils
 
 from ..core.errors import ConfigError, PlanError
 from ..core.graph import fingerprint
+from ..inference.plan import MODES
 from ..plan.config import Config
 from ..plan.plan import Plan
 from ..plan.planner import IDLE_AXIS
@@ -296,8 +297,15 @@ def _buffers(x: Any) -> set[int]:
         return set()
 
 
-def autoshard(fn: Callable | None = None, **kwargs) -> Any:
-    """Decorator: `@autoshard(mesh={"data": 2, "model": 4}, hardware="h100-sxm")`."""
-    if fn is None:
-        return lambda f: Autosharded(f, **kwargs)
-    return Autosharded(fn, **kwargs)
+def autoshard(fn: Callable | None = None, *, mode: str = "train", **kwargs) -> Any:
+    """Decorator: `@autoshard(mesh={"data": 2, "model": 4}, hardware="h100-sxm")` for a train step;
+    `autoshard(mode="inference", mesh={"x": 3})(apply_fn)` partitions an inference function over the
+    nodes of a one-axis mesh (BBGraP; options in `inference.plan.InferenceConfig`)."""
+    if mode not in MODES:
+        raise ConfigError(f"autoshard: mode={mode!r} must be one of {list(MODES)}.")
+    if mode == "inference":
+        from .infer_api import InferenceAutosharded
+        make: Callable = functools.partial(InferenceAutosharded, **kwargs)
+    else:
+        make = functools.partial(Autosharded, **kwargs)
+    return make if fn is None else make(fn)

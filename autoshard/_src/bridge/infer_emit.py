@@ -58,7 +58,7 @@ def split_slab(shape: Sequence[int], split: Split) -> tuple[Slab | None, tuple[t
     sizes = split.sizes(shape)
     starts = tuple(int(v) for v in np.cumsum([0, *sizes[:-1]]))
     parts = tuple((s, s + m) for s, m in zip(starts, sizes, strict=True))
-    return Slab(axis, starts, max(sizes)), parts
+    return Slab(axis, starts, max(sizes), tuple(sizes)), parts
 
 
 def split_layout(shape: Sequence[int], split: Split) -> Layout:
@@ -70,7 +70,7 @@ def split_layout(shape: Sequence[int], split: Split) -> Layout:
 
 def grown_layout(slab: Slab, size: int, parts: tuple[tuple[int, int], ...]) -> Layout:
     """A fused run's inner layer: computed on a grown slab, correct where it lies inside the tensor."""
-    valid = tuple((max(s, 0), min(s + slab.length, size)) for s in slab.starts)
+    valid = tuple((max(s, 0), min(s + c, size)) for s, c in zip(slab.starts, slab.counts, strict=True))
     return Layout(slab, size, parts, valid)
 
 
@@ -91,9 +91,10 @@ def _take(x: jax.Array, axis: int, table: np.ndarray, fill: float, me: jax.Array
 
 
 def _rows_table(slab: Slab, size: int) -> np.ndarray:
-    """[node][row] global row of each slab row, -1 outside the tensor."""
+    """[node][row] global row of each slab row, -1 outside the tensor or past the rows that matter."""
     rows = np.asarray(slab.starts)[:, None] + np.arange(slab.length)[None, :]
-    return np.where((rows >= 0) & (rows < size), rows, -1)
+    matters = np.arange(slab.length)[None, :] < np.asarray(slab.counts)[:, None]
+    return np.where((rows >= 0) & (rows < size) & matters, rows, -1)
 
 
 class Assembler:
@@ -178,6 +179,23 @@ class Assembler:
         return _take(jnp.concatenate(pieces, axis), axis, where, 0.0, self.me)
 
 
+SCOPE = "bbgrap."
+
+
+def scope_of(layer_name: str) -> str:
+    """The name scope a layer's ops (and the collectives feeding it) carry in the compiled program."""
+    return SCOPE + layer_name.replace(":", "_")
+
+
+def layer_of_op(op_name: str) -> str | None:
+    """The layer name in a compiled op's metadata (`scope_of` reversed), or None."""
+    at = op_name.rfind(SCOPE)
+    if at < 0:
+        return None
+    word = op_name[at + len(SCOPE):].split("/")[0]
+    return word.replace("_", ":", 1)
+
+
 # ---- the explicit program ----------------------------------------------------------------------------------
 
 
@@ -259,14 +277,16 @@ def explicit_program(traced: TracedInference, directions: Mapping[str, str | Non
                 outs = jc.bind_eqn(fe.eqn, ins)
             else:
                 step = steps[traced.eqn_layers[e]]
-                outs = [_run_step(asm, step, fe, ins, layouts, shapes)]
+                with jax.named_scope(scope_of(step.layer.name)):
+                    outs = [_run_step(asm, step, fe, ins, layouts, shapes)]
                 layouts[fe.outputs[0]], shapes[fe.outputs[0]] = step.layout, step.layer.output_shape
             env.update(zip(fe.outputs, outs, strict=True))
         results = []
         for a in prog.outputs:
             value = a.val if jc.is_literal(a) else env[a]
             if not jc.is_literal(a) and a in layouts and layouts[a].slab is not None:
-                value = asm.acquire(value, layouts[a], Need(None), shapes[a])
+                with jax.named_scope(SCOPE + "output"):
+                    value = asm.acquire(value, layouts[a], Need(None), shapes[a])
             results.append(value)
         return tuple(results)
 
@@ -355,9 +375,13 @@ def constrained_program(traced: TracedInference, directions: Mapping[str, str | 
         for key, name in traced.input_keys.items():
             env[key] = place(env[key], name)
         for e, fe in enumerate(prog.eqns):
-            outs = jc.bind_eqn(fe.eqn, [a.val if jc.is_literal(a) else env[a] for a in fe.inputs])
-            if e in traced.eqn_layers:
-                outs = [place(outs[0], traced.eqn_layers[e]), *outs[1:]]
+            ins = [a.val if jc.is_literal(a) else env[a] for a in fe.inputs]
+            if e not in traced.eqn_layers:
+                outs = jc.bind_eqn(fe.eqn, ins)
+            else:
+                with jax.named_scope(scope_of(traced.eqn_layers[e])):
+                    outs = jc.bind_eqn(fe.eqn, ins)
+                    outs = [place(outs[0], traced.eqn_layers[e]), *outs[1:]]
             env.update(zip(fe.outputs, outs, strict=True))
         return jax.tree.unflatten(traced.out_tree, [a.val if jc.is_literal(a) else env[a] for a in prog.outputs])
 

@@ -31,17 +31,27 @@ from ..core.shapemap import Layer
 
 @dataclasses.dataclass(frozen=True)
 class Slab:
-    """Rows [starts[node], starts[node] + length) of `axis` on each node."""
+    """Rows [starts[node], starts[node] + length) of `axis` on each node, of which the first
+    counts[node] matter (a node's part of an uneven split is shorter than the common length; the rest
+    is computed on whatever is there and never read)."""
 
     axis: int
     starts: tuple[int, ...]
     length: int
+    counts: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.counts is None:
+            object.__setattr__(self, "counts", (self.length,) * len(self.starts))
 
     def shifted(self, scale: int, offset: int, length: int) -> Slab:
-        return Slab(self.axis, tuple(s * scale + offset for s in self.starts), length)
+        """The input rows a window of stride `scale` reads (padded coordinates), `length` in all."""
+        extent = length - (self.length - 1) * scale
+        counts = tuple((c - 1) * scale + extent if c > 0 else 0 for c in self.counts)
+        return Slab(self.axis, tuple(s * scale + offset for s in self.starts), length, counts)
 
     def on(self, axis: int) -> Slab:
-        return Slab(axis, self.starts, self.length)
+        return Slab(axis, self.starts, self.length, self.counts)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,7 +144,8 @@ def _window(layer: Layer, eqn: Any, slab: Slab, is_activation: tuple[bool, ...])
     per_in = layer.input_shapes[0][-1] // groups
     if slab.length % per_out or any(s % per_out for s in slab.starts):
         return None
-    need = Slab(slab.axis, tuple(s // per_out * per_in for s in slab.starts), slab.length // per_out * per_in)
+    need = Slab(slab.axis, tuple(s // per_out * per_in for s in slab.starts), slab.length // per_out * per_in,
+                tuple(-(-c // per_out) * per_in for c in slab.counts))
     return LocalRule((Need(need), Cut(out_dim, slab)), dict(p, feature_group_count=slab.length // per_out))
 
 
