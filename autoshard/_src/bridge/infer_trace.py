@@ -117,11 +117,36 @@ def _layer(name: str, eqn: Any, inputs: list[str], in_shapes: list[tuple[int, ..
         if len(inputs) != len(eqn.invars):
             raise _unsupported(name, "a concatenation of activations with constants")
         return Layer(kind="concat", axis=int(p["dimension"]), **common)
-    if len(inputs) == 2:
+    if not _elementwise(eqn):
+        raise _unsupported(name, f"a {prim} (input shapes {in_shapes} -> {out}), not an elementwise op")
+    if len(inputs) == 2 and all(_broadcasts(s, out) for s in in_shapes):
         return Layer(kind="add", **common)
     if len(inputs) == 1 and _broadcasts(in_shapes[0], out):
         return Layer(kind="elementwise", **common)
-    raise _unsupported(name, f"input shapes {in_shapes} -> {out}")
+    raise _unsupported(name, f"a {prim} of input shapes {in_shapes} -> {out}")
+
+
+# ops that compute each output element from the same element of each operand (broadcast_in_dim: from the
+# element it repeats); calls are elementwise when their bodies are
+_ELEMENTWISE = frozenset("""
+    abs acos acosh add and asin asinh atan atan2 atanh cbrt ceil clamp convert_element_type copy copy_p cos cosh
+    digamma div eq erf erf_inv erfc exp exp2 expm1 floor ge gt igamma imag integer_pow is_finite le lgamma log
+    log1p logistic lt max min mul ne neg nextafter not or pow real reduce_precision rem round rsqrt select_n
+    shift_left shift_right_arithmetic shift_right_logical sign sin sinh sqrt square sub tan tanh xor
+    """.split())
+_CALL_BODIES = {"custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr", "pjit": "jaxpr", "jit": "jaxpr",
+                "closed_call": "call_jaxpr", "checkpoint": "jaxpr", "remat": "jaxpr"}
+
+
+def _elementwise(eqn: Any) -> bool:
+    prim = eqn.primitive.name
+    if prim in _ELEMENTWISE:
+        return True
+    if prim == "broadcast_in_dim":       # right-aligned broadcasts only (a bias onto a map, a scalar fill)
+        shape, dims = eqn.params["shape"], tuple(eqn.params["broadcast_dimensions"])
+        return dims == tuple(range(len(shape) - len(dims), len(shape)))
+    body = jc.as_open_jaxpr(eqn.params.get(_CALL_BODIES.get(prim, ""), None))
+    return body is not None and all(_elementwise(inner) for inner in body[0].eqns)
 
 
 def _broadcasts(shape: tuple[int, ...], out: tuple[int, ...]) -> bool:

@@ -75,6 +75,20 @@ def flops_per_element(layer: Layer) -> float:
     return 0.0                            # input, concat, flatten: data movement only
 
 
+def _as_sent(layer: Layer, fetched: ShapeMap, owned: ShapeMap, producer: Direction, consumer: Direction) -> ShapeMap:
+    """What is actually sent for a fetch: a window's halo goes as whole rows of the sender's part. Eq. 4-6
+    give the hull of the elements a window reads in *every* dim; along a spatial dim that is split by
+    neither side it can stop short of the border (the last column when no tap reaches it), but both the
+    emitted exchange and XLA's send the producer part's whole extent there."""
+    if fetched.is_empty or layer.kind not in ("conv", "pool"):
+        return fetched
+    rank = fetched.rank
+    split = {direction_axis(d, rank) for d in (producer, consumer) if d is not None}
+    dims = tuple(o if 0 < i < rank - 1 and i not in split else f
+                 for i, (f, o) in enumerate(zip(fetched.dims, owned.dims, strict=True)))
+    return ShapeMap(dims)
+
+
 # ---- the cost model -------------------------------------------------------------------------------------
 
 
@@ -189,10 +203,12 @@ class CostModel:
             splits[layer.name] = self.split(direction)
             analysis = analyse_transfers([*stand_ins, layer], splits)
             for edge in analysis.inputs_of(layer.name):
-                itemsize = producers[int(edge.producer[2:])][1]
+                k = int(edge.producer[2:])
+                itemsize, owned = producers[k][1], self.split(producers[k][2]).regions(producers[k][0])
                 for dst in nodes:
                     for src in nodes:
-                        nbytes = edge.fetched[dst][src].num_elements * itemsize
+                        sent = _as_sent(layer, edge.fetched[dst][src], owned[src], producers[k][2], direction)
+                        nbytes = sent.num_elements * itemsize
                         receive[dst] += self.transfer_time(nbytes)
                         received[dst] += nbytes
                         per_producer[int(edge.producer[2:])] += nbytes
