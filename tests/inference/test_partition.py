@@ -264,3 +264,24 @@ def test_bad_input_raises_typed_errors():
                                                                                             "pool", "head")})
     with pytest.raises(ConfigError, match="not an earlier layer"):
         partition(layers[1:], CPU_ETH, 2)
+
+
+def test_heterogeneous_nodes_take_even_parts_when_those_predict_faster():
+    """With speeds (2, 1, 1, 1) the DP prices proportional and even parts and keeps the faster; the
+    result says which, and is never slower than either search alone."""
+    layers = [Layer("in", "input", output_shape=(1, 7, 7, 64)),
+              Layer("c", "conv", ("in",), ((1, 7, 7, 64),), (1, 7, 7, 64), Window((3, 3), padding=((1, 1), (1, 1))))]
+    hw = get_hardware("cpu-sim")
+    speeds = (2, 1, 1, 1)
+    both = partition(layers, hw, 4, speeds=speeds)
+    proportional = describe(*_dp(CostModel(layers, hw, 4, speeds)))
+    even = describe(*_dp(CostModel(layers, hw, 4, speeds, uneven=False)))
+    assert both.latency == min(proportional.latency, even.latency)
+    assert both.proportional == (proportional.latency <= even.latency)
+    assert both.weights == (both.speeds if both.proportional else None)
+
+
+def _dp(model):
+    from autoshard._src.inference.partition import _search
+    steps, _ = _search(model)
+    return model, {n: d for run, d in steps for n in run}, None, True, tuple(r for r, _ in steps if len(r) > 1)

@@ -66,11 +66,9 @@ def plan_traced(traced: TracedInference, config: InferenceConfig, signature: str
         result = describe(model, model.single_direction(single_direction(config.direction)), baselines(model))
     emission = config.emission
     if emission == "auto":
-        uneven_speeds = speeds is not None and len(set(speeds)) > 1
-        simple = not result.fused and not uneven_speeds and _even(traced, result.directions, n)
+        simple = not result.fused and not result.proportional and _even(traced, result.directions, n)
         emission = "constrained" if simple else "explicit"
-    elif emission == "constrained" and (result.fused or (speeds and len(set(speeds)) > 1)
-                                        or not _even(traced, result.directions, n)):
+    elif emission == "constrained" and (result.fused or result.proportional or not _even(traced, result.directions, n)):
         raise ConfigError(f"autoshard (inference): emission='constrained' needs even splits on equal nodes and no "
                           f"fused runs, but this plan has {len(result.fused)} fused runs / speeds {speeds} / uneven "
                           f"parts over {n} nodes. Fix: emission='auto' or 'explicit' (or max_fuse=1).")
@@ -101,9 +99,7 @@ def program(traced: TracedInference, plan: InferencePlan, mesh: Mesh) -> Callabl
     directions = plan.partition.directions
     if plan.emission == "constrained":
         return jax.jit(constrained_program(traced, directions, mesh))
-    speeds = plan.partition.speeds
-    weights = speeds if len(set(speeds)) > 1 else None
-    return jax.jit(explicit_program(traced, directions, plan.partition.fused, mesh, weights))
+    return jax.jit(explicit_program(traced, directions, plan.partition.fused, mesh, plan.partition.weights))
 
 
 class InferenceAutosharded:

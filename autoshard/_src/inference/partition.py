@@ -397,6 +397,12 @@ class InferencePartition:
     baselines: Mapping[str, float]        # "N", "C", "H", "W", "replicated" -> predicted latency
     exact: bool                           # the DP explored every frontier state
     fused: tuple[tuple[str, ...], ...] = ()   # fused runs, layer names in order
+    proportional: bool = False            # parts sized by the speeds (else Eq. 1's even parts)
+
+    @property
+    def weights(self) -> tuple[float, ...] | None:
+        """The split weights the parts were sized by (None: even parts)."""
+        return self.speeds if self.proportional else None
 
     @property
     def directions(self) -> dict[str, Direction]:
@@ -448,7 +454,7 @@ def describe(model: CostModel, directions: Mapping[str, Direction], baselines: M
                              max(0, initial.layer(n).initial_nbytes - sent[n]), head_of.get(n))
                    for n in model.by_name)
     return InferencePartition(model.num_nodes, model.speeds, layers, sum(lp.latency for lp in layers),
-                              dict(baselines or {}), exact, tuple(tuple(r) for r in fused))
+                              dict(baselines or {}), exact, tuple(tuple(r) for r in fused), model.weights is not None)
 
 
 def baselines(model: CostModel) -> dict[str, float]:
@@ -463,9 +469,19 @@ def partition(layers: Sequence[Layer], hardware: HardwareSpec, num_nodes: int,
     which runs of up to `max_fuse` layers to fuse (1: none).
 
     layers: the inference graph in topological order (`core.shapemap.Layer`, graph inputs as kind
-    "input"). speeds: relative node speeds (heterogeneous nodes get proportional, uneven parts).
+    "input"). speeds: relative node speeds; heterogeneous nodes get proportional, uneven parts, or
+    Eq. 1's even parts where those predict faster (`InferencePartition.proportional` says which).
     """
-    model = CostModel(layers, hardware, num_nodes, speeds, dtype, max_states=max_states, max_fuse=max_fuse)
+    models = [CostModel(layers, hardware, num_nodes, speeds, dtype, max_states=max_states, max_fuse=max_fuse)]
+    if models[0].weights is not None:   # heterogeneous: proportional parts can lose (small maps round badly)
+        models.append(CostModel(layers, hardware, num_nodes, speeds, dtype, uneven=False, max_states=max_states,
+                                max_fuse=max_fuse))
+    results = [_best(model) for model in models]
+    return min(results, key=lambda r: r.latency)       # ties: proportional parts (the first)
+
+
+def _best(model: CostModel) -> InferencePartition:
+    """The DP's plan under one cost model (one way of sizing the parts)."""
     steps, exact = _search(model)
     best = {name: d for run, d in steps for name in run}
     fused = tuple(run for run, _ in steps if len(run) > 1)
