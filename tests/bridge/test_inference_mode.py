@@ -224,3 +224,29 @@ def test_hardware_node_speeds_give_uneven_parts(toy):
     assert [e[1] for e in first.extents] == [4, 12] and plan.emission == "explicit"
     with pytest.raises(ConfigError, match="node_speeds for 2 nodes"):
         autoshard.plan(toy[0], *toy[1:3], mode="inference", mesh={"x": 3}, hardware=hardware)
+
+
+def test_nnx_model():
+    from flax import nnx
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.conv1 = nnx.Conv(3, 8, (3, 3), rngs=rngs)
+            self.bn = nnx.BatchNorm(8, use_running_average=True, rngs=rngs)
+            self.conv2 = nnx.Conv(8, 8, (3, 3), strides=2, rngs=rngs)
+            self.head = nnx.Linear(8, 5, rngs=rngs)
+
+        def __call__(self, x):
+            x = nnx.relu(self.bn(self.conv1(x)))
+            x = nn.max_pool(self.conv2(x), (2, 2), strides=(2, 2))
+            return self.head(x.mean(axis=(1, 2)))
+
+    graphdef, state = nnx.split(Net(nnx.Rngs(0)))
+
+    def apply(state, images):
+        return nnx.merge(graphdef, state)(images)
+
+    images = jax.random.normal(jax.random.key(3), (2, 16, 16, 3))
+    net = (apply, state, images, apply(state, images))
+    for direction in ("H", "W", "C", None):
+        _run(net, 3, direction=direction)
