@@ -87,7 +87,8 @@ def audited_columns(row: dict) -> dict:
         report = audit_inference(fast, params, images)
         error = float(jax.numpy.max(jax.numpy.abs(fast(params, images) - ref)))
         pred, aud = report["predicted_by_layer"], {k: v for k, v in report["audited_by_layer"].items() if k != "output"}
-        diff = {k: [pred.get(k, 0), aud.get(k, 0)] for k in sorted(set(pred) | set(aud)) if pred.get(k, 0) != aud.get(k, 0)}
+        diff = {k: [pred.get(k, 0), aud.get(k, 0)] for k in sorted(set(pred) | set(aud))
+                if pred.get(k, 0) != aud.get(k, 0)}
         out[label] = {"emission": report["emission"], "predicted_B": report["predicted_nbytes"],
                       "audited_B": report["audited_nbytes"], "output_B": report["output_nbytes"],
                       "by_kind_B": report["by_kind"], "differing_layers": diff, "max_abs_error": error}
@@ -272,7 +273,8 @@ def markdown(rows, hetero, sens, checks, hw, seconds) -> str:
         "distributed result on every node, which the plan does not price. `err` is the max abs difference "
         "from single-device inference.",
         "",
-        "| batch | nodes | plan | emission | predicted B | audited B | output B | by kind | layers differing (pred/aud) | err |",
+        "| batch | nodes | plan | emission | predicted B | audited B | output B | by kind | layers differing "
+        "(pred/aud) | err |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:

@@ -179,7 +179,7 @@ def test_new_shapes_are_planned_again(toy):
     apply, params, images, _ = toy
     fast = autoshard.autoshard(mode="inference", mesh={"x": 2})(apply)
     with pytest.raises(PlanError, match="no plan yet"):
-        fast.plan
+        _ = fast.plan
     fast(params, images)
     first = fast.plan
     small = images[:2]

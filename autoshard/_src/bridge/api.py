@@ -8,14 +8,16 @@ from typing import Any
 
 import jax
 
-from ..core.errors import ConfigError, HardwareError
+from ..core.errors import ConfigError
 from ..core.graph import OpGraph
-from ..core.hardware import HardwareSpec, get_hardware
+from ..core.hardware import HardwareSpec
 from ..plan.config import Config
 from ..plan.make import make_plan
 from ..plan.plan import Plan
 from ..plan.planner import expert_tensor_plan
+from .devices import local_hardware
 from .emit import JaxArgs
+from .infer_api import plan_inference
 from .profile import StepProfiler
 from .trace import trace
 
@@ -24,19 +26,6 @@ def bind(plan: Plan, *args: Any) -> Plan:
     """`plan` bound to the structure of `args` (arrays or ShapeDtypeStructs), so `plan.input_specs`
     and emission know the pytree; raises PlanError if the plan was made for other arguments."""
     return plan.with_args(JaxArgs.of(args))
-
-
-def local_hardware() -> HardwareSpec:
-    """The hardware preset of the local devices: the one default `Config.hardware=None` stands for."""
-    dev = jax.devices()[0]
-    if dev.platform == "cpu":
-        return get_hardware("cpu-sim")
-    kind = getattr(dev, "device_kind", "").upper()
-    for key, name in (("H100", "h100-sxm"), ("A100", "a100-sxm"), ("V100", "v100-sxm")):
-        if key in kind:
-            return get_hardware(name)
-    raise HardwareError(f"autoshard: no hardware preset for the local device kind {kind!r}; pass hardware= a preset "
-                        "name or explicit numbers, e.g. {'base': 'h100-sxm', 'flops': {...}, 'memory_bytes': ...}.")
 
 
 def local_config(config: Config) -> Config:
@@ -73,7 +62,6 @@ def plan(step: Callable, *args: Any, config: Any = None, mode: str = "train", **
         if config is not None:
             raise ConfigError("autoshard.plan: mode='inference' takes its options as keywords (mesh, hardware, "
                               "speeds, direction, max_fuse, data_argnums, emission), not config=.")
-        from .infer_api import plan_inference
         return plan_inference(step, *args, **kwargs)  # type: ignore[return-value]
     cfg = local_config(Config.make(config, **kwargs))
     t0 = time.perf_counter()

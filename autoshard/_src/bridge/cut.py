@@ -34,11 +34,11 @@ from ..core.attribution import parse_scope
 from ..core.errors import PipelineError
 from ..core.hardware import get_hardware
 from . import compat as jc
-from .api import local_hardware
 from .cut_3d import ActivationSpecs, dict_path, guard_gathers, plan_batch_axes, runnable_here, stage_specs
 from .cut_dag import assign as dag_assign
 from .cut_dag import plan_edges
 from .cut_place import anchors, live_bytes, plan_anchors, plan_stages
+from .devices import local_hardware
 from .remat import eqn_blocks, run_eqns
 from .repack import Repacker
 from .runtime import pipeline_value_and_grad

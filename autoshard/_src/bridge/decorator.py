@@ -23,6 +23,7 @@ from ..plan.plan import Plan
 from ..plan.planner import IDLE_AXIS
 from .api import bind, hardware_of, local_config, plan_traced
 from .emit import ShapesChanged, donated_argnums, jit_step, make_mesh, shape_guarded, shardings
+from .infer_api import InferenceAutosharded
 from .pipelined_step import pipelined_step, rematerialised
 from .trace import Traced, trace_step
 
@@ -304,7 +305,6 @@ def autoshard(fn: Callable | None = None, *, mode: str = "train", **kwargs) -> A
     if mode not in MODES:
         raise ConfigError(f"autoshard: mode={mode!r} must be one of {list(MODES)}.")
     if mode == "inference":
-        from .infer_api import InferenceAutosharded
         make: Callable = functools.partial(InferenceAutosharded, **kwargs)
     else:
         make = functools.partial(Autosharded, **kwargs)

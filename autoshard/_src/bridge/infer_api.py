@@ -23,6 +23,7 @@ from ..core.shapemap import direction_axis
 from ..inference.partition import CostModel, baselines, describe, partition
 from ..inference.plan import InferenceConfig, InferencePlan, single_direction
 from . import hlo as _hlo
+from .devices import local_hardware
 from .infer_emit import constrained_program, explicit_program, layer_of_op
 from .infer_trace import TracedInference, trace_inference
 
@@ -36,7 +37,6 @@ def _signature(args: tuple) -> str:
 def _hardware(config: InferenceConfig) -> HardwareSpec:
     if config.hardware is not None:
         return config.hardware
-    from .api import local_hardware
     return local_hardware()
 
 

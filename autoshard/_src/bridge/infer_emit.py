@@ -31,9 +31,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 from ..core.errors import PlanError
 from ..core.shapemap import Layer, Split, direction_axis
 from . import compat as jc
-from .infer_local import KEEP, Cut, LocalRule, Need, Slab, local_rule
+from .infer_local import Cut, LocalRule, Need, Slab, local_rule
 from .infer_trace import TracedInference
-
 
 # ---- layouts: which rows of a tensor each node holds ------------------------------------------------------
 
@@ -147,7 +146,8 @@ class Assembler:
             for j, (a, _) in senders.items():
                 i = (j + shift) % n
                 for r, g in enumerate(rows[i]):
-                    if where[i, r] < 0 and g >= 0 and a <= g < a + length and layout.owned[j][0] <= g < layout.owned[j][1]:
+                    owner = layout.owned[j][0] <= g < layout.owned[j][1]
+                    if where[i, r] < 0 and g >= 0 and a <= g < a + length and owner:
                         where[i, r] = offset + g - a
             offset += length
         missing = (rows >= 0) & (where < 0)
@@ -212,7 +212,7 @@ def plan_steps(traced: TracedInference, directions: Mapping[str, str | None], fu
                n: int, weights: Sequence[float] | None) -> dict[str, LayerStep | Layout]:
     """Per layer: its input layout (graph inputs) or the step computing it. A fused run's inner layers
     compute the slab the next layer of the run reads (required_input backwards, in padded rows)."""
-    by_name, prog = traced.by_name, traced.program
+    prog = traced.program
     index = {name: e for e, name in traced.eqn_layers.items()}
     inner = {name: run for run in fused for name in run[:-1]}
     out: dict[str, LayerStep | Layout] = {}
@@ -342,8 +342,9 @@ def _bind_local(eqn: Any, ins: list, params: dict, full: tuple[int, ...], slab: 
         p = dict(inner.params)
         if tuple(p.get("shape", ())) == full:
             p["shape"] = local
-        outs = ([_bind_local(inner, [read(v) for v in inner.invars], p, full, slab)]
-                if inner.primitive.name in _CALLS else jc.bind_eqn(inner.replace(params=p), [read(v) for v in inner.invars]))
+        args = [read(v) for v in inner.invars]
+        outs = ([_bind_local(inner, args, p, full, slab)] if inner.primitive.name in _CALLS
+                else jc.bind_eqn(inner.replace(params=p), args))
         env.update(zip(inner.outvars, outs, strict=True))
     return read(jaxpr.outvars[0])
 

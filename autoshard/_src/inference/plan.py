@@ -152,7 +152,8 @@ class InferencePlan:
         p = self.partition
         speeds = "equal" if len(set(p.speeds)) == 1 else ", ".join(f"{s:g}" for s in p.speeds) + (
             ", parts proportional to them" if p.proportional else ", even parts (predicted faster than proportional)")
-        head = (f"inference plan: {self.num_nodes} nodes on axis {self.axis_name!r} ({self.hardware}; speeds {speeds}); "
+        head = (f"inference plan: {self.num_nodes} nodes on axis {self.axis_name!r} ({self.hardware}; "
+                f"speeds {speeds}); "
                 f"emitted as {self.emission} program; planned in {self.plan_seconds:.2f} s")
         rows = [f"{'layer':<24} {'kind':<11} {'split':<10} {'extents per node':<34} {'recv B':>10} {'sent B':>10} "
                 f"{'removed B':>10} {'ms':>9}"]
