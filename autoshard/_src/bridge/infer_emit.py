@@ -228,23 +228,19 @@ def plan_steps(traced: TracedInference, directions: Mapping[str, str | None], fu
         if layer.name in inner:
             run = inner[layer.name]
             nxt = out[run[run.index(layer.name) + 1]]
-            assert isinstance(nxt, LayerStep) and nxt.rule is not None
-            slab = nxt.rule.operands[0].slab
+            need = nxt.rule.operands[0] if isinstance(nxt, LayerStep) and nxt.rule is not None else None
+            if not isinstance(need, Need) or need.slab is None:
+                raise PlanError(f"autoshard (inference): layer {nxt.layer.name} ({nxt.layer.kind}) of fused run "
+                                f"{list(run)} cannot compute its part from a grown slab of {layer.name}; plan with "
+                                "max_fuse=1.")
+            slab = need.slab
             layout = grown_layout(slab, layer.output_shape[slab.axis], parts)
         rule = local_rule(layer, eqn, slab, acts)
-        if layer.name in inner and rule is None or _fused_next_needs_whole(out, inner, layer.name):
+        if layer.name in inner and rule is None:
             raise PlanError(f"autoshard (inference): layer {layer.name} ({layer.kind}) cannot compute a grown slab "
-                            "for its fused run; plan with inference_options={'max_fuse': 1}.")
+                            "for its fused run; plan with max_fuse=1.")
         out[layer.name] = LayerStep(layer, index[layer.name], slab, layout, rule)
     return out
-
-
-def _fused_next_needs_whole(out: Mapping[str, Any], inner: Mapping[str, Sequence[str]], name: str) -> bool:
-    if name not in inner:
-        return False
-    run = inner[name]
-    nxt = out[run[run.index(name) + 1]]
-    return not isinstance(nxt.rule.operands[0], Need) or nxt.rule.operands[0].slab is None
 
 
 def _is_act(traced: TracedInference, key: Any) -> bool:
