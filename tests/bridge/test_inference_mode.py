@@ -250,3 +250,13 @@ def test_nnx_model():
     net = (apply, state, images, apply(state, images))
     for direction in ("H", "W", "C", None):
         _run(net, 3, direction=direction)
+
+
+@pytest.mark.parametrize("direction, n", [("H", 2), ("W", 4)])
+def test_resnet_audited_halo_bytes_equal_predicted(direction, n):
+    apply, params, images = _model("resnet", "debug", batch=1)
+    fast = autoshard.autoshard(mode="inference", mesh={"x": n}, direction=direction)(apply)
+    report = audit_inference(fast, params, images)
+    audited = {k: v for k, v in report["audited_by_layer"].items() if k != "output"}
+    assert report["emission"] == "constrained" and audited == report["predicted_by_layer"]
+    assert sum(audited.values()) > 0
