@@ -145,6 +145,13 @@ def parameter_modules(graph: OpGraph) -> tuple[dict[int, str], dict[str, str]]:
             by_arg.setdefault(values[v].keypath_parts[0], []).append(v)
     module_of: dict[int, str] = {}
     rel_to_module: dict[tuple, str] = {}
+    # with the optimizer in the step, a trainable parameter is read by the update; model state read
+    # only by the forward pass (BatchNorm running statistics) is a "buffer": no gradient, no sync
+    has_update = any(op.phase == "optimizer" for op in graph.ops)
+
+    def updated(v: int) -> bool:
+        return any(graph.ops[c].phase == "optimizer" for c in values[v].consumers)
+
     for vids in by_arg.values():
         mods = [_rel_parts(values[v])[:-1] for v in vids]
         # strip wrappers all leaves of one argument share ("params" in linen, ".params" in a
@@ -163,12 +170,16 @@ def parameter_modules(graph: OpGraph) -> tuple[dict[int, str], dict[str, str]]:
             name = _join(own)
             if not name:
                 # a leaf at the top of a tree of parameters (BERT's output bias) belongs to the
-                # module reading it; top-level leaves of other arguments (the batch) are data
-                if not any(len(m) > len(prefix) for m in mods):
+                # module reading it; top-level leaves of other arguments (the batch) are data,
+                # unless the step's update reads them: a flat dict of weights is parameters by role
+                by_role = has_update and updated(v)
+                if not any(len(m) > len(prefix) for m in mods) and not by_role:
                     continue
                 readers = [parse_scope(graph.ops[c].scope)[0] for c in values[v].consumers
                            if graph.ops[c].phase == "forward"]
                 name = next((r for r in readers if r), "")
+                if not name and by_role:
+                    name = _join(_rel_parts(values[v])[-1:])
                 if not name:
                     continue
             name = _scope_name_for(graph, v, name)
@@ -185,13 +196,10 @@ def parameter_modules(graph: OpGraph) -> tuple[dict[int, str], dict[str, str]]:
                 return hit
         return None
 
-    # with the optimizer in the step, a trainable parameter is read by the update; model state read
-    # only by the forward pass (BatchNorm running statistics) is a "buffer": no gradient, no sync
-    has_update = any(op.phase == "optimizer" for op in graph.ops)
     for v in graph.inputs:
         val = values[v]
         if v in module_of:
-            trained = not has_update or any(graph.ops[c].phase == "optimizer" for c in val.consumers)
+            trained = not has_update or updated(v)
             val.role, val.module = ("parameter" if trained else "buffer"), module_of[v]
         elif (hit := match(_rel_parts(val))) is not None:
             module_of[v] = hit

@@ -1,11 +1,11 @@
 """Expert reference plans: the shardings people write by hand, as points of the search space
 (pure: no jax import).
 
-Each expert is a rule over parameter keypaths, the way hand-written sharding rules are
-(Megatron-LM, t5x/MaxText logical-axis rules): which dimension of which parameter is split on
-which mesh axes. The rules are turned into an assignment of mesh axes to factors (logical dims),
-so the planner's own cost and memory model prices them, and the audit checks them, exactly like
-the automatic plan.
+Each expert is an assignment of mesh axes to factors (logical dims), so the planner's own cost and
+memory model prices it, and the audit checks it, exactly like the automatic plan. Which factors
+Megatron splits is read from the program's structure (`tensor_parallel_factors`: the inner dim of
+each column-parallel / row-parallel matmul pair), so it applies whatever the modules are called;
+only the vocabulary is still recognised by the embedding's keypath.
 
 * data-parallel: the batch on every mesh axis, parameters and optimizer state replicated.
 * fsdp: the batch on every axis, parameters and optimizer state sharded (ZeRO-3).
@@ -29,14 +29,6 @@ from .factors import FactorGraph
 EXPERTS = ("data-parallel", "fsdp", "megatron", "data-megatron")
 
 # (pattern over "a/b/c" keypaths, dim to split); the pattern is searched, so a prefix may precede it
-COLUMN_RULES: tuple[tuple[str, int], ...] = (
-    (r"(^|/)(q|k|v|query|key|value|qkv|q_proj|k_proj|v_proj|wq|wk|wv)/kernel$", -1),
-    (r"(^|/)(fc1|wi|wi_0|wi_1|up|up_proj|gate|gate_proj|intermediate|fc_in|ffn_in|dense_in)/kernel$", -1),
-)
-ROW_RULES: tuple[tuple[str, int], ...] = (
-    (r"(^|/)(o|out|out_proj|o_proj|wo|attn_out)/kernel$", 0),
-    (r"(^|/)(fc2|down|down_proj|fc_out|ffn_out|dense_out)/kernel$", 0),
-)
 VOCAB_RULES: tuple[tuple[str, int], ...] = (
     (r"(^|/)(wte|embed|embedding|embeddings|token_embed|token_embedding|tok_embeddings|shared)/embedding$", 0),
     (r"(^|/)(lm_head|head)/kernel$", -1),
@@ -44,7 +36,6 @@ VOCAB_RULES: tuple[tuple[str, int], ...] = (
 # position tables (T5's relative attention bias, learned positions) look like embeddings but
 # Megatron-LM keeps them whole: their rows are buckets or positions, not the vocabulary
 NOT_VOCAB = re.compile(r"(^|/)(relative_attention_bias|rel_pos\w*|pos_emb\w*|position\w*|wpe)(/|$)")
-_CHAIN = re.compile(r"(^|/)dense_(\d+)/kernel$")
 
 
 @functools.lru_cache(maxsize=16384)   # the planner asks per parameter and per submesh shape
@@ -70,35 +61,56 @@ def batch_factors(graph: OpGraph, fg: FactorGraph) -> list[int]:
 
 
 def tensor_parallel_factors(graph: OpGraph, fg: FactorGraph, in_map: dict[int, int]) -> list[int]:
-    """Factors Megatron splits, from the parameters' keypaths."""
-    out: list[int] = []
-    params = [(v, val, keypath_path(val.keypath or "")) for v in graph.inputs
-              if (val := graph.values[v]).role == "parameter"]
-    chain = [i for _, _, path in params if (i := _chain_index(path)) is not None]
-    last = max(chain) if len(chain) > 1 else None
-    for v, val, path in params:
-        if len(val.shape) < 2:
+    """Factors Megatron splits, found from the program's structure, not from names: the inner dim of a
+    column-parallel / row-parallel matmul pair. A factor qualifies when a forward matmul of activations
+    by weights produces it (a weight dim the activation lacks: the FFN hidden dim, the attention heads),
+    a later such matmul contracts it, it is in no data input, and nothing between reduces over it (a
+    norm's mean over the model dim, attention's scores contracting head_dim, a loss over the vocabulary).
+    Along a chain of dense layers the pairs alternate: a factor sharing a weight with one already taken
+    is left whole (column, row, column, ...). Works on Flax default names (`Dense_0`), on
+    `nn.MultiHeadDotProductAttention` (heads, not head_dim), nnx modules and flat dicts of weights."""
+    weights = _weight_values(graph, fg)
+    data = {f for v in graph.inputs if graph.values[v].role == "data" for f in fg.value_factors(v) if f is not None}
+    produced: dict[int, int] = {}          # factor -> first op producing it (program order)
+    contracted: set[int] = set()
+    reduced_elsewhere: set[int] = set()
+    for i in sorted(fg.op_factors):
+        op, of = graph.ops[i], fg.op_factors[i]
+        if op.phase != "forward":
             continue
-        dims = list(_rule_dims(path, vocab_only=False))
-        i = _chain_index(path)
-        if i is not None and last is not None and i < last:
-            dims.append(-1 if i % 2 == 0 else 0)  # column, row, column, ... not the last layer
-        if not dims:
-            continue
-        src = in_map.get(v, v)
-        fs = fg.value_factors(src)
-        for d in dims:
-            f = fs[d] if len(fs) == len(val.shape) else None
-            if f is not None and f not in out:
-                out.append(f)
-    return out
+        w = [v in weights for v in op.inputs]
+        if op.primitive == "dot_general" and len(w) == 2 and w.count(True) == 1:
+            act = fg.value_factors(op.inputs[w.index(False)])
+            for f in of.out_factors:
+                if f is not None and f not in act:
+                    produced.setdefault(f, i)
+            contracted |= of.reduced
+        else:
+            reduced_elsewhere |= of.reduced
+    param_factors = set()
+    for v in graph.inputs:
+        val = graph.values[v]
+        if val.role == "parameter" and len(val.shape) >= 2:
+            param_factors |= {f for f in fg.value_factors(in_map.get(v, v)) if f is not None}
+    candidates = [f for f in sorted(produced, key=produced.get)
+                  if f in contracted and f in param_factors and f not in data and f not in reduced_elsewhere
+                  and f not in fg.repeated]
+    chosen: list[int] = []
+    for f in candidates:        # alternate along chains: never two split dims in one tensor
+        if not any(h in fg.cooccur.get(f, ()) for h in chosen):
+            chosen.append(f)
+    # the vocabulary (embedding rows, an untied head's columns): Megatron-LM's vocab-parallel split
+    return chosen + [f for f in vocab_factors(graph, fg, in_map) if f not in chosen]
 
 
-@functools.lru_cache(maxsize=16384)
-def _chain_index(path: str) -> int | None:
-    """k of a chain of dense layers' "dense_<k>/kernel", else None."""
-    m = _CHAIN.search(path)
-    return int(m.group(2)) if m is not None else None
+def _weight_values(graph: OpGraph, fg: FactorGraph) -> set[int]:
+    """Values computed from parameters alone (a kernel, its cast or reshape), in the analysed ops."""
+    weights = {v for v in graph.inputs if graph.values[v].role in ("parameter", "buffer")}
+    for i in sorted(fg.op_factors):
+        op = graph.ops[i]
+        if op.inputs and all(v in weights for v in op.inputs):
+            weights.update(op.outputs)
+    return weights
 
 
 def _fits(fg: FactorGraph, factors: Sequence[int], mesh: MeshSpec, axes: Sequence[str]) -> bool:
@@ -197,5 +209,4 @@ def _rule_dims(path: str, vocab_only: bool) -> tuple[int, ...]:
     """The dims the column, row and vocabulary rules split in the parameter at `path` (only the
     vocabulary rules' with `vocab_only`), in rule order."""
     vocab = () if NOT_VOCAB.search(path) else VOCAB_RULES
-    rules = vocab if vocab_only else (*COLUMN_RULES, *ROW_RULES, *vocab)
-    return tuple(d for pat, d in rules if re.search(pat, path))
+    return tuple(d for pat, d in vocab if re.search(pat, path))
