@@ -237,6 +237,7 @@ def attribute_modules(graph: OpGraph) -> None:
     input_module, output_module = parameter_modules(graph)
     value_module = _parameter_values(graph, input_module)
     label = _direct_labels(graph, value_module)
+    direct = list(label)
     out_label: dict[int, str] = {}
     for vid, kp in zip(graph.outputs, graph.output_keypaths, strict=True):
         if kp in output_module:
@@ -246,6 +247,8 @@ def attribute_modules(graph: OpGraph) -> None:
                          and any(v in value_module for v in op.inputs)), default=len(ops))
     _label_backwards(graph, label, out_label, last_param_op)
     _label_forwards(graph, label, last_param_op)
+    if not any(op.scope_module for op in ops if op.phase == "forward"):
+        _residual_adds(graph, label, direct)
     for op in ops:
         op.module = label[op.index] or ""
 
@@ -284,6 +287,23 @@ def _direct_labels(graph: OpGraph, value_module: dict[int, str]) -> list[str | N
     return label
 
 
+def _residual_adds(graph: OpGraph, label: list[str | None], direct: list[str | None]) -> None:
+    """A residual add (the sum of a parameterised op's output and another stream) belongs to the
+    module whose output it adds, not to whatever reads the sum next: without name scopes (nnx) the
+    last block's add would join the head and each other add the next block's norm, and repeated
+    blocks would no longer look alike."""
+    ops, values = graph.ops, graph.values
+    for op in ops:
+        if direct[op.index] is not None or op.phase != "forward" or op.primitive not in ("add", "add_any"):
+            continue
+        producers = [values[v].producer for v in op.inputs]
+        if len(producers) != 2 or any(p is None or ops[p].phase != "forward" for p in producers):
+            continue
+        owned = [p for p in producers if direct[p]]     # outputs of parameterised ops (rule 3)
+        if owned:
+            label[op.index] = direct[max(owned)]
+
+
 def _consensus(graph: OpGraph, label: list[str | None], out_label: dict[int, str], op: Op) -> str | None:
     """The one module the labelled consumers of op's outputs (and the step outputs they are)
     agree on; None if they disagree or none is labelled."""
@@ -292,6 +312,10 @@ def _consensus(graph: OpGraph, label: list[str | None], out_label: dict[int, str
     # pass (gelu's 3x² term, say) by their backward consumers
     forward = op.phase == "forward" and any(
         ops[c].phase == "forward" for v in op.outputs for c in values[v].consumers)
+    if op.phase == "forward" and not forward and not any(v in out_label for v in op.outputs):
+        # a residual computed only for the backward pass (rsqrt's derivative in a norm): its backward
+        # consumers flow into the previous layer's gradient, so it is decided from its inputs
+        return None
     agreed = None
     for v in op.outputs:
         cands = [label[c] for c in values[v].consumers

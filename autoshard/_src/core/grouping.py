@@ -216,7 +216,7 @@ class _ModuleTree:
         for mod in self.by_module:
             for d in range(1, len(mod) + 1):
                 self.node_modules[mod[:d]].append(mod)
-        self.fwd_key, self.kinds = _forward_compositions(self.ops, self.by_module)
+        self.fwd_key, self.kinds = _forward_compositions(graph, self.by_module)
         self.params_of = _params_by_module(graph)
         self.trip_of = _loop_bodies(self, tolerance)
 
@@ -262,16 +262,34 @@ class _ModuleTree:
         return sum(self.multiplicity(n) for n in members)
 
 
-def _forward_compositions(ops, by_module: dict[_Node, list[int]]) -> tuple[dict[_Node, Counter], list[tuple]]:
+def _forward_compositions(graph: OpGraph, by_module: dict[_Node, list[int]]
+                          ) -> tuple[dict[_Node, Counter], list[tuple]]:
     """Per module, the count of each forward op kind (primitive, shapes) by interned id; and the
-    kinds, indexed by id."""
+    kinds, indexed by id. Forward ops that only feed the backward pass (the residuals of an input
+    gradient, which the first block of a network fed by data does not compute) are left out: they
+    are what legitimately differs between the first instance and the others."""
+    ops, values = graph.ops, graph.values
+    outputs = set(graph.outputs)
+    feeds_forward = [False] * len(ops)       # reaches a step output through forward ops only
+    for op in reversed(ops):
+        if op.phase == "forward":
+            feeds_forward[op.index] = any(v in outputs or any(ops[c].phase == "forward" and feeds_forward[c]
+                                                              for c in values[v].consumers) for v in op.outputs)
+
+    forward = sum(op.phase == "forward" for op in ops)
+    if sum(feeds_forward) * 2 < forward:   # the step returns no loss: nothing to tell residuals by
+        feeds_forward = [True] * len(ops)
+
+    def computes_forward(op) -> bool:
+        return feeds_forward[op.index]
+
     key_ids: dict[tuple, int] = {}
     fwd_key: dict[_Node, Counter] = {}
     for mod, idxs in by_module.items():
         c: Counter = Counter()
         for i in idxs:
             op = ops[i]
-            if op.phase == "forward":
+            if op.phase == "forward" and computes_forward(op):
                 k = (op.primitive, op.in_shapes, op.out_shapes)
                 c[key_ids.setdefault(k, len(key_ids))] += 1
         fwd_key[mod] = c
