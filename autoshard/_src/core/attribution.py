@@ -296,10 +296,10 @@ def _residual_adds(graph: OpGraph, label: list[str | None], direct: list[str | N
     for op in ops:
         if direct[op.index] is not None or op.phase != "forward" or op.primitive not in ("add", "add_any"):
             continue
-        producers = [values[v].producer for v in op.inputs]
-        if len(producers) != 2 or any(p is None or ops[p].phase != "forward" for p in producers):
+        producers = [values[v].producer for v in op.inputs]   # None: an input, or a loop's carry
+        if len(producers) != 2 or any(p is not None and ops[p].phase != "forward" for p in producers):
             continue
-        owned = [p for p in producers if direct[p]]     # outputs of parameterised ops (rule 3)
+        owned = [p for p in producers if p is not None and direct[p]]   # outputs of parameterised ops
         if owned:
             label[op.index] = direct[max(owned)]
 
