@@ -110,3 +110,18 @@ def test_megatron_priced_for_every_zoo_transformer(name):
     plan = autoshard.plan(m.train_step, *args, mesh={"data": 2, "model": 2}, hardware="cpu-sim")
     lines = [line for line in plan.explain().splitlines() if "megatron" in line]
     assert len(lines) == 2 and not any("not applicable" in line for line in lines), lines
+
+
+def test_explain_names_dims_that_cannot_split():
+    params = {"w0": jnp.ones((60, 1000)), "w1": jnp.ones((1000, 60))}
+    batch = {"x": jnp.ones((30, 60)), "y": jnp.ones((30, 60))}
+
+    def loss(p, b):
+        return jnp.mean((jax.nn.relu(b["x"] @ p["w0"]) @ p["w1"] - b["y"]) ** 2)
+
+    args = _abstract((params, opt.init(params), batch))
+    text = autoshard.plan(_step(loss), *args, mesh={"data": 4}, hardware="cpu-sim").explain()
+    # 30 rows cannot split over 4 devices: said, with what padding would cost
+    assert "[2]['x'] dim 0 (size 30) over data (4): padding to 32 would add 6.7% work" in text
+    text = autoshard.plan(_step(loss), *args, mesh={"data": 2, "model": 2}, hardware="cpu-sim").explain()
+    assert "could not split" not in text                           # everything divides

@@ -16,6 +16,22 @@ def _span(units: tuple[int, ...]) -> str:
     return f"{len(units)} ({units[0]}..{units[-1]})"
 
 
+def _uneven_dims(factors: Any, mesh: Any) -> list[str]:
+    """One line per unsplit dim that some mesh axis does not divide: the axis, and the work padding
+    it to the next multiple would add (jax cannot shard a step argument unevenly; this plan leaves it
+    whole on that axis instead, each device computing it in full)."""
+    out = []
+    for _, desc, size, axes in factors:
+        if axes or size < 2:
+            continue
+        for name, n in mesh:
+            if n > 1 and size % n and size >= n:
+                padded = -(-size // n) * n
+                out.append(f"  {desc} (size {size}) over {name} ({n}): padding to {padded} would add "
+                           f"{(padded - size) / size:.1%} work; left whole on {name}, its work repeats on each of the {n} devices")
+    return out
+
+
 def explain_tensor(self: Any) -> str:
     """Tensor plan report: factors -> axes, predicted collectives, per-parameter specs, vs experts."""
     p = self.predicted
@@ -33,6 +49,10 @@ def explain_tensor(self: Any) -> str:
     ]
     for _, desc, size, axes in self.factors:
         lines.append(f"  {desc:<40} size {size:<8} -> {', '.join(axes) if axes else 'replicated'}")
+    uneven = _uneven_dims(self.factors, self.mesh)
+    if uneven:
+        lines.append("dims the search could not split (a dim splits only over axes whose size divides it):")
+        lines.extend(uneven)
     lines.append("")
     if p.get("collectives"):
         lines.append("predicted collectives per step (per-device buffer bytes):")
