@@ -284,7 +284,22 @@ def _direct_labels(graph: OpGraph, value_module: dict[int, str]) -> list[str | N
             if m is not None and values[v].nbytes > best_bytes:
                 best, best_bytes = m, values[v].nbytes
         label[op.index] = best
+    if not has_scopes:
+        _activations(graph, label)
     return label
+
+
+def _activations(graph: OpGraph, label: list[str | None]) -> None:
+    """Without name scopes, an elementwise function applied straight to a parameterised op's output
+    (tanh(x @ w + b), a gelu's first op) belongs to that op's module: the next layer reads it too, and
+    its derivative residual only feeds the backward pass, so neither consumer should claim it."""
+    ops, values = graph.ops, graph.values
+    for op in ops:
+        if label[op.index] is not None or op.phase != "forward" or len(op.inputs) != 1 or len(op.outputs) != 1:
+            continue
+        p = values[op.inputs[0]].producer
+        if p is not None and label[p] and ops[p].phase == "forward" and op.out_shapes[0] == op.in_shapes[0]:
+            label[op.index] = label[p]
 
 
 def _residual_adds(graph: OpGraph, label: list[str | None], direct: list[str | None]) -> None:

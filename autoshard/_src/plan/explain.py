@@ -28,7 +28,8 @@ def _uneven_dims(factors: Any, mesh: Any) -> list[str]:
             if n > 1 and size % n and size >= n:
                 padded = -(-size // n) * n
                 out.append(f"  {desc} (size {size}) over {name} ({n}): padding to {padded} would add "
-                           f"{(padded - size) / size:.1%} work; left whole on {name}, its work repeats on each of the {n} devices")
+                           f"{(padded - size) / size:.1%} work; left whole on {name}, its work repeats on each "
+                           f"of the {n} devices")
     return out
 
 
