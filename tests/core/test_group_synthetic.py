@@ -302,10 +302,11 @@ def test_attribution_from_parameters_nnx_like():
         assert (graph.values[mus[i]].role, graph.values[mus[i]].module) == ("state", mod)
     assert graph.values[x].role == graph.values[y].role == "data"
     assert [ops[i].module for i in loss_ops] == ["", "", ""]
-    # nnx-style numbered paths group; the tanh between blocks joins its consumer (rule 4), so
-    # blocks/0 holds 1 forward op against 2 and stays out in this tiny model
+    # nnx-style numbered paths group; the tanh applied to a block's matmul joins that block (not the
+    # next block reading it), so every block holds matmul + tanh and all three group
+    assert all(ops[graph.values[h].producer].module == f"blocks/{i}/fc" for i, h in enumerate(hs[1:]))
     bt = only_type(group(graph))
-    assert (bt.name, [i.path for i in bt.instances]) == ("blocks/*", ["blocks/1", "blocks/2"])
+    assert (bt.name, [i.path for i in bt.instances]) == ("blocks/*", ["blocks/0", "blocks/1", "blocks/2"])
 
 
 # 12. property: random block compositions -----------------------------------------------------
