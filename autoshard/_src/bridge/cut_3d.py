@@ -80,26 +80,31 @@ class ActivationSpecs:
     data/model axes); `enabled` is cleared when the stages run data parallel instead."""
 
     def __init__(self, prog: Any, modules: list[str], plan: Any, mesh: Mesh):
-        wanted = {key: spec for st in plan.stages for key, spec in st.activation_constraints}
+        wanted: dict[str, list] = {}     # several for one op: its layout, then its consumers' (region cuts)
+        for st in plan.stages:
+            for key, spec in st.activation_constraints:
+                wanted.setdefault(key, []).append(spec)
         keys = keys_in_order((modules[e], fe.eqn.primitive.name) for e, fe in enumerate(prog.eqns))
-        self.specs: dict[int, Any] = {}
+        self.specs: dict[int, list] = {}
         sizes = dict(mesh.shape)
         for e, fe in enumerate(prog.eqns):
-            spec = wanted.get(keys[e])
             out = fe.eqn.outvars[0].aval if fe.eqn.outvars else None
-            if spec is None or out is None or len(spec) != len(out.shape):
-                continue
-            # axes the runtime's mesh lacks (size 1) or that do not divide this micro-batch shape drop out
-            spec = tuple(tuple(a for a in ax if a in sizes and a != "pipe") for ax in spec)
-            self.specs[e] = fitting_spec(tuple(out.shape), spec, sizes)
+            for spec in wanted.get(keys[e], ()):
+                if out is None or len(spec) != len(out.shape):
+                    continue
+                # axes the runtime's mesh lacks (size 1) or that do not divide this micro-batch shape drop out
+                spec = tuple(tuple(a for a in ax if a in sizes and a != "pipe") for ax in spec)
+                self.specs.setdefault(e, []).append(fitting_spec(tuple(out.shape), spec, sizes))
         self.wanted = len(wanted)
         self.enabled = True
 
     def after(self, e: int, outs: list) -> list:
-        spec = self.specs.get(e) if self.enabled else None
-        if spec is None or not jax.sharding.get_abstract_mesh().axis_names:
+        specs = self.specs.get(e) if self.enabled else None
+        if not specs or not jax.sharding.get_abstract_mesh().axis_names:
             return outs         # outside the runtime's shard_map (a shape pass): nothing to place
-        return [jax.lax.with_sharding_constraint(outs[0], partition_spec(spec)), *outs[1:]]
+        for spec in specs:
+            outs = [jax.lax.with_sharding_constraint(outs[0], partition_spec(spec)), *outs[1:]]
+        return outs
 
 
 def dict_path(key: str) -> str:

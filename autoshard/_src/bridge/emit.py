@@ -77,16 +77,16 @@ def constrained(traced: Traced, plan: Plan, mesh: Mesh) -> Callable:
     stable key (`op_keys`); this trace's keys map them to its top-level eqns."""
     graph = traced.graph
     index = {k: i for i, k in enumerate(op_keys(graph))}
-    by_eqn: dict[int, NamedSharding] = {}
-    for key, spec in plan.activation_constraints:
+    by_eqn: dict[int, list[NamedSharding]] = {}
+    for key, spec in plan.activation_constraints:      # two for one op: its layout, then its consumers'
         i = index.get(key)
         if i is not None and not graph.ops[i].nested:
-            by_eqn[graph.ops[i].top_eqn] = NamedSharding(mesh, partition_spec(spec))
+            by_eqn.setdefault(graph.ops[i].top_eqn, []).append(NamedSharding(mesh, partition_spec(spec)))
 
     def after(k: int, outs: list) -> list:
-        s = by_eqn.get(k)
-        if s is not None and getattr(outs[0], "ndim", 0) == len(s.spec):
-            outs = [jax.lax.with_sharding_constraint(outs[0], s), *outs[1:]]
+        for s in by_eqn.get(k, ()):
+            if getattr(outs[0], "ndim", 0) == len(s.spec):
+                outs = [jax.lax.with_sharding_constraint(outs[0], s), *outs[1:]]
         return outs
 
     def run(*call_args):

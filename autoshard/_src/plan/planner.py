@@ -150,26 +150,63 @@ def describe_factors(graph: OpGraph, fg, candidates: tuple[int, ...],
         for d, f in enumerate(fg.value_factors(v)):
             if f is not None and f not in desc:
                 desc[f] = f"{val.keypath} dim {d}"
+    for v, _, after in getattr(fg, "cuts", ()):    # a region's own dims: where the values cross into it
+        for d, f in enumerate(after):
+            if f is not None and f not in desc:
+                p = graph.values[v].producer
+                where = graph.ops[p].module if p is not None else ""
+                desc[f] = f"{where or 'region'} boundary dim {d} (as its consumers read it)"
     return [(f, desc.get(f, f"factor {f}"), fg.factor_size(f), axes_of.get(f, ())) for f in candidates]
 
 
 def activation_constraints(graph: OpGraph, op_map: dict[int, int], fg: Any, axes_of: dict[int, tuple[str, ...]],
                            ops: set[int] | None = None, keys: list[str] | None = None) -> list[tuple[str, Spec]]:
     """(op key, spec) of the forward matmul / gather / convolution outputs the plan splits (of `ops`
-    only, when given): what emission pins so XLA follows the plan between the parameters. `keys`:
+    only, when given): what emission pins so XLA follows the plan between the parameters. A value cut
+    at a region boundary (an MoE dispatch or expert output) gets a second entry for the same op: the
+    layout its consumers read, so XLA reshards it in place (an all-to-all) before any transpose. `keys`:
     `op_keys(graph)`, for callers asking once per stage (it walks the whole graph)."""
     keys = keys if keys is not None else op_keys(graph)
+    cut_after = {v: after for v, _, after in getattr(fg, "cuts", ())}
     out = []
     for op in (graph.ops if ops is None else (graph.ops[i] for i in sorted(ops))):
-        if op.phase != "forward" or op.nested or op.primitive not in _CONSTRAINED:
+        if op.nested:
             continue
         src = op_map.get(op.index, op.index)
-        if src not in fg.op_factors:
+        if src not in fg.op_factors or not graph.ops[src].outputs:
             continue
+        boundary = graph.ops[src].outputs[0] in cut_after
+        if not boundary and (op.phase != "forward" or op.primitive not in _CONSTRAINED):
+            continue              # the backward pass follows, except at region boundaries (its all-to-alls)
         spec = _spec_for(fg.op_factors[src].out_factors, axes_of)
         if any(spec):
             out.append((keys[op.index], tuple(tuple(a) for a in spec)))
+        after = cut_after.get(graph.ops[src].outputs[0])
+        if after is not None:     # a region boundary: then the layout its consumers read (all-to-alls)
+            out.extend((keys[op.index], step) for step in reshard_steps(spec, _spec_for(after, axes_of)))
     return out
+
+
+def reshard_steps(spec: list[tuple[str, ...]], target: list[tuple[str, ...]]) -> list[tuple[tuple[str, ...], ...]]:
+    """Layouts from `spec` to `target` moving one mesh axis at a time (each an all-to-all, or a
+    local slice when the axis was unused), in the target's axis order so every step keeps each dim's
+    axes in mesh order; axes the target leaves unused are gathered last. XLA reshards one axis
+    between two dims cleanly, but replicates a tensor to move several at once."""
+    cur = [list(t) for t in spec]
+    steps: list[tuple[tuple[str, ...], ...]] = []
+    for d, want in enumerate(target):
+        for a in want:
+            if a in cur[d]:
+                continue
+            for dims in cur:
+                if a in dims:
+                    dims.remove(a)
+            cur[d] = [x for x in want if x in cur[d] or x == a] + [x for x in cur[d] if x not in want]
+            steps.append(tuple(tuple(t) for t in cur))
+    final = tuple(tuple(t) for t in target)
+    if (steps[-1] if steps else tuple(tuple(t) for t in spec)) != final:
+        steps.append(final)
+    return steps
 
 
 def build_plan(graph: OpGraph, grouping: Grouping, mesh: MeshSpec, hw: HardwareSpec,

@@ -60,6 +60,22 @@ def batch_factors(graph: OpGraph, fg: FactorGraph) -> list[int]:
     return out
 
 
+def region_twins(fg: FactorGraph, factors: list[int]) -> list[int]:
+    """`factors` and their twins across region boundaries (`FactorGraph.cuts`: the group dim of an MoE
+    layer's tokens as the experts see it): an expert splitting the batch splits it there too."""
+    out = list(factors)
+    changed = True
+    while changed:
+        changed = False
+        for _, before, after in fg.cuts:
+            for b, a in zip(before, after, strict=True):
+                for x, y in ((b, a), (a, b)):
+                    if x in out and y is not None and y not in out:
+                        out.append(y)
+                        changed = True
+    return out
+
+
 def tensor_parallel_factors(graph: OpGraph, fg: FactorGraph, in_map: dict[int, int]) -> list[int]:
     """Factors Megatron splits, found from the program's structure, not from names: the inner dim of a
     column-parallel / row-parallel matmul pair. A factor qualifies when a forward matmul of activations
@@ -125,7 +141,7 @@ def expert_assignments(graph: OpGraph, fg: FactorGraph, in_map: dict[int, int], 
     """name -> (factor -> mesh axes, storage mode), or a string saying why the expert does not
     apply (a dim that does not divide its axes, no tensor-parallel parameters, a 1-D mesh)."""
     names = tuple(mesh.names)
-    batch = batch_factors(graph, fg)
+    batch = region_twins(fg, batch_factors(graph, fg))
     tp = [f for f in tensor_parallel_factors(graph, fg, in_map) if f not in batch]
     out: dict[str, tuple[dict[int, tuple[str, ...]], str] | str] = {}
     why_batch = (f"the batch does not divide the {mesh.size} devices of mesh {mesh}"

@@ -98,6 +98,9 @@ class FactorGraph:
     repeated: frozenset[int]      # factors appearing twice in one tensor: never split
     cooccur: dict[int, frozenset[int]]
     unknown_ops: list[int]
+    # region boundaries (expert parallelism): values whose consumers see them with their own factors,
+    # (value, factors as produced, factors as consumed); the plan reshards them when the two differ
+    cuts: tuple[tuple[int, tuple, tuple], ...] = ()
 
     def value_factors(self, value: int, rank: int | None = None) -> tuple:
         shape = self.graph.values[value].shape
@@ -114,20 +117,52 @@ class FactorGraph:
 
 def analyze(graph: OpGraph, ops: Iterable[int], same_ops: Sequence[tuple[int, int]] = ()) -> FactorGraph:
     """Factors of the subgraph made of `ops` (indices). `same_ops` pairs ops of two instances of
-    one block type that correspond; their dims are linked so instances share factors."""
+    one block type that correspond; their dims are linked so instances share factors.
+
+    Mixture-of-experts layers are cut into regions (`_expert_cuts`): the tokens dispatched to the
+    experts and the experts' outputs returning to the tokens take factors of their own on the expert
+    side, so a plan may split the groups for attention and the experts for the expert FFNs, with an
+    all-to-all between (GShard's expert parallelism) -- one factor, one layout could not."""
     ops = sorted(set(ops))
+    fg = _analyze(graph, ops, same_ops, {})
+    subs = _expert_cuts(graph, ops, fg)
+    if not subs:
+        return fg
+    fg = _analyze(graph, ops, same_ops, subs)
+    cut_values = sorted({(v, cid) for per_op in subs.values() for v, cid in per_op.values()})
+    cuts = []
+    for v, cid in cut_values:
+        shape = graph.values[v].shape
+        after = tuple(fg.factor_of.get(_key(cid, d, len(shape))) if shape[d] != 1 else None
+                      for d in range(len(shape)))
+        cuts.append((v, fg.value_factors(v), after))
+    fg.cuts = tuple(cuts)
+    return fg
+
+
+def _analyze(graph: OpGraph, ops: list[int], same_ops: Sequence[tuple[int, int]],
+             subs: dict[int, dict[int, tuple[int, int]]]) -> FactorGraph:
+    """`analyze` with some consumers reading a cut value under its own id (`subs`: op -> operand
+    position -> (value, cut id))."""
     uf = _UnionFind()
     values = graph.values
+
+    def inputs_of(i: int) -> tuple:
+        op = graph.ops[i]
+        sub = subs.get(i)
+        return op.inputs if not sub else tuple(sub[k][1] if k in sub else v for k, v in enumerate(op.inputs))
+
     for i in ops:
-        _link_op(uf, graph.ops[i], values)
+        op = graph.ops[i]
+        _link_op(uf, op if i not in subs else dataclasses.replace(op, inputs=inputs_of(i)), values)
     for a, b in same_ops:
         # corresponding ops play the same role: so do their results, their weights and the
         # activations they take from outside the block
         oa, ob = graph.ops[a], graph.ops[b]
         for va, vb, sa, sb in itertools.chain(
                 zip(oa.outputs, ob.outputs, oa.out_shapes, ob.out_shapes, strict=False),
-                zip(oa.inputs, ob.inputs, oa.in_shapes, ob.in_shapes, strict=False)):
-            if sa == sb and values[va].kind != "literal":
+                zip(inputs_of(a), inputs_of(b), oa.in_shapes, ob.in_shapes, strict=False)):
+            if sa == sb and (va < 0 or values[va].kind != "literal"):
                 for d in range(len(sa)):
                     if sa[d] != 1:
                         uf.union(_key(va, d, len(sa)), _key(vb, d, len(sb)))
@@ -166,7 +201,7 @@ def analyze(graph: OpGraph, ops: Iterable[int], same_ops: Sequence[tuple[int, in
     unknown: list[int] = []
     for i in ops:
         op = graph.ops[i]
-        ins = [register(v, s) for v, s in zip(op.inputs, op.in_shapes, strict=True)]
+        ins = [register(v, s) for v, s in zip(inputs_of(i), op.in_shapes, strict=True)]
         outs = [register(v, s) for v, s in zip(op.outputs, op.out_shapes, strict=True)]
         known = op.primitive in _KNOWN
         reduced = _reduced_factors(op, ins)
@@ -184,6 +219,77 @@ def analyze(graph: OpGraph, ops: Iterable[int], same_ops: Sequence[tuple[int, in
                                   nbytes(out_shape, out_dtype), gathered, known)
     return FactorGraph(graph, op_factors, factor_of, sizes, frozenset(repeated),
                        {f: frozenset(c) for f, c in cooccur.items()}, unknown)
+
+
+
+_LAYOUT_OPS = frozenset({"transpose", "reshape", "convert_element_type", "copy"})
+
+
+def _expert_cuts(graph: OpGraph, ops: list[int], fg: FactorGraph) -> dict[int, dict[int, tuple[int, int]]]:
+    """Where a mixture-of-experts layer changes layout, found from structure (no names):
+
+    - an *expert matmul* multiplies activations by weights batched over a dim (the experts: E x D x F);
+      that dim's factor is an expert factor;
+    - a *combine* is a matmul of two activations reading an operand that comes (through layout ops)
+      from an expert matmul: that operand is cut (the combine, the gradient of its routing weights);
+    - a *dispatch* is any other matmul of two activations whose result has an expert factor while it
+      contracts something else (the tokens): its result is cut.
+
+    The backward pass has the same shapes (transposed dispatch and combine), so it is cut the same
+    way. Returns op -> operand position -> (value, cut id); cut ids are negative."""
+    opset = set(ops)
+    weights = {v for v in graph.inputs if graph.values[v].role in ("parameter", "buffer")}
+    for i in ops:
+        op = graph.ops[i]
+        if op.inputs and all(v in weights for v in op.inputs):
+            weights.update(op.outputs)
+    expert: set[int] = set()
+    batched: set[int] = set()
+    for i in ops:
+        op = graph.ops[i]
+        if op.primitive != "dot_general" or "batch" not in op.params or len(op.inputs) != 2:
+            continue
+        w = [v in weights for v in op.inputs]
+        if w.count(True) != 1:
+            continue
+        k = w.index(True)
+        dims = op.params["batch"][k]
+        if dims:
+            fs = fg.value_factors(op.inputs[k], len(op.in_shapes[k]))
+            expert.update(fs[d] for d in dims if fs[d] is not None)
+            batched.update(op.outputs)
+    if not expert:
+        return {}
+
+    def from_experts(v: int) -> bool:
+        for _ in range(8):                   # a short chain of layout ops at most
+            if v in batched:
+                return True
+            p = graph.values[v].producer
+            if p is None or p not in opset or graph.ops[p].primitive not in _LAYOUT_OPS:
+                return False
+            v = graph.ops[p].inputs[0]
+        return False
+
+    subs: dict[int, dict[int, tuple[int, int]]] = {}
+    for i in ops:
+        op = graph.ops[i]
+        if op.primitive != "dot_general" or "contracting" not in op.params or len(op.inputs) != 2 \
+                or any(v in weights for v in op.inputs):
+            continue
+        of = fg.op_factors[i]
+        cut_in = [k for k, v in enumerate(op.inputs) if from_experts(v)]
+        if cut_in:
+            for k in cut_in:
+                subs.setdefault(i, {})[k] = (op.inputs[k], -1 - op.inputs[k])
+        elif not cut_in and set(of.out_factors) & expert and of.reduced - expert:
+            v = op.outputs[0]
+            for c in graph.values[v].consumers:
+                if c in opset:
+                    for k, u in enumerate(graph.ops[c].inputs):
+                        if u == v:
+                            subs.setdefault(c, {})[k] = (v, -1 - v)
+    return subs
 
 
 def _reduced_factors(op: Op, ins: list[tuple]) -> set[int]:

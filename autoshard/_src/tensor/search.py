@@ -138,6 +138,7 @@ class _Evaluator:
         self._cmasks = shared.cmasks
         self._build_groups(weights, grad_ops)
         self._build_tensors(weights)
+        self._build_reshards(weights)
 
     # --- summaries -------------------------------------------------------------------------
     def _cmask(self, factors) -> tuple[int, ...]:
@@ -175,6 +176,44 @@ class _Evaluator:
                 v[2] = float(max(1, math.ceil(v[1] / self.options.bucket_bytes)))
         self.groups = [(k, v[0], v[1], v[2]) for k, v in sorted(groups.items())]
         self.gathers = sorted(unknown_gather.items())
+
+    def _build_reshards(self, weights: dict[int, float]) -> None:
+        """Values cut at a region boundary (`FactorGraph.cuts`): (candidate per dim as produced, as
+        consumed, bytes, executions, phase). A plan moves one between the two layouts."""
+        self.reshards = []
+        for v, before, after in self.fg.cuts:
+            p = self.graph.values[v].producer
+            w = weights.get(p, 0.0) if p is not None else 0.0
+            if w <= 0:
+                continue
+            b_idx = tuple(self.cidx.get(f, -1) if f is not None else -1 for f in before)
+            a_idx = tuple(self.cidx.get(f, -1) if f is not None else -1 for f in after)
+            if b_idx != a_idx:
+                self.reshards.append((b_idx, a_idx, float(self.graph.values[v].nbytes), w,
+                                      self.graph.ops[p].phase))
+
+    def _reshard_moves(self, plans: np.ndarray):
+        """Per reshard and mesh axis that moves: (kind, axis mask, per-device buffer bytes per plan,
+        executions, phase, which plans). An axis on one dim before and another after is an
+        all-to-all; on a dim before and none after an all-gather; none before: a local slice."""
+        C = plans.shape[0]
+        for b_idx, a_idx, nb, w, phase in self.reshards:
+            bmask = self._or(plans, tuple(i for i in b_idx if i >= 0))
+            per_dev = nb / self.msize[bmask]
+            for k, size in enumerate(self.mesh.sizes):
+                if size == 1:
+                    continue
+                bit = 1 << k
+                bdim = np.full(C, -1)
+                adim = np.full(C, -1)
+                for d, i in enumerate(b_idx):
+                    if i >= 0:
+                        bdim = np.where(plans[:, i] & bit, d, bdim)
+                for d, i in enumerate(a_idx):
+                    if i >= 0:
+                        adim = np.where(plans[:, i] & bit, d, adim)
+                yield "all-to-all", bit, per_dev, w, phase, (bdim >= 0) & (adim >= 0) & (bdim != adim)
+                yield "all-gather", bit, per_dev * size, w, phase, (bdim >= 0) & (adim < 0)
 
     def _build_tensors(self, weights: dict[int, float]) -> None:
         g, fg = self.graph, self.fg
@@ -249,6 +288,9 @@ class _Evaluator:
                 bucket = {"forward": "fwd_comm", "backward": "bwd_comm", "grad": "grad_sync",
                           "optimizer": "opt_comm", "other": "fwd_comm"}[kind]
                 out[bucket] += t
+        for kind, bit, per_dev, w, phase, moves in self._reshard_moves(plans):
+            t = self._coll(kind, per_dev * w, np.full(C, bit), w)
+            out["fwd_comm" if phase == "forward" else "bwd_comm"] += np.where(moves, t, 0.0)
         for (fs, phase), b in self.gathers:
             m = self._or(plans, fs)
             out["fwd_comm" if phase == "forward" else "bwd_comm"] += self._coll(
@@ -353,6 +395,9 @@ class _Evaluator:
                 add("all-reduce", r_mask, kind, ar_bytes * self.msize[r_mask] / n, count)
         for (fs, phase), b in self.gathers:
             add("all-gather", int(self._or(plans, fs)[0]), phase, b, 1.0)
+        for kind, bit, per_dev, w, phase, moves in self._reshard_moves(plans):
+            if moves[0]:
+                add(kind, bit, phase, float(per_dev[0]) * w, w)
         if storage != "replicated":
             full = self.nm - 1
             for dims, shape, b in self.params:
@@ -557,6 +602,10 @@ def _candidate_factors(graph: OpGraph, fg: FactorGraph, weights: dict[int, float
             for f in fg.value_factors(v):
                 if f is not None and f not in fg.repeated and f in in_loops:
                     weight_of[f] += val.nbytes
+    for v, _, after in fg.cuts:           # a region's own factors (the expert side of an MoE layer)
+        for f in after:
+            if f is not None and f not in fg.repeated and f in in_loops:
+                weight_of[f] += graph.values[v].nbytes
     cands = sorted(weight_of, key=lambda f: (-weight_of[f], f))
     masks_of = {f: [m for m in _axis_masks(mesh) if fg.divides(f, _mask_size(mesh, m))]
                 for f in cands}
