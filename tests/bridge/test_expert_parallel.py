@@ -32,6 +32,7 @@ def _predicted(plan, kind):
 def test_search_plans_expert_parallelism(moe, mesh):
     m, args = moe
     plan = autoshard.plan(m.train_step, *args, mesh=mesh, hardware="cpu-sim")
+    assert "searched " in plan.explain() and plan.predicted["plans_evaluated"] > 1
     experts = {f[1]: f[3] for f in plan.factors}
     assert experts["[0]['layer_1']['moe']['experts']['wi'] dim 0"], "the experts are split"
     predicted = _predicted(plan, "all-to-all")

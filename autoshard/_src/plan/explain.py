@@ -45,6 +45,8 @@ def explain_tensor(self: Any) -> str:
         f"grad sync {p['breakdown']['grad_sync'] * 1e3:.3f} ms (overlapped), storage comm "
         f"{p['breakdown']['storage_comm'] * 1e3:.3f} ms); memory "
         f"{p['memory']['total'] / 2**30:.3f} GiB per device of {p['memory_budget'] / 2**30:.2f} GiB",
+        *([f"searched {p['plans_evaluated']:,} plans in {p['search_seconds']:.3f} s"]
+          if "plans_evaluated" in p and "search_seconds" in p else []),
         "",
         "logical dims (factors) -> mesh axes:",
     ]
