@@ -12,7 +12,8 @@ import pytest
 
 from autoshard import PlanError
 from autoshard._src.bridge.infer_trace import inference_layers
-from autoshard._src.core.shapemap import ShapeMap, required_input
+from autoshard._src.core.layers import required_input
+from autoshard._src.core.shapemap import ShapeMap
 
 
 class Toy(nn.Module):

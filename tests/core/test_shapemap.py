@@ -12,11 +12,10 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from autoshard import ConfigError, PlanError
+from autoshard._src.core.layers import LAYER_KINDS, Layer, required_input
 from autoshard._src.core.shapemap import (
-    LAYER_KINDS,
     Interval,
     IntervalSet,
-    Layer,
     ShapeMap,
     Split,
     Window,
@@ -24,7 +23,6 @@ from autoshard._src.core.shapemap import (
     direction_axis,
     input_interval_size,
     node_input_intervals,
-    required_input,
     split_sizes,
     true_kernel_extent,
     union_size,

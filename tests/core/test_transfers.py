@@ -8,7 +8,8 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from autoshard import ConfigError, PlanError
-from autoshard._src.core.shapemap import Layer, ShapeMap, Split, Window, union_size
+from autoshard._src.core.layers import Layer
+from autoshard._src.core.shapemap import ShapeMap, Split, Window, union_size
 from autoshard._src.core.transfers import Case, analyse_transfers, classify
 
 

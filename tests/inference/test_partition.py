@@ -8,7 +8,8 @@ import itertools
 import pytest
 
 from autoshard import ConfigError, PlanError, get_hardware
-from autoshard._src.core.shapemap import Layer, Window
+from autoshard._src.core.layers import Layer
+from autoshard._src.core.shapemap import Window
 from autoshard._src.inference.partition import CostModel, describe, flops_per_element, partition
 
 # the paper's setting (§4.2): desktop CPU nodes joined by gigabit Ethernet

@@ -29,7 +29,8 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from ..core.errors import PlanError
-from ..core.shapemap import Layer, Split, direction_axis
+from ..core.layers import Layer
+from ..core.shapemap import Split, direction_axis
 from . import compat as jc
 from .infer_local import Cut, LocalRule, Need, Slab, local_rule
 from .infer_trace import TracedInference
@@ -202,7 +203,6 @@ def layer_of_op(op_name: str) -> str | None:
 @dataclasses.dataclass(frozen=True)
 class LayerStep:
     layer: Layer
-    eqn_index: int
     slab: Slab | None           # the node's part of the output it computes
     layout: Layout              # how the output is then held
     rule: LocalRule | None      # None: compute the whole layer, keep the slab
@@ -239,7 +239,7 @@ def plan_steps(traced: TracedInference, directions: Mapping[str, str | None], fu
         if layer.name in inner and rule is None:
             raise PlanError(f"autoshard (inference): layer {layer.name} ({layer.kind}) cannot compute a grown slab "
                             "for its fused run; plan with max_fuse=1.")
-        out[layer.name] = LayerStep(layer, index[layer.name], slab, layout, rule)
+        out[layer.name] = LayerStep(layer, slab, layout, rule)
     return out
 
 

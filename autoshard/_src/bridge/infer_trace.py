@@ -1,5 +1,5 @@
 """An inference function as BBGraP layers: the jaxpr of `apply_fn(params, images)` turned into the
-pure core's `shapemap.Layer` descriptors (imports jax).
+pure core's `layers.Layer` descriptors (imports jax).
 
 Only values computed from the images are layers; everything computed from the parameters alone
 (kernels, batch-norm scales folded into constants) is weight data every node holds whole. Each
@@ -29,7 +29,8 @@ import jax
 import numpy as np
 
 from ..core.errors import ConfigError, PlanError
-from ..core.shapemap import Layer, Window
+from ..core.layers import Layer
+from ..core.shapemap import Window
 from . import compat as jc
 
 _POOLS = ("reduce_window_max", "reduce_window_sum", "reduce_window_min", "reduce_window")

@@ -169,17 +169,8 @@ def parameter_modules(graph: OpGraph) -> tuple[dict[int, str], dict[str, str]]:
                 own = own[1:]
             name = _join(own)
             if not name:
-                # a leaf at the top of a tree of parameters (BERT's output bias) belongs to the
-                # module reading it; top-level leaves of other arguments (the batch) are data,
-                # unless the step's update reads them: a flat dict of weights is parameters by role
-                by_role = has_update and updated(v)
-                if not any(len(m) > len(prefix) for m in mods) and not by_role:
-                    continue
-                readers = [parse_scope(graph.ops[c].scope)[0] for c in values[v].consumers
-                           if graph.ops[c].phase == "forward"]
-                name = next((r for r in readers if r), "")
-                if not name and by_role:
-                    name = _join(_rel_parts(values[v])[-1:])
+                nested = any(len(m) > len(prefix) for m in mods)
+                name = _top_leaf_module(graph, v, nested, has_update and updated(v))
                 if not name:
                     continue
             name = _scope_name_for(graph, v, name)
@@ -214,6 +205,19 @@ def parameter_modules(graph: OpGraph) -> tuple[dict[int, str], dict[str, str]]:
         if (hit := match(p)) is not None:
             out_modules[kp] = hit
     return module_of, out_modules
+
+
+def _top_leaf_module(graph: OpGraph, v: int, nested: bool, by_role: bool) -> str:
+    """The module of a leaf at the top of its argument ("" if none): a leaf at the top of a tree of
+    parameters (BERT's output bias; `nested`) belongs to the module reading it; top-level leaves of
+    other arguments (the batch) are data, unless the step's update reads them (`by_role`): a flat dict
+    of weights is parameters by role, each named by its key."""
+    if not nested and not by_role:
+        return ""
+    readers = [parse_scope(graph.ops[c].scope)[0] for c in graph.values[v].consumers
+               if graph.ops[c].phase == "forward"]
+    name = next((r for r in readers if r), "")
+    return name or (_join(_rel_parts(graph.values[v])[-1:]) if by_role else "")
 
 
 def _scope_name_for(graph: OpGraph, v: int, keypath_module: str) -> str:

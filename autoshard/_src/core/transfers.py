@@ -24,7 +24,8 @@ import enum
 from collections.abc import Mapping, Sequence
 
 from .errors import ConfigError, PlanError
-from .shapemap import Layer, ShapeMap, Split, required_input, union_size
+from .layers import Layer, required_input
+from .shapemap import ShapeMap, Split, union_size
 
 
 class Case(enum.StrEnum):

@@ -40,7 +40,8 @@ from collections.abc import Mapping, Sequence
 from ..core.cost import alpha_beta
 from ..core.errors import ConfigError, PlanError
 from ..core.hardware import HardwareSpec
-from ..core.shapemap import Layer, ShapeMap, Split, direction_axis, required_input
+from ..core.layers import Layer, required_input
+from ..core.shapemap import ShapeMap, Split, direction_axis
 from ..core.transfers import analyse_transfers
 
 Direction = str | None                    # "N", "C", "H", "W", or None: replicated
@@ -468,7 +469,7 @@ def partition(layers: Sequence[Layer], hardware: HardwareSpec, num_nodes: int,
     """Choose per layer a split direction (N, C, H, W or replicated) minimising predicted latency, and
     which runs of up to `max_fuse` layers to fuse (1: none).
 
-    layers: the inference graph in topological order (`core.shapemap.Layer`, graph inputs as kind
+    layers: the inference graph in topological order (`core.layers.Layer`, graph inputs as kind
     "input"). speeds: relative node speeds; heterogeneous nodes get proportional, uneven parts, or
     Eq. 1's even parts where those predict faster (`InferencePartition.proportional` says which).
     """

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 
 from ..core.graph import OpGraph
 from ..core.mesh import MeshSpec
-from .factors import FactorGraph
+from .factors import FactorGraph, weight_values
 
 EXPERTS = ("data-parallel", "fsdp", "megatron", "data-megatron")
 
@@ -85,7 +85,7 @@ def tensor_parallel_factors(graph: OpGraph, fg: FactorGraph, in_map: dict[int, i
     Along a chain of dense layers the pairs alternate: a factor sharing a weight with one already taken
     is left whole (column, row, column, ...). Works on Flax default names (`Dense_0`), on
     `nn.MultiHeadDotProductAttention` (heads, not head_dim), nnx modules and flat dicts of weights."""
-    weights = _weight_values(graph, fg)
+    weights = weight_values(graph, sorted(fg.op_factors))
     data = {f for v in graph.inputs if graph.values[v].role == "data" for f in fg.value_factors(v) if f is not None}
     produced: dict[int, int] = {}          # factor -> first op producing it (program order)
     contracted: set[int] = set()
@@ -117,16 +117,6 @@ def tensor_parallel_factors(graph: OpGraph, fg: FactorGraph, in_map: dict[int, i
             chosen.append(f)
     # the vocabulary (embedding rows, an untied head's columns): Megatron-LM's vocab-parallel split
     return chosen + [f for f in vocab_factors(graph, fg, in_map) if f not in chosen]
-
-
-def _weight_values(graph: OpGraph, fg: FactorGraph) -> set[int]:
-    """Values computed from parameters alone (a kernel, its cast or reshape), in the analysed ops."""
-    weights = {v for v in graph.inputs if graph.values[v].role in ("parameter", "buffer")}
-    for i in sorted(fg.op_factors):
-        op = graph.ops[i]
-        if op.inputs and all(v in weights for v in op.inputs):
-            weights.update(op.outputs)
-    return weights
 
 
 def _fits(fg: FactorGraph, factors: Sequence[int], mesh: MeshSpec, axes: Sequence[str]) -> bool:

@@ -222,6 +222,16 @@ def _analyze(graph: OpGraph, ops: list[int], same_ops: Sequence[tuple[int, int]]
 
 
 
+def weight_values(graph: OpGraph, ops: Iterable[int]) -> set[int]:
+    """Values computed from parameters alone (a kernel, its cast or reshape) among `ops` (sorted)."""
+    weights = {v for v in graph.inputs if graph.values[v].role in ("parameter", "buffer")}
+    for i in ops:
+        op = graph.ops[i]
+        if op.inputs and all(v in weights for v in op.inputs):
+            weights.update(op.outputs)
+    return weights
+
+
 _LAYOUT_OPS = frozenset({"transpose", "reshape", "convert_element_type", "copy"})
 
 
@@ -238,11 +248,7 @@ def _expert_cuts(graph: OpGraph, ops: list[int], fg: FactorGraph) -> dict[int, d
     The backward pass has the same shapes (transposed dispatch and combine), so it is cut the same
     way. Returns op -> operand position -> (value, cut id); cut ids are negative."""
     opset = set(ops)
-    weights = {v for v in graph.inputs if graph.values[v].role in ("parameter", "buffer")}
-    for i in ops:
-        op = graph.ops[i]
-        if op.inputs and all(v in weights for v in op.inputs):
-            weights.update(op.outputs)
+    weights = weight_values(graph, ops)
     expert: set[int] = set()
     batched: set[int] = set()
     for i in ops:

@@ -1,0 +1,402 @@
+"""The plan evaluator of the tensor-sharding search (pure: no jax import): options, the chosen
+point's record, and `_Evaluator`, which prices many plans of one factor graph at once with numpy.
+
+Every op is summarised by the factors that split it and those it reduces over; ops with the same
+summary are summed into groups, so a plan's cost is a table lookup per group (compute, all-reduces
+of partial results, gathers of unknown ops), plus the parameters, gradients, optimizer state and
+activations it keeps under a storage mode, plus the moves of values cut at region boundaries
+(`FactorGraph.cuts`: an MoE layer's all-to-alls).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections import defaultdict
+from collections.abc import Sequence
+
+import numpy as np
+
+from ..core.collectives import KINDS
+from ..core.cost import CostModel
+from ..core.graph import OpGraph, nbytes
+from ..core.hardware import HardwareSpec
+from ..core.mesh import MeshSpec
+from .factors import FactorGraph
+
+STORAGE_MODES = ("replicated", "zero1", "zero3")
+
+
+@dataclasses.dataclass(frozen=True)
+class SearchOptions:
+    memory_budget: float | None = None       # bytes per device; None: 90 % of the hardware's
+    storage_modes: tuple[str, ...] = STORAGE_MODES
+    max_plans: int = 2_000_000               # enumeration cap (factors beyond it stay unsplit)
+    overlap: float = 1.0                     # share of backward compute grad sync can hide behind
+    bucket_bytes: int = 25 * 2**20           # TAP §4.7.1 gradient packing threshold
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanChoice:
+    """The chosen point and its predicted costs."""
+
+    factor_axes: dict[int, tuple[str, ...]]
+    storage: str
+    step_time: float
+    breakdown: dict[str, float]           # compute / forward comm / backward comm / grad sync ...
+    memory: dict[str, float]              # per device bytes: params, grads, optimizer, activations
+    comm_bytes: dict[str, float]          # per device collective buffer bytes by "kind@axes"
+    plans_evaluated: int
+    feasible: bool
+
+
+@dataclasses.dataclass
+class SearchResult:
+    best: PlanChoice
+    factors: FactorGraph
+    candidates: tuple[int, ...]           # factors the search could split
+    op_weight: dict[int, float]
+    grad_ops: frozenset[int]
+    budget: float
+    notes: list[str]
+    periods: tuple[int, ...]              # per block type: instances repeat with this period
+
+    def evaluate(self, factor_axes: dict[int, tuple[str, ...]], storage: str) -> PlanChoice:
+        """Cost of any assignment (used to compare with expert plans)."""
+        return self._evaluator.evaluate_one(factor_axes, storage)
+
+
+def _axis_masks(mesh: MeshSpec) -> list[int]:
+    return list(range(1 << len(mesh.names)))
+
+
+def _mask_axes(mesh: MeshSpec, mask: int) -> tuple[str, ...]:
+    return tuple(a for i, a in enumerate(mesh.names) if mask >> i & 1)
+
+
+def _mask_size(mesh: MeshSpec, mask: int) -> int:
+    return math.prod(s for i, s in enumerate(mesh.sizes) if mask >> i & 1)
+
+
+class _Shared:
+    """What the evaluators of one plan space share (the 3-D search builds ~20 per submesh shape):
+    the collective cost tables per cost model and the candidate masks of factor sets."""
+
+    def __init__(self) -> None:
+        self.cmasks: dict[tuple | frozenset, tuple[int, ...]] = {}
+        self._coll: dict[int, tuple[CostModel, dict]] = {}
+
+    def collective_tables(self, mesh: MeshSpec, cost: CostModel) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        """Per collective kind, (latency, seconds per byte) over each mask of `mesh`'s axes."""
+        hit = self._coll.get(id(cost))
+        if hit is not None and hit[0] is cost:
+            return hit[1]
+        nm = 1 << len(mesh.names)
+        coll = {}
+        for kind in KINDS:   # every collective kind the cost model knows
+            alpha = np.array([cost.collective(kind, 0.0, _mask_axes(mesh, m)) for m in range(nm)])
+            beta = np.array([(cost.collective(kind, 1e9, _mask_axes(mesh, m)) - alpha[m]) / 1e9
+                             for m in range(nm)])
+            coll[kind] = (alpha, beta)
+        self._coll[id(cost)] = (cost, coll)
+        return coll
+
+
+class _Evaluator:
+    """Vectorised cost and memory of many plans over one factor graph."""
+
+    def __init__(self, graph: OpGraph, fg: FactorGraph, weights: dict[int, float],
+                 grad_ops: frozenset[int], cands: tuple[int, ...], mesh: MeshSpec,
+                 hw: HardwareSpec, cost: CostModel, options: SearchOptions,
+                 in_map: dict[int, int], inputs: Sequence[int] | None = None,
+                 fused_update: bool | None = None, shared: _Shared | None = None) -> None:
+        self.graph, self.fg, self.mesh, self.hw, self.cost = graph, fg, mesh, hw, cost
+        self.in_map = in_map
+        # the inputs whose bytes count (parameters, state, data): all, or a pipeline stage's own
+        self.inputs = list(graph.inputs) if inputs is None else list(inputs)
+        # the step applies the optimizer itself (known to callers that build many evaluators)
+        self.fused_update = (any(op.phase == "optimizer" for op in graph.ops) if fused_update is None
+                             else fused_update)
+        self.options = options
+        self.cands = cands
+        self.cidx = {f: i for i, f in enumerate(cands)}
+        nm = 1 << len(mesh.names)
+        self.nm = nm
+        self.msize = np.array([_mask_size(mesh, m) for m in range(nm)], dtype=np.float64)
+        shared = shared if shared is not None else _Shared()
+        self.coll = shared.collective_tables(mesh, cost)
+        self._cmasks = shared.cmasks
+        self._build_groups(weights, grad_ops)
+        self._build_tensors(weights)
+        self._build_reshards(weights)
+
+    # --- summaries -------------------------------------------------------------------------
+    def _cmask(self, factors) -> tuple[int, ...]:
+        """Candidate indices among `factors` (sorted): ops repeat few factor sets, so each is looked up once."""
+        key = factors if isinstance(factors, frozenset | tuple) else tuple(factors)
+        hit = self._cmasks.get(key)
+        if hit is None:
+            hit = self._cmasks[key] = tuple(sorted({self.cidx[f] for f in key if f in self.cidx}))
+        return hit
+
+    def _build_groups(self, weights: dict[int, float], grad_ops: frozenset[int]) -> None:
+        hw = self.hw
+        groups: dict[tuple, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0, 0.0])
+        unknown_gather: dict[tuple, float] = defaultdict(float)
+        for i, w in weights.items():
+            if w <= 0:
+                continue
+            of = self.fg.op_factors[i]
+            op = self.graph.ops[i]
+            dtype = op.out_dtypes[0] if op.out_dtypes else "float32"
+            t_flops = op.flops / (hw.peak_flops(dtype) * hw.compute_efficiency)
+            t_bytes = op.bytes / hw.memory_bandwidth
+            kind = "grad" if i in grad_ops else op.phase
+            key = (self._cmask(of.loop), self._cmask(of.reduced), kind)
+            g = groups[key]
+            g[0] += w * max(t_flops, t_bytes)
+            if of.reduced:
+                g[1] += w * of.out_bytes
+                g[2] += w          # collectives issued (each op, each instance, each iteration)
+            for b, fs in of.gathered:
+                unknown_gather[(self._cmask([f for f in fs if f is not None]), op.phase)] += w * b
+        # gradient sync is packed into buckets (TAP §4.7.1): a few large messages, not one per op
+        for key, v in groups.items():
+            if key[2] == "grad" and v[2]:
+                v[2] = float(max(1, math.ceil(v[1] / self.options.bucket_bytes)))
+        self.groups = [(k, v[0], v[1], v[2]) for k, v in sorted(groups.items())]
+        self.gathers = sorted(unknown_gather.items())
+
+    def _build_reshards(self, weights: dict[int, float]) -> None:
+        """Values cut at a region boundary (`FactorGraph.cuts`): (candidate per dim as produced, as
+        consumed, bytes, executions, phase). A plan moves one between the two layouts."""
+        self.reshards = []
+        for v, before, after in self.fg.cuts:
+            p = self.graph.values[v].producer
+            w = weights.get(p, 0.0) if p is not None else 0.0
+            if w <= 0:
+                continue
+            b_idx = tuple(self.cidx.get(f, -1) if f is not None else -1 for f in before)
+            a_idx = tuple(self.cidx.get(f, -1) if f is not None else -1 for f in after)
+            if b_idx != a_idx:
+                self.reshards.append((b_idx, a_idx, float(self.graph.values[v].nbytes), w,
+                                      self.graph.ops[p].phase))
+
+    def _reshard_moves(self, plans: np.ndarray):
+        """Per reshard and mesh axis that moves: (kind, axis mask, per-device buffer bytes per plan,
+        executions, phase, which plans). An axis on one dim before and another after is an
+        all-to-all; on a dim before and none after an all-gather; none before: a local slice."""
+        C = plans.shape[0]
+        for b_idx, a_idx, nb, w, phase in self.reshards:
+            bmask = self._or(plans, tuple(i for i in b_idx if i >= 0))
+            per_dev = nb / self.msize[bmask]
+            for k, size in enumerate(self.mesh.sizes):
+                if size == 1:
+                    continue
+                bit = 1 << k
+                bdim = np.full(C, -1)
+                adim = np.full(C, -1)
+                for d, i in enumerate(b_idx):
+                    if i >= 0:
+                        bdim = np.where(plans[:, i] & bit, d, bdim)
+                for d, i in enumerate(a_idx):
+                    if i >= 0:
+                        adim = np.where(plans[:, i] & bit, d, adim)
+                yield "all-to-all", bit, per_dev, w, phase, (bdim >= 0) & (adim >= 0) & (bdim != adim)
+                yield "all-gather", bit, per_dev * size, w, phase, (bdim >= 0) & (adim < 0)
+
+    def _build_tensors(self, weights: dict[int, float]) -> None:
+        g, fg = self.graph, self.fg
+        # parameters and optimizer state, aggregated by (per-dim candidate factor, shape): every
+        # layer of a 96-layer model adds bytes to the same few entries
+        tensors: dict[tuple, float] = defaultdict(float)
+        self.data: list[tuple[tuple[int, ...], float]] = []
+        for v in self.inputs:
+            val = g.values[v]
+            src = self.in_map.get(v, v)
+            fs = fg.value_factors(src) if g.values[src].shape == val.shape else (None,) * len(val.shape)
+            if val.role in ("parameter", "state"):
+                dims = tuple(self.cidx.get(f, -1) if f is not None else -1 for f in fs)
+                tensors[(val.role, dims, val.shape)] += val.nbytes
+            else:
+                self.data.append((self._cmask(fs), val.nbytes))
+        self.params = [(dims, shape, b) for (role, dims, shape), b in sorted(tensors.items()) if role == "parameter"]
+        # ZeRO-3 gathers a parameter once per forward use (XLA keeps the gathered copy for the
+        # backward pass instead of gathering again; a tied embedding read by two modules is
+        # gathered twice): bytes of parameters times their number of using modules
+        gathered: dict[tuple, float] = defaultdict(float)
+        for v in self.inputs:
+            val = g.values[v]
+            if val.role != "parameter":
+                continue
+            src = self.in_map.get(v, v)
+            fs = fg.value_factors(src) if g.values[src].shape == val.shape else (None,) * len(val.shape)
+            dims = tuple(self.cidx.get(f, -1) if f is not None else -1 for f in fs)
+            uses = {g.ops[c].module for c in val.consumers if g.ops[c].phase == "forward"}
+            gathered[(dims, val.shape)] += val.nbytes * max(1, len(uses))
+        self.gathered = [(dims, shape, b) for (dims, shape), b in sorted(gathered.items())]
+        self.state = [(dims, shape, b) for (role, dims, shape), b in sorted(tensors.items()) if role == "state"]
+        self.one_bytes = {val.shape: val.nbytes for v in self.inputs if (val := g.values[v]).role == "parameter"}
+        # activations kept for the backward pass (residuals), per instance weight
+        acts: dict[tuple[int, ...], float] = defaultdict(float)
+        for i, w in weights.items():
+            op = g.ops[i]
+            if w <= 0 or op.phase != "forward":
+                continue
+            for v, s, d in zip(op.outputs, op.out_shapes, op.out_dtypes, strict=True):
+                if any(g.ops[c].phase == "backward" for c in g.values[v].consumers):
+                    acts[self._cmask(fg.value_factors(v, len(s)))] += w * nbytes(s, d)
+        self.acts = sorted(acts.items())
+
+    # --- evaluation --------------------------------------------------------------------------
+    def _or(self, plans: np.ndarray, idxs: tuple[int, ...]) -> np.ndarray:
+        out = np.zeros(plans.shape[0], dtype=np.int64)
+        for i in idxs:
+            out |= plans[:, i]
+        return out
+
+    def _coll(self, kind: str, nbytes_: np.ndarray, mask: np.ndarray, count: float = 1.0) -> np.ndarray:
+        """Time of `count` collectives moving `nbytes_` in total over the axes in `mask`."""
+        alpha, beta = self.coll[kind]
+        t = count * alpha[mask] + nbytes_ * beta[mask]
+        return np.where(mask == 0, 0.0, t)
+
+    def evaluate(self, plans: np.ndarray, storage: str) -> dict[str, np.ndarray]:
+        """Per-plan step time, memory and breakdown for plans[C, K] (axis masks per factor)."""
+        C = plans.shape[0]
+        full = self.nm - 1
+        out = {k: np.zeros(C) for k in ("compute", "fwd_comm", "bwd_comm", "opt_comm", "grad_sync",
+                                         "storage_comm", "params", "grads", "optimizer",
+                                         "activations", "data")}
+        for (loop, red, kind), work, ar_bytes, count in self.groups:
+            s_mask = self._or(plans, loop)
+            n = self.msize[s_mask]
+            out["compute"] += work / n
+            if red and ar_bytes:
+                r_mask = self._or(plans, red)
+                t = self._coll("all-reduce", ar_bytes * self.msize[r_mask] / n, r_mask, count)
+                bucket = {"forward": "fwd_comm", "backward": "bwd_comm", "grad": "grad_sync",
+                          "optimizer": "opt_comm", "other": "fwd_comm"}[kind]
+                out[bucket] += t
+        for kind, bit, per_dev, w, phase, moves in self._reshard_moves(plans):
+            t = self._coll(kind, per_dev * w, np.full(C, bit), w)
+            out["fwd_comm" if phase == "forward" else "bwd_comm"] += np.where(moves, t, 0.0)
+        for (fs, phase), b in self.gathers:
+            m = self._or(plans, fs)
+            out["fwd_comm" if phase == "forward" else "bwd_comm"] += self._coll(
+                "all-gather", b * np.ones(C), m)
+
+        # parameters, gradients, optimizer state under the storage mode. When the step applies
+        # the optimizer itself, XLA updates each parameter as soon as its gradient is complete, so
+        # gradients are not all alive at once: the largest one is counted (the audit confirms it)
+        grads_add = np.maximum if self.fused_update else np.add
+        for dims, shape, b in self.params:
+            m, free = self._storage_masks(plans, dims, shape, full)
+            n, nt = self.msize[m], self.msize[free]
+            g = self.one_bytes[shape] if self.fused_update else b
+            if storage == "replicated":
+                out["params"] += b / n
+                out["grads"] = grads_add(out["grads"], g / n)
+            elif storage == "zero1":
+                out["params"] += b / n
+                out["grads"] = grads_add(out["grads"], g / n)
+                # grads reduce-scatter (instead of all-reduce) + params all-gather after the update:
+                # the same bytes as the all-reduce already counted; one extra collective's latency
+                out["storage_comm"] += self._coll("all-gather", np.zeros(C), free)
+            else:  # zero3 / FSDP: the gathered copies live from their forward use to the backward
+                out["params"] += b / (n * nt)
+                out["grads"] = grads_add(out["grads"], g / (n * nt))
+                out["activations"] += np.where(free > 0, b / n, 0.0)
+        if storage == "zero3":
+            for dims, shape, b in self.gathered:
+                m, free = self._storage_masks(plans, dims, shape, full)
+                out["storage_comm"] += self._coll("all-gather", b / self.msize[m], free)
+        for dims, shape, b in self.state:
+            m, free = self._storage_masks(plans, dims, shape, full)
+            n = self.msize[m]
+            out["optimizer"] += b / n if storage == "replicated" else b / (n * self.msize[free])
+        for fs, b in self.acts:
+            out["activations"] += b / self.msize[self._or(plans, fs)]
+        for fs, b in self.data:
+            out["data"] += b / self.msize[self._or(plans, fs)]
+        bwd_compute = out["compute"] * self.bwd_share
+        sync_exposed = np.maximum(0.0, out["grad_sync"] - self.options.overlap * bwd_compute)
+        out["step_time"] = (out["compute"] + out["fwd_comm"] + out["bwd_comm"] + out["opt_comm"]
+                            + sync_exposed + out["storage_comm"])
+        out["memory"] = (out["params"] + out["grads"] + out["optimizer"] + out["activations"]
+                         + out["data"])
+        return out
+
+    def _storage_masks(self, plans: np.ndarray, dims: tuple[int, ...], shape: tuple[int, ...],
+                       full: int) -> tuple[np.ndarray, np.ndarray]:
+        """(axes splitting the tensor, axes ZeRO can add): the unused axes, if one dim still
+        divides by them on top of its own split (the rule emission follows)."""
+        C = plans.shape[0]
+        per_dim = [plans[:, k] if k >= 0 else np.zeros(C, dtype=np.int64) for k in dims]
+        m = np.zeros(C, dtype=np.int64)
+        for md in per_dim:
+            m |= md
+        free = full & ~m
+        nf = self.msize[free].astype(np.int64)
+        ok = np.zeros(C, dtype=bool)
+        for d, md in enumerate(per_dim):
+            ok |= shape[d] % (self.msize[md].astype(np.int64) * nf) == 0
+        return m, np.where(ok & (nf > 1), free, 0)
+
+    def evaluate_one(self, factor_axes: dict[int, tuple[str, ...]], storage: str) -> PlanChoice:
+        row = np.zeros((1, len(self.cands)), dtype=np.int64)
+        for f, axes in factor_axes.items():
+            if f in self.cidx:
+                row[0, self.cidx[f]] = sum(1 << self.mesh.names.index(a) for a in axes)
+        res = self.evaluate(row, storage)
+        return self._choice(row[0], res, 0, storage, 1)
+
+    def _choice(self, row: np.ndarray, res: dict, i: int, storage: str, n_plans: int) -> PlanChoice:
+        fa = {f: _mask_axes(self.mesh, int(row[k])) for k, f in enumerate(self.cands) if row[k]}
+        bd = {k: float(res[k][i]) for k in ("compute", "fwd_comm", "bwd_comm", "opt_comm",
+                                             "grad_sync", "storage_comm")}
+        mem = {k: float(res[k][i]) for k in ("params", "grads", "optimizer", "activations", "data")}
+        mem["total"] = float(res["memory"][i])
+        comm: dict[str, float] = defaultdict(float)
+        for (k, axes, _), (b, _) in sorted(self.comm_records(row, storage).items()):
+            comm[f"{k}@{','.join(axes)}"] += b
+        return PlanChoice(fa, storage, float(res["step_time"][i]), bd, mem, dict(comm), n_plans,
+                          bool(res["memory"][i] <= self.budget))
+
+    def comm_records(self, row: np.ndarray, storage: str) -> dict[tuple[str, tuple[str, ...], str], list[float]]:
+        """The collectives one plan issues: (kind, axes, phase) -> [per-device buffer bytes, count].
+        Buffer bytes are what a compiled program's collective operates on per device (an
+        all-reduce's operand, an all-gather's result): the quantity an audit reads from the HLO."""
+        plans = row.reshape(1, -1)
+        out: dict[tuple[str, tuple[str, ...], str], list[float]] = defaultdict(lambda: [0.0, 0.0])
+
+        def add(kind: str, mask: int, phase: str, b: float, count: float) -> None:
+            # axes of size 1 move nothing and are invisible in a compiled program's replica groups
+            mask = sum(1 << i for i, s in enumerate(self.mesh.sizes) if mask >> i & 1 and s > 1)
+            if mask and b > 0:
+                rec = out[(kind, _mask_axes(self.mesh, mask), phase)]
+                rec[0] += float(b)
+                rec[1] += float(count)
+
+        for (loop, red, kind), _, ar_bytes, count in self.groups:
+            if red and ar_bytes:
+                r_mask = int(self._or(plans, red)[0])
+                n = self.msize[int(self._or(plans, loop)[0])]
+                add("all-reduce", r_mask, kind, ar_bytes * self.msize[r_mask] / n, count)
+        for (fs, phase), b in self.gathers:
+            add("all-gather", int(self._or(plans, fs)[0]), phase, b, 1.0)
+        for kind, bit, per_dev, w, phase, moves in self._reshard_moves(plans):
+            if moves[0]:
+                add(kind, bit, phase, float(per_dev[0]) * w, w)
+        if storage != "replicated":
+            full = self.nm - 1
+            for dims, shape, b in self.params:
+                m, free = self._storage_masks(plans, dims, shape, full)
+                n = self.msize[int(m[0])]
+                if storage == "zero1":
+                    add("all-gather", int(free[0]), "optimizer", b / n, 1.0)
+            if storage == "zero3":
+                for dims, shape, b in self.gathered:
+                    m, free = self._storage_masks(plans, dims, shape, full)
+                    add("all-gather", int(free[0]), "forward", b / self.msize[int(m[0])], 1.0)
+        return dict(out)
