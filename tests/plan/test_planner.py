@@ -131,10 +131,10 @@ def test_unknown_hardware_preset():
 
 
 def test_memory_budget_no_plan_fits():
-    with pytest.raises(autoshard.InfeasiblePlanError, match=r"GiB per device") as info:
+    with pytest.raises(autoshard.InfeasiblePlanError, match=r"KiB per device") as info:
         _plan("gpt", {"data": 2, "model": 4}, memory_budget=1000)
     msg = str(info.value)
-    assert "0.00 GiB per device" in msg and "memory_budget" in msg
+    assert "budget of 0.98 KiB per device" in msg and "memory_budget" in msg
     # it names the least-memory plan (storage, what it splits) and the 3-D way out
     assert "least memory (storage zero" in msg and "-> " in msg and "mesh='auto'" in msg
 

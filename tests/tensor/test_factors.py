@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from autoshard._src.core.graph import nbytes
-from autoshard._src.tensor.factors import analyze
+from autoshard._src.tensor.regions import analyze
 
 from ..core._synthetic import GraphBuilder
 

@@ -79,7 +79,8 @@ def plan_traced(step: Callable, args: tuple, graph: OpGraph, config: Config, tra
 
 def expert_plan(name: str, step: Callable, *args: Any, config: Any = None, **kwargs: Any) -> Plan:
     """The hand-written reference plan `name` (one of autoshard's EXPERTS: data-parallel, fsdp,
-    megatron, data-megatron) for `step` on the config's mesh, priced by the same model as automatic plans."""
+    megatron, data-megatron, megatron-sp) for `step` on the config's mesh, priced by the same model as
+    automatic plans."""
     cfg = Config.make(config, **kwargs)
     graph = trace(step, *args)
     return bind(expert_tensor_plan(name, graph, mesh=cfg.mesh, hw=hardware_of(cfg), options=cfg.search), *args)

@@ -77,16 +77,24 @@ def constrained(traced: Traced, plan: Plan, mesh: Mesh) -> Callable:
     stable key (`op_keys`); this trace's keys map them to its top-level eqns."""
     graph = traced.graph
     index = {k: i for i, k in enumerate(op_keys(graph))}
-    by_eqn: dict[int, list[NamedSharding]] = {}
+    by_eqn: dict[int, list[tuple[tuple[int, ...] | None, NamedSharding]]] = {}
     for key, spec in plan.activation_constraints:      # two for one op: its layout, then its consumers'
         i = index.get(key)
-        if i is not None and not graph.ops[i].nested:
-            by_eqn.setdefault(graph.ops[i].top_eqn, []).append(NamedSharding(mesh, partition_spec(spec)))
+        if i is not None:
+            op = graph.ops[i]
+            # a nested op (a gather inside jnp.take's jit) is the call's output of its shape
+            shape = tuple(op.out_shapes[0]) if op.nested else None
+            by_eqn.setdefault(op.top_eqn, []).append((shape, NamedSharding(mesh, partition_spec(spec))))
 
     def after(k: int, outs: list) -> list:
-        for s in by_eqn.get(k, ()):
-            if getattr(outs[0], "ndim", 0) == len(s.spec):
-                outs = [jax.lax.with_sharding_constraint(outs[0], s), *outs[1:]]
+        for shape, s in by_eqn.get(k, ()):
+            if shape is None:
+                at = 0 if getattr(outs[0], "ndim", 0) == len(s.spec) else None
+            else:
+                hits = [j for j, o in enumerate(outs) if tuple(getattr(o, "shape", ())) == shape]
+                at = hits[0] if len(hits) == 1 else None
+            if at is not None:
+                outs = [*outs[:at], jax.lax.with_sharding_constraint(outs[at], s), *outs[at + 1:]]
         return outs
 
     def run(*call_args):

@@ -200,7 +200,9 @@ def _check_search_fields(opts: SearchOptions, where: str) -> None:
               ("overlap", opts.overlap, lambda x: isinstance(x, numbers.Real) and 0 <= x <= 1,
                "a number in [0, 1] (the share of backward compute gradient sync can hide behind)"),
               ("bucket_bytes", opts.bucket_bytes, _positive, "a number of bytes > 0"),
-              ("memory_budget", opts.memory_budget, lambda x: x is None or _positive(x), "bytes per device > 0"))
+              ("memory_budget", opts.memory_budget, lambda x: x is None or _positive(x), "bytes per device > 0"),
+              ("sequence_parallel", opts.sequence_parallel, lambda x: x in ("auto", "on", "off"),
+               "'auto' (when nothing else fits the memory budget), 'on' or 'off'"))
     for name, value, ok, want in checks:
         if not ok(value):
             raise ConfigError(f"{where}: {name}={value!r} must be {want}.")

@@ -18,7 +18,8 @@ from ..core.version import VERSION
 from ..pipeline.costs import traced_batch
 from ..tensor.experts import EXPERTS, expert_assignments
 from ..tensor.instances import input_maps, instance_maps
-from ..tensor.search import PlanChoice, SearchOptions, SearchResult, search
+from ..tensor.regions import REDUCE_SCATTERED
+from ..tensor.search import PlanChoice, SearchOptions, SearchResult, search, with_sequence_parallel
 from .plan import ParamReport, Plan, Stage
 from .specs import Spec
 
@@ -51,12 +52,12 @@ def tensor_plan(graph: OpGraph, *, mesh: Any, hw: HardwareSpec, options: SearchO
         splits = [f"{what} -> {'x'.join(axes)}" for _, what, _, axes in
                   describe_factors(graph, b.factors, b.candidates, b.best.factor_axes) if axes]
         raise InfeasiblePlanError(
-            f"autoshard.plan: no plan fits the memory budget of {b.budget / 2**30:.2f} GiB per "
+            f"autoshard.plan: no plan fits the memory budget of {_size(b.budget)} per "
             f"device on mesh {best[0]} ({hw.name}); the plan needing least memory (storage {b.best.storage}; "
             f"{', '.join(splits[:4]) or 'nothing split'}{' ...' if len(splits) > 4 else ''}) takes "
-            f"{b.best.memory['total'] / 2**30:.2f} GiB per device (parameters "
-            f"{b.best.memory['params'] / 2**30:.2f}, optimizer state {b.best.memory['optimizer'] / 2**30:.2f}, "
-            f"activations {b.best.memory['activations'] / 2**30:.2f} GiB). Fix: raise memory_budget, "
+            f"{_size(b.best.memory['total'])} per device (parameters "
+            f"{_size(b.best.memory['params'])}, optimizer state {_size(b.best.memory['optimizer'])}, "
+            f"activations {_size(b.best.memory['activations'])}). Fix: raise memory_budget, "
             "use more devices or a smaller batch, or plan in 3-D (mesh='auto' with devices=N, or a 'pipe' axis "
             "with pipeline='auto'), which adds pipeline stages and chooses rematerialisation per stage.",
             min_memory=b.best.memory["total"], budget=b.budget)
@@ -64,21 +65,35 @@ def tensor_plan(graph: OpGraph, *, mesh: Any, hw: HardwareSpec, options: SearchO
     return build_plan(graph, grouping, best[0], hw, best[1], options, seconds, experts=experts)
 
 
+def _size(n: float) -> str:
+    """Bytes in the largest binary unit that keeps a digit before the point (a budget of 1000 bytes
+    is "0.98 KiB", not "0.00 GiB")."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n / 2**10:.2f} KiB"
+
+
 def compare_experts(graph: OpGraph, grouping: Grouping, mesh: MeshSpec, res: SearchResult) -> dict[str, Any]:
     """Each expert plan priced by the same model: {name: {step_time, memory, feasible,
     breakdown} or {reason}}."""
     in_map = input_maps(graph, grouping, res.periods)
     out: dict[str, Any] = {}
-    for name, a in expert_assignments(graph, res.factors, in_map, mesh).items():
+    assignments = expert_assignments(graph, res.factors, in_map, mesh)
+    sp = with_sequence_parallel(res, grouping)   # Megatron-SP is priced where the stream is cut
+    if sp is not None and sp is not res:
+        assignments["megatron-sp"] = expert_assignments(graph, sp.factors, in_map, mesh)["megatron-sp"]
+    for name, a in assignments.items():
         if isinstance(a, str):
             out[name] = {"reason": a}
             continue
         fa, storage = a
-        outside = [f for f in fa if f not in res.candidates]
+        priced = sp if name == "megatron-sp" and sp is not None else res
+        outside = [f for f in fa if f not in priced.candidates]
         if outside:
             out[name] = {"reason": f"splits dims the search does not consider ({len(outside)} factors)"}
             continue
-        c = res.evaluate(fa, storage)
+        c = priced.evaluate(fa, storage)
         out[name] = {"step_time": c.step_time, "memory": c.memory["total"], "feasible": c.feasible,
                      "breakdown": dict(c.breakdown)}
     return out
@@ -93,6 +108,8 @@ def expert_tensor_plan(name: str, graph: OpGraph, *, mesh: Any, hw: HardwareSpec
     grouping = grouping if grouping is not None else group(graph)
     m = mesh_spec(mesh)
     t0 = time.perf_counter()
+    if name == "megatron-sp":    # priced in the space whose residual stream is cut from the regions
+        options = dataclasses.replace(options, sequence_parallel="on")
     res = search(graph, grouping, m, hw, options)
     a = expert_assignments(graph, res.factors, input_maps(graph, grouping, res.periods), m)[name]
     if isinstance(a, str):
@@ -156,6 +173,8 @@ def describe_factors(graph: OpGraph, fg, candidates: tuple[int, ...],
                 p = graph.values[v].producer
                 where = graph.ops[p].module if p is not None else ""
                 desc[f] = f"{where or 'region'} boundary dim {d} (as its consumers read it)"
+    for f in getattr(fg, "sequence", ()):       # the stream outside tensor-parallel regions
+        desc[f] = ", ".join(x for x in (desc.get(f), "residual stream (sequence parallel)") if x)
     return [(f, desc.get(f, f"factor {f}"), fg.factor_size(f), axes_of.get(f, ())) for f in candidates]
 
 
@@ -168,22 +187,44 @@ def activation_constraints(graph: OpGraph, op_map: dict[int, int], fg: Any, axes
     `op_keys(graph)`, for callers asking once per stage (it walks the whole graph)."""
     keys = keys if keys is not None else op_keys(graph)
     cut_after = {v: after for v, _, after in getattr(fg, "cuts", ())}
+    # with the sequence split outside the tensor-parallel regions XLA may also gather a region's big
+    # activations for a weight gradient instead of the stream's cotangent: pin the backward matmuls too
+    backward_too = any(axes_of.get(f) for f in getattr(fg, "sequence", ()))
+    escaping = _escaping(graph) if cut_after else set()
     out = []
     for op in (graph.ops if ops is None else (graph.ops[i] for i in sorted(ops))):
-        if op.nested:
+        if op.nested and op.index not in escaping:
             continue
         src = op_map.get(op.index, op.index)
         if src not in fg.op_factors or not graph.ops[src].outputs:
             continue
         boundary = graph.ops[src].outputs[0] in cut_after
-        if not boundary and (op.phase != "forward" or op.primitive not in _CONSTRAINED):
+        if not boundary and (op.phase not in ("forward", "backward" if backward_too else "forward")
+                             or op.primitive not in _CONSTRAINED):
             continue              # the backward pass follows, except at region boundaries (its all-to-alls)
         spec = _spec_for(fg.op_factors[src].out_factors, axes_of)
-        if any(spec):
-            out.append((keys[op.index], tuple(tuple(a) for a in spec)))
         after = cut_after.get(graph.ops[src].outputs[0])
+        # a partial sum its consumers read split along the reduced axes (a row-parallel output entering
+        # the sequence-parallel stream) goes straight to their layout: a reduce-scatter, as priced
+        scattered = after is not None and graph.ops[src].primitive in REDUCE_SCATTERED and \
+            {a for f in fg.op_factors[src].reduced for a in axes_of.get(f, ())} & \
+            {a for f in after if f is not None for a in axes_of.get(f, ())}
+        if any(spec) and not scattered:
+            out.append((keys[op.index], tuple(tuple(a) for a in spec)))
         if after is not None:     # a region boundary: then the layout its consumers read (all-to-alls)
             out.extend((keys[op.index], step) for step in reshard_steps(spec, _spec_for(after, axes_of)))
+    return out
+
+
+def _escaping(graph: OpGraph) -> set[int]:
+    """Nested ops whose output leaves their enclosing call (`jnp.take`'s `jit(_take)` gather): emission
+    constrains the call's output of that shape."""
+    out: set[int] = set()
+    for op in graph.ops:
+        if op.nested and op.outputs:
+            v = op.outputs[0]
+            if v in graph.outputs or any(graph.ops[c].top_eqn != op.top_eqn for c in graph.values[v].consumers):
+                out.add(op.index)
     return out
 
 

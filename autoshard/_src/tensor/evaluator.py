@@ -23,6 +23,7 @@ from ..core.graph import OpGraph, nbytes
 from ..core.hardware import HardwareSpec
 from ..core.mesh import MeshSpec
 from .factors import FactorGraph
+from .regions import REDUCE_SCATTERED
 
 STORAGE_MODES = ("replicated", "zero1", "zero3")
 
@@ -34,6 +35,10 @@ class SearchOptions:
     max_plans: int = 2_000_000               # enumeration cap (factors beyond it stay unsplit)
     overlap: float = 1.0                     # share of backward compute grad sync can hide behind
     bucket_bytes: int = 25 * 2**20           # TAP §4.7.1 gradient packing threshold
+    # sequence parallelism (Megatron-SP, see regions.py): "auto" searches the space with the residual
+    # stream cut from the tensor-parallel regions when no plan without it fits the memory budget;
+    # "on" always searches it (it holds every plan without it too); "off" never
+    sequence_parallel: str = "auto"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +69,10 @@ class SearchResult:
     def evaluate(self, factor_axes: dict[int, tuple[str, ...]], storage: str) -> PlanChoice:
         """Cost of any assignment (used to compare with expert plans)."""
         return self._evaluator.evaluate_one(factor_axes, storage)
+
+
+_BUCKET = {"forward": "fwd_comm", "backward": "bwd_comm", "grad": "grad_sync", "optimizer": "opt_comm",
+           "other": "fwd_comm"}
 
 
 def _axis_masks(mesh: MeshSpec) -> list[int]:
@@ -143,6 +152,12 @@ class _Evaluator:
         hw = self.hw
         groups: dict[tuple, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0, 0.0])
         unknown_gather: dict[tuple, float] = defaultdict(float)
+        cut_after = {v: after for v, _, after in self.fg.cuts}
+        # partial sums whose consumers read them split (a row-parallel matmul's output entering the
+        # sequence-parallel stream): priced per plan, a reduce-scatter over the axes the consumers
+        # split, an all-reduce over the rest (per part, when given): (loop, reduced, parts, after dims,
+        # bytes, executions, phase)
+        self.partial_cuts: list[tuple] = []
         for i, w in weights.items():
             if w <= 0:
                 continue
@@ -155,7 +170,16 @@ class _Evaluator:
             key = (self._cmask(of.loop), self._cmask(of.reduced), kind)
             g = groups[key]
             g[0] += w * max(t_flops, t_bytes)
-            if of.reduced:
+            after = cut_after.get(op.outputs[0]) if op.outputs else None
+            if of.reduced and after is not None and op.primitive in REDUCE_SCATTERED:
+                a_idx = tuple(self.cidx.get(f, -1) if f is not None else -1 for f in after)
+                self.partial_cuts.append((key[0], key[1], (), a_idx, float(of.out_bytes), w, kind))
+            elif len(of.reduced) > 1 and of.reduced & self.fg.sequence:
+                # a stream weight's gradient sums the batch and the split sequence: XLA all-reduces each
+                # dim's axes apart (the sequence's at once, the batch's with the other gradients)
+                parts = tuple(self._cmask([f]) for f in sorted(of.reduced))
+                self.partial_cuts.append((key[0], key[1], parts, (), float(of.out_bytes), w, kind))
+            elif of.reduced:
                 g[1] += w * of.out_bytes
                 g[2] += w          # collectives issued (each op, each instance, each iteration)
             for b, fs in of.gathered:
@@ -183,12 +207,14 @@ class _Evaluator:
                                       self.graph.ops[p].phase))
 
     def _reshard_moves(self, plans: np.ndarray):
-        """Per reshard and mesh axis that moves: (kind, axis mask, per-device buffer bytes per plan,
-        executions, phase, which plans). An axis on one dim before and another after is an
-        all-to-all; on a dim before and none after an all-gather; none before: a local slice."""
+        """Per reshard and move: (kind, axis mask (per plan for gathers), per-device buffer bytes per
+        plan, executions, phase, which plans). An axis on one dim before and another after is an
+        all-to-all (one per axis); the axes on a dim before and on none after are one all-gather
+        (after the all-to-alls, as emission orders it); an axis on none before: a local slice."""
         C = plans.shape[0]
         for b_idx, a_idx, nb, w, phase in self.reshards:
             bmask = self._or(plans, tuple(i for i in b_idx if i >= 0))
+            amask = self._or(plans, tuple(i for i in a_idx if i >= 0))
             per_dev = nb / self.msize[bmask]
             for k, size in enumerate(self.mesh.sizes):
                 if size == 1:
@@ -203,7 +229,22 @@ class _Evaluator:
                     if i >= 0:
                         adim = np.where(plans[:, i] & bit, d, adim)
                 yield "all-to-all", bit, per_dev, w, phase, (bdim >= 0) & (adim >= 0) & (bdim != adim)
-                yield "all-gather", bit, per_dev * size, w, phase, (bdim >= 0) & (adim < 0)
+            # the axes the consumers leave unused are gathered together, last (as emission orders it)
+            gone = bmask & ~amask
+            yield "all-gather", gone, nb / self.msize[bmask & amask], w, phase, gone > 0
+
+    def _partial_sums(self, plans: np.ndarray):
+        """Per partial sum read split by its consumers (or reduced in parts): (kind, per-device buffer
+        bytes per plan, axis mask per plan, executions, phase) for the reduce-scatter over the reduced
+        axes the consumers' layout splits and the all-reduce(s) over the others (a local slice then
+        finishes the move)."""
+        for loop, red, parts, a_idx, out_bytes, w, phase in self.partial_cuts:
+            r_mask = self._or(plans, red)
+            buf = out_bytes * self.msize[r_mask] / self.msize[self._or(plans, loop)]
+            rs = r_mask & self._or(plans, tuple(i for i in a_idx if i >= 0))
+            for part in parts or (red,):
+                yield "all-reduce", buf, self._or(plans, part) & ~rs, w, phase
+            yield "reduce-scatter", buf, rs, w, phase
 
     def _build_tensors(self, weights: dict[int, float]) -> None:
         g, fg = self.graph, self.fg
@@ -275,12 +316,12 @@ class _Evaluator:
             if red and ar_bytes:
                 r_mask = self._or(plans, red)
                 t = self._coll("all-reduce", ar_bytes * self.msize[r_mask] / n, r_mask, count)
-                bucket = {"forward": "fwd_comm", "backward": "bwd_comm", "grad": "grad_sync",
-                          "optimizer": "opt_comm", "other": "fwd_comm"}[kind]
-                out[bucket] += t
-        for kind, bit, per_dev, w, phase, moves in self._reshard_moves(plans):
-            t = self._coll(kind, per_dev * w, np.full(C, bit), w)
+                out[_BUCKET[kind]] += t
+        for kind, mask, per_dev, w, phase, moves in self._reshard_moves(plans):
+            t = self._coll(kind, per_dev * w, np.broadcast_to(mask, (C,)), w)
             out["fwd_comm" if phase == "forward" else "bwd_comm"] += np.where(moves, t, 0.0)
+        for kind, buf, mask, w, phase in self._partial_sums(plans):
+            out[_BUCKET[phase]] += self._coll(kind, buf * w, mask, w)
         for (fs, phase), b in self.gathers:
             m = self._or(plans, fs)
             out["fwd_comm" if phase == "forward" else "bwd_comm"] += self._coll(
@@ -385,9 +426,11 @@ class _Evaluator:
                 add("all-reduce", r_mask, kind, ar_bytes * self.msize[r_mask] / n, count)
         for (fs, phase), b in self.gathers:
             add("all-gather", int(self._or(plans, fs)[0]), phase, b, 1.0)
-        for kind, bit, per_dev, w, phase, moves in self._reshard_moves(plans):
+        for kind, mask, per_dev, w, phase, moves in self._reshard_moves(plans):
             if moves[0]:
-                add(kind, bit, phase, float(per_dev[0]) * w, w)
+                add(kind, int(np.broadcast_to(mask, (1,))[0]), phase, float(per_dev[0]) * w, w)
+        for kind, buf, mask, w, phase in self._partial_sums(plans):
+            add(kind, int(mask[0]), phase, float(buf[0]) * w, w)
         if storage != "replicated":
             full = self.nm - 1
             for dims, shape, b in self.params:

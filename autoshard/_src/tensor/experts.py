@@ -14,6 +14,12 @@ only the vocabulary is still recognised by the embedding's keypath.
   head split; a chain of dense layers alternates column and row.
 * data-megatron: 2-D: the batch on every axis but the last, Megatron's splits on the last
   (tensor parallelism on the innermost, fastest axis, as Megatron-LM places it).
+* megatron-sp: Megatron-LM's tensor parallelism with sequence parallelism (Korthikanti et al.
+  2022) on the last axis, the batch on the others (a 1-D mesh: tensor parallelism alone): the
+  residual stream between the tensor-parallel regions (norms, residual adds, dropout) split along
+  the sequence over the tensor-parallel axis; all-gather into the column-parallel matmuls,
+  reduce-scatter out of the row-parallel ones. Priced in the space whose stream is cut from the
+  regions (regions.py).
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from ..core.graph import OpGraph
 from ..core.mesh import MeshSpec
 from .factors import FactorGraph, weight_values
 
-EXPERTS = ("data-parallel", "fsdp", "megatron", "data-megatron")
+EXPERTS = ("data-parallel", "fsdp", "megatron", "data-megatron", "megatron-sp")
 
 # (pattern over "a/b/c" keypaths, dim to split); the pattern is searched, so a prefix may precede it
 VOCAB_RULES: tuple[tuple[str, int], ...] = (
@@ -139,7 +145,7 @@ def expert_assignments(graph: OpGraph, fg: FactorGraph, in_map: dict[int, int], 
     for name, storage in (("data-parallel", "replicated"), ("fsdp", "zero3")):
         out[name] = why_batch or ({f: names for f in batch}, storage)
     if not tp:
-        out["megatron"] = out["data-megatron"] = "no parameter matches the tensor-parallel rules"
+        out["megatron"] = out["data-megatron"] = out["megatron-sp"] = "no parameter matches the tensor-parallel rules"
         return out
     # a vocabulary that does not divide the tensor-parallel axes stays replicated (Megatron-LM
     # pads it instead, which changes the model); heads or FFN that do not divide: not applicable
@@ -167,12 +173,35 @@ def expert_assignments(graph: OpGraph, fg: FactorGraph, in_map: dict[int, int], 
             fa = {f: data_axes for f in batch}
             fa.update({f: model_axes for f in tp_model})
             out["data-megatron"] = (fa, "replicated")
+    out["megatron-sp"] = _sequence_parallel(fg, out["megatron"] if len(names) < 2 else out["data-megatron"], mesh)
     for name, a in out.items():
         if not isinstance(a, str):
             clash = _clash(fg, a[0])
             if clash:
                 out[name] = clash
     return out
+
+
+def _sequence_parallel(fg: FactorGraph, megatron, mesh: MeshSpec):
+    """Megatron's assignment (tensor parallelism on the last axis) plus the residual stream's sequence
+    dims on that axis (those sharing no tensor with a dim split on it), or why not."""
+    if isinstance(megatron, str):
+        return megatron
+    if not fg.sequence:
+        return "the step has no residual stream between tensor-parallel regions (or the factor graph was not cut)"
+    fa = dict(megatron[0])
+    tp_axes = tuple(mesh.names[-1:])
+    busy = [f for f, axes in fa.items() if set(axes) & set(tp_axes)]
+    seq: list[int] = []
+    for f in sorted(fg.sequence):     # never two split dims of one tensor on the axis
+        if f not in fa and not any(h in fg.cooccur.get(f, ()) for h in busy + seq):
+            seq.append(f)
+    bad = [f for f in seq if not _fits(fg, [f], mesh, tp_axes)]
+    if bad:
+        return f"sequence dims {', '.join(_not_dividing(fg, f, mesh, tp_axes) for f in bad)} do not divide " \
+               f"axes {tp_axes}"
+    fa.update({f: tp_axes for f in seq})
+    return fa, megatron[1]
 
 
 def _not_dividing(fg: FactorGraph, f: int, mesh: MeshSpec, axes: Sequence[str]) -> str:

@@ -101,6 +101,8 @@ class FactorGraph:
     # region boundaries (expert parallelism): values whose consumers see them with their own factors,
     # (value, factors as produced, factors as consumed); the plan reshards them when the two differ
     cuts: tuple[tuple[int, tuple, tuple], ...] = ()
+    # the residual stream's token dims cut from tensor-parallel regions (sequence parallelism splits them)
+    sequence: frozenset[int] = frozenset()
 
     def value_factors(self, value: int, rank: int | None = None) -> tuple:
         shape = self.graph.values[value].shape
@@ -115,35 +117,18 @@ class FactorGraph:
         return max(self.factor_sizes.get(factor, [1]))
 
 
-def analyze(graph: OpGraph, ops: Iterable[int], same_ops: Sequence[tuple[int, int]] = ()) -> FactorGraph:
-    """Factors of the subgraph made of `ops` (indices). `same_ops` pairs ops of two instances of
-    one block type that correspond; their dims are linked so instances share factors.
+def link_factors(graph: OpGraph, ops: list[int], same_ops: Sequence[tuple[int, int]] = (),
+                 subs: dict[int, dict[int, tuple[int, int]]] | None = None,
+                 kept: dict[int, tuple[int, ...]] | None = None,
+                 joined: Sequence[tuple[tuple[int, int], tuple[int, int]]] = ()) -> FactorGraph:
+    """The factors of the subgraph made of `ops` (sorted indices). `same_ops` pairs ops of two
+    instances of one block type that correspond; their dims are linked so instances share factors.
 
-    Mixture-of-experts layers are cut into regions (`_expert_cuts`): the tokens dispatched to the
-    experts and the experts' outputs returning to the tokens take factors of their own on the expert
-    side, so a plan may split the groups for attention and the experts for the expert FFNs, with an
-    all-to-all between (GShard's expert parallelism) -- one factor, one layout could not."""
-    ops = sorted(set(ops))
-    fg = _analyze(graph, ops, same_ops, {})
-    subs = _expert_cuts(graph, ops, fg)
-    if not subs:
-        return fg
-    fg = _analyze(graph, ops, same_ops, subs)
-    cut_values = sorted({(v, cid) for per_op in subs.values() for v, cid in per_op.values()})
-    cuts = []
-    for v, cid in cut_values:
-        shape = graph.values[v].shape
-        after = tuple(fg.factor_of.get(_key(cid, d, len(shape))) if shape[d] != 1 else None
-                      for d in range(len(shape)))
-        cuts.append((v, fg.value_factors(v), after))
-    fg.cuts = tuple(cuts)
-    return fg
-
-
-def _analyze(graph: OpGraph, ops: list[int], same_ops: Sequence[tuple[int, int]],
-             subs: dict[int, dict[int, tuple[int, int]]]) -> FactorGraph:
-    """`analyze` with some consumers reading a cut value under its own id (`subs`: op -> operand
-    position -> (value, cut id))."""
+    Region cuts (see regions.py): some consumers read a value under a cut id of its own (`subs`: op ->
+    operand position -> (value, cut id)), so its dims there take factors of their own; `kept`: per cut
+    id, the dims (right-aligned, negative) that stay linked with the value as produced; `joined`: pairs
+    of (value or cut id, right-aligned dim) linked besides."""
+    subs = subs or {}
     uf = _UnionFind()
     values = graph.values
 
@@ -155,6 +140,12 @@ def _analyze(graph: OpGraph, ops: list[int], same_ops: Sequence[tuple[int, int]]
     for i in ops:
         op = graph.ops[i]
         _link_op(uf, op if i not in subs else dataclasses.replace(op, inputs=inputs_of(i)), values)
+    cut_value = {cid: v for per_op in subs.values() for v, cid in per_op.values()}
+    for cid, dims in (kept or {}).items():
+        for d in dims:
+            uf.union((cut_value[cid], d), (cid, d))
+    for a, b in joined:
+        uf.union(a, b)
     for a, b in same_ops:
         # corresponding ops play the same role: so do their results, their weights and the
         # activations they take from outside the block
@@ -213,6 +204,11 @@ def _analyze(graph: OpGraph, ops: list[int], same_ops: Sequence[tuple[int, int]]
             reduced = set()
             gathered = tuple((nbytes(s, d), fs) for s, d, fs in
                              zip(op.in_shapes, op.in_dtypes, ins, strict=True) if any(fs))
+        if op.primitive in _LOOKUPS:
+            # a lookup's table rows and its indices share no tensor, but one axis cannot split both:
+            # each device would find only its own rows for its own indices
+            for f in loop:
+                cooccur.setdefault(f, set()).update(loop)
         out_shape = op.out_shapes[0] if op.out_shapes else ()
         out_dtype = op.out_dtypes[0] if op.out_dtypes else "float32"
         op_factors[i] = OpFactors(i, frozenset(loop), frozenset(reduced), outs[0] if outs else (),
@@ -230,72 +226,6 @@ def weight_values(graph: OpGraph, ops: Iterable[int]) -> set[int]:
         if op.inputs and all(v in weights for v in op.inputs):
             weights.update(op.outputs)
     return weights
-
-
-_LAYOUT_OPS = frozenset({"transpose", "reshape", "convert_element_type", "copy"})
-
-
-def _expert_cuts(graph: OpGraph, ops: list[int], fg: FactorGraph) -> dict[int, dict[int, tuple[int, int]]]:
-    """Where a mixture-of-experts layer changes layout, found from structure (no names):
-
-    - an *expert matmul* multiplies activations by weights batched over a dim (the experts: E x D x F);
-      that dim's factor is an expert factor;
-    - a *combine* is a matmul of two activations reading an operand that comes (through layout ops)
-      from an expert matmul: that operand is cut (the combine, the gradient of its routing weights);
-    - a *dispatch* is any other matmul of two activations whose result has an expert factor while it
-      contracts something else (the tokens): its result is cut.
-
-    The backward pass has the same shapes (transposed dispatch and combine), so it is cut the same
-    way. Returns op -> operand position -> (value, cut id); cut ids are negative."""
-    opset = set(ops)
-    weights = weight_values(graph, ops)
-    expert: set[int] = set()
-    batched: set[int] = set()
-    for i in ops:
-        op = graph.ops[i]
-        if op.primitive != "dot_general" or "batch" not in op.params or len(op.inputs) != 2:
-            continue
-        w = [v in weights for v in op.inputs]
-        if w.count(True) != 1:
-            continue
-        k = w.index(True)
-        dims = op.params["batch"][k]
-        if dims:
-            fs = fg.value_factors(op.inputs[k], len(op.in_shapes[k]))
-            expert.update(fs[d] for d in dims if fs[d] is not None)
-            batched.update(op.outputs)
-    if not expert:
-        return {}
-
-    def from_experts(v: int) -> bool:
-        for _ in range(8):                   # a short chain of layout ops at most
-            if v in batched:
-                return True
-            p = graph.values[v].producer
-            if p is None or p not in opset or graph.ops[p].primitive not in _LAYOUT_OPS:
-                return False
-            v = graph.ops[p].inputs[0]
-        return False
-
-    subs: dict[int, dict[int, tuple[int, int]]] = {}
-    for i in ops:
-        op = graph.ops[i]
-        if op.primitive != "dot_general" or "contracting" not in op.params or len(op.inputs) != 2 \
-                or any(v in weights for v in op.inputs):
-            continue
-        of = fg.op_factors[i]
-        cut_in = [k for k, v in enumerate(op.inputs) if from_experts(v)]
-        if cut_in:
-            for k in cut_in:
-                subs.setdefault(i, {})[k] = (op.inputs[k], -1 - op.inputs[k])
-        elif not cut_in and set(of.out_factors) & expert and of.reduced - expert:
-            v = op.outputs[0]
-            for c in graph.values[v].consumers:
-                if c in opset:
-                    for k, u in enumerate(graph.ops[c].inputs):
-                        if u == v:
-                            subs.setdefault(c, {})[k] = (v, -1 - v)
-    return subs
 
 
 def _reduced_factors(op: Op, ins: list[tuple]) -> set[int]:
@@ -485,6 +415,7 @@ def _link_conv(uf: _UnionFind, op: Op) -> None:
         _link_same(uf, x, sx, w, sw, [ls[1]], [rs[1]])       # input features (contracted)
 
 
+_LOOKUPS = frozenset({"gather", "scatter-add", "scatter_add", "scatter"})
 _WINDOWED = frozenset({"reduce_window_sum", "reduce_window_max", "reduce_window_min", "reduce_window",
                        "select_and_scatter_add", "select_and_gather_add"})
 _KNOWN = (ELEMENTWISE | REDUCTIONS | CUMULATIVE | SOURCES | _WINDOWED | {"split",

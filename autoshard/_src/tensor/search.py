@@ -40,8 +40,10 @@ from .evaluator import (
     _mask_size,
     _Shared,
 )
-from .factors import FactorGraph, analyze, corresponding_ops
+from .experts import batch_factors, region_twins, tensor_parallel_factors
+from .factors import FactorGraph, corresponding_ops
 from .instances import input_maps
+from .regions import analyze
 
 __all__ = ["STORAGE_MODES", "Analysis", "PlanChoice", "PlanSpace", "SearchOptions", "SearchResult", "analysis",
            "plan_space", "search"]
@@ -92,7 +94,21 @@ def search(graph: OpGraph, grouping: Grouping, mesh: MeshSpec, hw: HardwareSpec,
     """Find the fastest memory-feasible assignment of mesh axes to factors and a storage mode
     (`analysed`: a previous `analysis(graph, grouping)` to reuse)."""
     cost = cost or AnalyticalCostModel(mesh, hw)
-    space = plan_space(graph, grouping, mesh, options, analysed)
+    analysed = analysed if analysed is not None else analysis(graph, grouping)
+    result = _search_space(plan_space(graph, grouping, mesh, options, analysed), hw, cost, options)
+    mode = options.sequence_parallel
+    if mode == "on" or (mode == "auto" and not result.best.feasible):
+        sp = sequence_parallel_analysis(graph, grouping, analysed)
+        if sp is not None:
+            sp_result = _search_space(plan_space(graph, grouping, mesh, options, sp), hw, cost, options)
+            if mode == "on" or _better(sp_result.best, result.best):
+                n = sp_result.best.plans_evaluated + result.best.plans_evaluated
+                sp_result.best = dataclasses.replace(sp_result.best, plans_evaluated=n)
+                result = sp_result
+    return result
+
+
+def _search_space(space: PlanSpace, hw: HardwareSpec, cost: CostModel, options: SearchOptions) -> SearchResult:
     budget = options.memory_budget if options.memory_budget is not None else 0.9 * hw.memory_bytes
     ev = space.evaluator(hw, cost, options, space.weights)
     ev.budget = budget
@@ -100,7 +116,43 @@ def search(graph: OpGraph, grouping: Grouping, mesh: MeshSpec, hw: HardwareSpec,
     result = SearchResult(best, space.fg, space.candidates, space.weights, space.grad_ops, budget, space.notes,
                           space.periods)
     result._evaluator = ev
+    result._context = (space.graph, space, hw, cost, options)
     return result
+
+
+def with_sequence_parallel(result: SearchResult, grouping: Grouping) -> SearchResult | None:
+    """`result`'s space with the residual stream cut from the tensor-parallel regions, for pricing
+    given plans (the Megatron-SP expert) without enumerating it; None when it has no such regions."""
+    if result.factors.sequence:
+        return result
+    graph, space, hw, cost, options = result._context
+    sp = sequence_parallel_analysis(graph, grouping, space.analysis)
+    if sp is None:
+        return None
+    cands, _ = _candidate_factors(graph, sp.fg, sp.weights, space.mesh, options, [])
+    sp_space = dataclasses.replace(space, fg=sp.fg, candidates=cands, plans=np.zeros((0, len(cands)), np.int64))
+    ev = sp_space.evaluator(hw, cost, options, sp_space.weights)
+    ev.budget = result.budget
+    out = dataclasses.replace(result, factors=sp.fg, candidates=cands)
+    out._evaluator = ev
+    out._context = (graph, sp_space, hw, cost, options)
+    return out
+
+
+def sequence_parallel_analysis(graph: OpGraph, grouping: Grouping, analysed: Analysis) -> Analysis | None:
+    """`analysed` with the residual stream cut from the tensor-parallel regions (regions.py), so the
+    sequence can be split over the tensor-parallel axes outside them; None without such regions."""
+    if analysed.fg.sequence:
+        return analysed
+    weights, ops, pairs, _ = _analysed_ops(graph, grouping)
+    batch = set(region_twins(analysed.fg, batch_factors(graph, analysed.fg)))
+    tp = [f for f in tensor_parallel_factors(graph, analysed.fg, analysed.in_map) if f not in batch]
+    if not tp:
+        return None
+    fg = analyze(graph, ops, pairs, (analysed.fg, tp))
+    if not fg.sequence:
+        return None
+    return dataclasses.replace(analysed, fg=fg)
 
 
 @dataclasses.dataclass
@@ -236,8 +288,8 @@ def _candidate_factors(graph: OpGraph, fg: FactorGraph, weights: dict[int, float
             for f in fg.value_factors(v):
                 if f is not None and f not in fg.repeated and f in in_loops:
                     weight_of[f] += val.nbytes
-    for v, _, after in fg.cuts:           # a region's own factors (the expert side of an MoE layer)
-        for f in after:
+    for v, before, after in fg.cuts:      # a region's own factors (the expert side of an MoE layer)
+        for f in (*before, *after):
             if f is not None and f not in fg.repeated and f in in_loops:
                 weight_of[f] += graph.values[v].nbytes
     cands = sorted(weight_of, key=lambda f: (-weight_of[f], f))

@@ -65,7 +65,7 @@ import numpy as np
 from ...core.cost import CostModel
 from ...core.errors import PipelineError
 from ...core.graph import OpGraph
-from ...tensor.factors import analyze
+from ...tensor.regions import analyze
 from ..atomic import atomic_partition
 from ..costs import PipelineCosts
 from .layer_graph import LayerGraph, LayerNode

@@ -1,0 +1,206 @@
+"""Regions of a step whose tensors change layout (pure: no jax import).
+
+A factor (logical dim, factors.py) takes one mesh axis for the whole program, unless a value is *cut*:
+its consumers on the far side of a region boundary read it under factors of their own, so a plan may
+lay it out differently there and pays for the move (an all-to-all, an all-gather, a reduce-scatter in
+place of an all-reduce; evaluator.py prices them, emission pins both layouts). Two kinds of regions
+are found from the program's structure, never from names:
+
+* mixture-of-experts layers (`_expert_cuts`): tokens dispatched to the experts and the experts'
+  outputs returning to the tokens (GShard's expert parallelism: groups split for attention, experts
+  for the expert FFNs, an all-to-all between);
+* tensor-parallel regions (`_sequence_cuts`): the ops that touch a Megatron factor (heads, FFN hidden,
+  vocabulary) against the residual stream between them (norms, residual adds, dropout). Cutting the
+  stream's token dims where it enters and leaves them lets the plan split the sequence over the
+  tensor-parallel axis outside them (Megatron-SP: all-gather before the column-parallel matmul,
+  reduce-scatter after the row-parallel one), which divides the stream's activation memory by the
+  tensor-parallel degree for the bytes Megatron's all-reduces already move.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable, Sequence
+
+from ..core.graph import OpGraph
+from .factors import FactorGraph, _key, link_factors, weight_values
+
+Subs = dict[int, dict[int, tuple[int, int]]]
+# producers whose partial sums XLA reduce-scatters straight into a split layout; a gather's partial
+# lookup (a vocabulary-parallel embedding) is all-reduced first: split, XLA gathers the table instead
+REDUCE_SCATTERED = frozenset({"dot_general", "conv_general_dilated"})
+
+
+def analyze(graph: OpGraph, ops: Iterable[int], same_ops: Sequence[tuple[int, int]] = (),
+            tensor_parallel: tuple[FactorGraph, Collection[int]] | None = None) -> FactorGraph:
+    """Factors of the subgraph made of `ops` (indices), with its mixture-of-experts layers cut into
+    regions; `same_ops` pairs corresponding ops of two instances of one block type.
+
+    `tensor_parallel`: (this subgraph's uncut factor graph, the factors Megatron splits in it): cut the
+    residual stream from the tensor-parallel regions too, so sequence parallelism is in the space."""
+    ops = sorted(set(ops))
+    fg = link_factors(graph, ops, same_ops)
+    subs = _expert_cuts(graph, ops, fg)
+    kept: dict[int, tuple[int, ...]] = {}
+    sequence: set[int] = set()
+    inside: set[int | None] = set()
+    if tensor_parallel is not None:
+        seq_subs, kept, stream_dims, joined = _sequence_cuts(graph, ops, *tensor_parallel)
+        for i, per_op in seq_subs.items():
+            for k, cut in per_op.items():
+                subs.setdefault(i, {}).setdefault(k, cut)
+    if not subs:
+        return fg
+    fg = link_factors(graph, ops, same_ops, subs, kept, joined if tensor_parallel is not None else ())
+    cut_values = sorted({(v, cid) for per_op in subs.values() for v, cid in per_op.values()})
+    cuts = []
+    for v, cid in cut_values:
+        shape = graph.values[v].shape
+        after = tuple(fg.factor_of.get(_key(cid, d, len(shape))) if shape[d] != 1 else None
+                      for d in range(len(shape)))
+        before = fg.value_factors(v)
+        cuts.append((v, before, after))
+        if tensor_parallel is not None and cid in kept:
+            stream, region = (before, after) if v in stream_dims[0] else (after, before)
+            cut_dims = [d for d in range(len(shape)) if d - len(shape) not in kept[cid]]
+            sequence.update(stream[d] for d in cut_dims if stream[d] is not None)
+            inside.update(region[d] for d in cut_dims)
+    fg.cuts = tuple(cuts)
+    fg.sequence = frozenset(sequence - inside)
+    return fg
+
+
+def constant_values(graph: OpGraph, ops: Sequence[int]) -> set[int]:
+    """Values computed from no input at all (an iota, a causal mask, positions): cheap to compute in
+    any layout, never worth a collective."""
+    const: set[int] = set()
+    for i in ops:
+        op = graph.ops[i]
+        if all(graph.values[v].kind == "literal" or v in const for v in op.inputs):
+            const.update(op.outputs)
+    return const
+
+
+def _is_index(dtype: str) -> bool:
+    """Integer and boolean values (token ids, labels, masks) follow the lookups that read them: a
+    vocabulary-parallel embedding gathers with its own indices, never the stream's."""
+    return dtype.startswith(("int", "uint", "bool"))
+
+
+def _sequence_cuts(graph: OpGraph, ops: list[int], fg: FactorGraph, tensor_parallel: Collection[int]
+                   ) -> tuple[Subs, dict[int, tuple[int, ...]], tuple[set[int]], list]:
+    """Cuts between the tensor-parallel regions (ops iterating over a factor in `tensor_parallel`) and
+    the rest of the step (the residual stream): a value produced on one side and read on the other is
+    read there under its own token dims -- the dims whose factor is neither the batch, nor a
+    dim of a matmul's weight, nor tensor-parallel (the sequence: where Megatron-SP splits). Parameters,
+    constants and indices are never cut. Returns (subs, per cut id the dims kept linked, ({values entering a
+    region from the stream},), dims of different regions' cuts linked)."""
+    tp = set(tensor_parallel)
+    opset = set(ops)
+    weights = weight_values(graph, ops)
+    const = constant_values(graph, ops)
+    batch = {fg.value_factors(v)[0] for v in graph.inputs
+             if graph.values[v].role == "data" and graph.values[v].shape}
+    matmul_dims: set[int] = set()
+    for i in ops:
+        op = graph.ops[i]
+        if op.primitive in ("dot_general", "conv_general_dilated"):
+            for v, s in zip(op.inputs, op.in_shapes, strict=True):
+                if v in weights:
+                    matmul_dims.update(f for f in fg.value_factors(v, len(s)) if f is not None)
+    in_region = {i: bool(fg.op_factors[i].loop & tp) for i in ops}
+    subs: Subs = {}
+    kept: dict[int, tuple[int, ...]] = {}
+    entering: set[int] = set()
+    joined: list[tuple[tuple[int, int], tuple[int, int]]] = []
+    first: dict[int, tuple[int, int]] = {}
+    for i in ops:
+        op = graph.ops[i]
+        for k, (v, s) in enumerate(zip(op.inputs, op.in_shapes, strict=True)):
+            if graph.values[v].kind == "literal" or v in weights or v in const or _is_index(graph.values[v].dtype):
+                continue
+            p = graph.values[v].producer
+            if p is None or p not in opset or in_region[p] == in_region[i]:
+                continue
+            fs = fg.value_factors(v, len(s))
+            cut = [d for d, f in enumerate(fs) if f is not None and f not in batch | matmul_dims | tp]
+            if not cut:
+                continue
+            subs.setdefault(i, {})[k] = (v, -1 - v)
+            kept[-1 - v] = tuple(d - len(s) for d in range(len(s)) if d not in cut)
+            if in_region[i]:
+                entering.add(v)
+                # every region reads the stream's sequence as one factor: the space grows by one
+                # factor per stream dim, not one per region
+                for d in cut:
+                    key = (-1 - v, d - len(s))
+                    if first.setdefault(fs[d], key) != key:
+                        joined.append((first[fs[d]], key))
+    return subs, kept, (entering,), joined
+
+
+_LAYOUT_OPS = frozenset({"transpose", "reshape", "convert_element_type", "copy"})
+
+
+def _expert_cuts(graph: OpGraph, ops: list[int], fg: FactorGraph) -> Subs:
+    """Where a mixture-of-experts layer changes layout, found from structure (no names):
+
+    - an *expert matmul* multiplies activations by weights batched over a dim (the experts: E x D x F);
+      that dim's factor is an expert factor;
+    - a *combine* is a matmul of two activations reading an operand that comes (through layout ops)
+      from an expert matmul: that operand is cut (the combine, the gradient of its routing weights);
+    - a *dispatch* is any other matmul of two activations whose result has an expert factor while it
+      contracts something else (the tokens): its result is cut.
+
+    The backward pass has the same shapes (transposed dispatch and combine), so it is cut the same
+    way. Returns op -> operand position -> (value, cut id); cut ids are negative."""
+    opset = set(ops)
+    weights = weight_values(graph, ops)
+    expert: set[int] = set()
+    batched: set[int] = set()
+    for i in ops:
+        op = graph.ops[i]
+        if op.primitive != "dot_general" or "batch" not in op.params or len(op.inputs) != 2:
+            continue
+        w = [v in weights for v in op.inputs]
+        if w.count(True) != 1:
+            continue
+        k = w.index(True)
+        dims = op.params["batch"][k]
+        if dims:
+            fs = fg.value_factors(op.inputs[k], len(op.in_shapes[k]))
+            expert.update(fs[d] for d in dims if fs[d] is not None)
+            batched.update(op.outputs)
+    if not expert:
+        return {}
+
+    def from_experts(v: int) -> bool:
+        for _ in range(8):                   # a short chain of layout ops at most
+            if v in batched:
+                return True
+            p = graph.values[v].producer
+            if p is None or p not in opset or graph.ops[p].primitive not in _LAYOUT_OPS:
+                return False
+            v = graph.ops[p].inputs[0]
+        return False
+
+    subs: Subs = {}
+    for i in ops:
+        op = graph.ops[i]
+        if op.primitive != "dot_general" or "contracting" not in op.params or len(op.inputs) != 2 \
+                or any(v in weights for v in op.inputs):
+            continue
+        of = fg.op_factors[i]
+        cut_in = [k for k, v in enumerate(op.inputs) if from_experts(v)]
+        if cut_in:
+            for k in cut_in:
+                subs.setdefault(i, {})[k] = (op.inputs[k], -1 - op.inputs[k])
+        elif not cut_in and set(of.out_factors) & expert and of.reduced - expert:
+            v = op.outputs[0]
+            for c in graph.values[v].consumers:
+                if c in opset:
+                    for k, u in enumerate(graph.ops[c].inputs):
+                        if u == v:
+                            subs.setdefault(c, {})[k] = (v, -1 - v)
+    return subs
+
+
