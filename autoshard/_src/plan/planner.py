@@ -191,6 +191,10 @@ def activation_constraints(graph: OpGraph, op_map: dict[int, int], fg: Any, axes
     # activations for a weight gradient instead of the stream's cotangent: pin the backward matmuls too
     backward_too = any(axes_of.get(f) for f in getattr(fg, "sequence", ()))
     escaping = _escaping(graph) if cut_after else set()
+    # the other operands of an MoE dispatch / combine (routing weights, masks) keep their planned
+    # layout even when it is replicated: left free, XLA shards them like the experts and gathers back
+    pinned = {u for v in getattr(fg, "expert_cuts", ()) for c in graph.values[v].consumers
+              for u in graph.ops[c].inputs if u != v and graph.values[u].producer is not None}
     out = []
     for op in (graph.ops if ops is None else (graph.ops[i] for i in sorted(ops))):
         if op.nested and op.index not in escaping:
@@ -199,7 +203,8 @@ def activation_constraints(graph: OpGraph, op_map: dict[int, int], fg: Any, axes
         if src not in fg.op_factors or not graph.ops[src].outputs:
             continue
         boundary = graph.ops[src].outputs[0] in cut_after
-        if not boundary and (op.phase not in ("forward", "backward" if backward_too else "forward")
+        pin = graph.ops[src].outputs[0] in pinned
+        if not boundary and not pin and (op.phase not in ("forward", "backward" if backward_too else "forward")
                              or op.primitive not in _CONSTRAINED):
             continue              # the backward pass follows, except at region boundaries (its all-to-alls)
         spec = _spec_for(fg.op_factors[src].out_factors, axes_of)
@@ -209,7 +214,7 @@ def activation_constraints(graph: OpGraph, op_map: dict[int, int], fg: Any, axes
         scattered = after is not None and graph.ops[src].primitive in REDUCE_SCATTERED and \
             {a for f in fg.op_factors[src].reduced for a in axes_of.get(f, ())} & \
             {a for f in after if f is not None for a in axes_of.get(f, ())}
-        if any(spec) and not scattered:
+        if (any(spec) or pin) and not scattered:
             out.append((keys[op.index], tuple(tuple(a) for a in spec)))
         if after is not None:     # a region boundary: then the layout its consumers read (all-to-alls)
             out.extend((keys[op.index], step) for step in reshard_steps(spec, _spec_for(after, axes_of)))

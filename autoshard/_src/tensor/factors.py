@@ -103,6 +103,7 @@ class FactorGraph:
     cuts: tuple[tuple[int, tuple, tuple], ...] = ()
     # the residual stream's token dims cut from tensor-parallel regions (sequence parallelism splits them)
     sequence: frozenset[int] = frozenset()
+    expert_cuts: frozenset[int] = frozenset()     # the values cut at MoE dispatch / combine
 
     def value_factors(self, value: int, rank: int | None = None) -> tuple:
         shape = self.graph.values[value].shape

@@ -40,6 +40,7 @@ def analyze(graph: OpGraph, ops: Iterable[int], same_ops: Sequence[tuple[int, in
     ops = sorted(set(ops))
     fg = link_factors(graph, ops, same_ops)
     subs = _expert_cuts(graph, ops, fg)
+    expert_values = frozenset(v for per_op in subs.values() for v, _ in per_op.values())
     kept: dict[int, tuple[int, ...]] = {}
     sequence: set[int] = set()
     inside: set[int | None] = set()
@@ -66,6 +67,7 @@ def analyze(graph: OpGraph, ops: Iterable[int], same_ops: Sequence[tuple[int, in
             inside.update(region[d] for d in cut_dims)
     fg.cuts = tuple(cuts)
     fg.sequence = frozenset(sequence - inside)
+    fg.expert_cuts = expert_values
     return fg
 
 

@@ -97,7 +97,7 @@ def search(graph: OpGraph, grouping: Grouping, mesh: MeshSpec, hw: HardwareSpec,
     analysed = analysed if analysed is not None else analysis(graph, grouping)
     result = _search_space(plan_space(graph, grouping, mesh, options, analysed), hw, cost, options)
     mode = options.sequence_parallel
-    if mode == "on" or (mode == "auto" and not result.best.feasible):
+    if mode != "off":
         sp = sequence_parallel_analysis(graph, grouping, analysed)
         if sp is not None:
             sp_result = _search_space(plan_space(graph, grouping, mesh, options, sp), hw, cost, options)
