@@ -68,6 +68,8 @@ def test_tight_budget_chooses_sequence_parallelism(gpt, experts):
     plan = autoshard.plan(m.train_step, *args, mesh=MESH, hardware="cpu-sim", memory_budget=budget)
     assert plan.predicted["feasible"] and not plan.predicted["experts"]["megatron"]["feasible"]
     assert "sequence" in plan.explain()
+    # a norm's weight gradient sums the sequence split over "model": the parameter table says so
+    assert "model" in {r.keypath: r.grad_sync for r in plan.params}["[0]['block_0']['ln1']['scale']"]
     predicted = _by_key(plan)
     assert any(c["kind"] == "reduce-scatter" for c in plan.predicted["collectives"]), plan.explain()
     report = autoshard.audit(plan, m.train_step, *args)

@@ -181,6 +181,7 @@ def test_graphpipe_plans_keep_branches_parallel(mmt):
     sources = [s for s in p.stages if not s.after]
     assert len(sources) >= 2 and pp["depth"] < len(p.stages)
     assert pp["baseline"]["name"] == "sequential pipeline (SPP)" and pp["baseline"]["depth"] > pp["depth"]
+    assert pp["baseline_reason"] == ""        # a baseline exists: no reason why not beside its numbers
     assert p.predicted["step_time"] == pytest.approx(pp["simulated_step_time"])
     # batch 4 over 8 devices: micro-batches of at most 4 samples leave devices idle, and the plan says so
     assert pp["devices_used"] == sum(s.replicas for s in p.stages)
@@ -312,3 +313,22 @@ def test_graphpipe_per_stage_microbatch_option(mmt):
     assert per.provenance["options"]["per_stage_microbatch"] is True
     with pytest.raises(autoshard.AutoshardError, match="per_stage_microbatch=1 must be True or False"):
         autoshard.plan(m.train_step, *args, pipeline_options={"per_stage_microbatch": 1}, **kw)
+
+
+def test_no_uniform_baseline_reason_names_its_numbers():
+    """The RaNNC plan's reason for a missing uniform baseline states the layers and stage counts tried."""
+    from types import SimpleNamespace
+
+    from autoshard._src.core.hardware import get_hardware
+    from autoshard._src.pipeline.atomic import atomic_partition
+    from autoshard._src.pipeline.costs import PipelineCosts
+    from autoshard._src.pipeline.rannc.partitioner import _no_uniform
+
+    m = models.get("gpt", "debug", num_layers=2)
+    graph = autoshard.trace(m.train_step, *m.abstract_state())
+    costs = PipelineCosts(atomic_partition(graph), get_hardware("v100-sxm"))
+    grouping = autoshard.group(graph)
+    few = _no_uniform(costs, grouping, SimpleNamespace(stage_counts=[4, 8], devices=8), 2**30)
+    assert few == "2 repeated layer(s) cannot fill 4 or more stages", few
+    tight = _no_uniform(costs, grouping, SimpleNamespace(stage_counts=None, devices=8), 2**20)
+    assert "the 2 repeated layers into [2] stages" in tight and "0.000977 GiB" in tight, tight

@@ -267,3 +267,18 @@ def test_megatron_expert_keeps_position_tables_whole():
     assert bias[0] is None and bias[1] is not None
     assert params["shared"]["embedding"][0] is not None
     assert params["encoder"]["layer_0"]["self_attn"]["q"]["kernel"][1] is not None
+
+
+def test_parameter_table_shows_fsdp_gradient_sync():
+    """ZeRO-3 shards a parameter over the batch axes too: its gradient is still summed over them
+    (reduce-scattered), and the table says so instead of "none"."""
+    m = models.get("gpt", "debug", batch_size=8)
+    plan = autoshard.expert_plan("fsdp", m.train_step, *m.abstract_state(), mesh={"data": 2, "model": 4},
+                                 hardware="cpu-sim")
+    syncs = {r.keypath: r.grad_sync for r in plan.params}
+    fc1 = syncs["[0]['block_0']['fc1']['kernel']"]
+    assert fc1 == "reduce-scatter over data,model", syncs
+    assert all(s != "none" for s in syncs.values()), syncs
+    dp = autoshard.expert_plan("data-parallel", m.train_step, *m.abstract_state(), mesh={"data": 2, "model": 4},
+                               hardware="cpu-sim")
+    assert {r.grad_sync for r in dp.params} == {"all-reduce over data,model"}

@@ -67,7 +67,7 @@ class StagePartition:
     info: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     baseline: Baseline | None = None
     baseline_name: str = ""
-    baseline_reason: str = ""        # why there is no baseline when it is None
+    baseline_reason: str = ""        # why there is no baseline when it is None ("" when there is one)
 
 
 class Profiler(Protocol):

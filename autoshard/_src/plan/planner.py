@@ -267,11 +267,14 @@ def build_plan(graph: OpGraph, grouping: Grouping, mesh: MeshSpec, hw: HardwareS
     # gradients are summed over the axes that split the batch (the data inputs' factors)
     batch_axes = {a for v in graph.inputs if graph.values[v].role == "data"
                   for f in fg.value_factors(v) if f is not None for a in axes_of.get(f, ())}
+    # a weight's gradient sums what the batch and a split sequence (the stream's weights) spread
+    grad_axes = batch_axes | {a for f in getattr(fg, "sequence", ()) for a in axes_of.get(f, ())}
     for v in graph.inputs:
         val = graph.values[v]
         src = in_map.get(v, v)
         spec = _spec_for(fg.value_factors(src), axes_of) if len(graph.values[src].shape) == len(val.shape) \
             else [()] * len(val.shape)
+        own = {a for axes in spec for a in axes}      # the axes its logical dims are split over
         if (val.role == "parameter" and storage == "zero3") or (val.role == "state" and storage != "replicated"):
             spec = add_storage_axes(spec, val.shape, mesh)
         spec_t: Spec = tuple(tuple(a) for a in spec)
@@ -281,11 +284,8 @@ def build_plan(graph: OpGraph, grouping: Grouping, mesh: MeshSpec, hw: HardwareS
             for axes in spec_t:
                 for a in axes:
                     shards *= mesh.axis_size(a)
-            own = {a for axes in spec_t for a in axes}
-            sync = [a for a in mesh.names if a not in own and a in batch_axes]
-            kind = "reduce-scatter" if storage != "replicated" else "all-reduce"
-            reports.append(ParamReport(val.keypath or "", val.shape, val.dtype, spec_t,
-                                       val.nbytes // shards, f"{kind} over {','.join(sync)}" if sync else "none"))
+            reports.append(ParamReport(val.keypath or "", val.shape, val.dtype, spec_t, val.nbytes // shards,
+                                       _gradient_sync(own, grad_axes, storage, val.shape, spec, mesh)))
     by_kp = dict(zip((graph.values[v].keypath for v in graph.inputs), zip(specs, graph.inputs, strict=True),
                      strict=True))
     out_specs: list[Spec] = []
@@ -326,6 +326,22 @@ def build_plan(graph: OpGraph, grouping: Grouping, mesh: MeshSpec, hw: HardwareS
         input_specs_flat=tuple(specs), output_keypaths=tuple(graph.output_keypaths),
         output_specs_flat=tuple(out_specs), stages=(stage,), predicted=predicted, params=tuple(reports),
         warnings=warnings, provenance=provenance)
+
+
+def _gradient_sync(own: set[str], grad_axes: set[str], storage: str, shape: tuple[int, ...], spec: list,
+                   mesh: MeshSpec) -> str:
+    """How a parameter's gradient is summed: over the axes splitting the batch (or the sequence) that
+    do not split the parameter itself; reduce-scattered over the axes ZeRO shards it (or its
+    optimizer state) over, all-reduced over the others."""
+    sync = [a for a in mesh.names if a not in own and a in grad_axes]
+    if not sync:
+        return "none"
+    stored = {a for axes in add_storage_axes(list(spec), shape, mesh) for a in axes} - own \
+        if storage != "replicated" else set()
+    scattered = [a for a in sync if a in stored]
+    reduced = [a for a in sync if a not in stored]
+    return " + ".join(f"{k} over {','.join(axes)}" for k, axes in
+                      (("reduce-scatter", scattered), ("all-reduce", reduced)) if axes)
 
 
 IDLE_AXIS = "mesh axis"      # warnings the decorator raises as Python warnings (results stay right, speed suffers)

@@ -45,9 +45,9 @@ class GraphPipePartitioner:
               "per_stage_microbatch": options.get("per_stage_microbatch", False)}
         gp = graphpipe_partition(lg, devices, hw, **kw)
         try:
-            spp = spp_partition(lg, devices, hw, **kw)
-        except InfeasiblePlanError:
-            spp = None
+            spp, spp_error = spp_partition(lg, devices, hw, **kw), ""
+        except InfeasiblePlanError as e:      # its own words: no sequential split fits the budget
+            spp, spp_error = None, str(e)
         after = {s.index: tuple(sorted(u for u, v in gp.edges if v == s.index)) for s in gp.stages}
         stages = tuple(PartitionedStage(
             units=tuple(sorted(s.nodes)), ops=tuple(sorted({o for n in s.nodes for o in lg.nodes[n].ops})),
@@ -71,7 +71,7 @@ class GraphPipePartitioner:
             memory_budget=_budget(problem), batch_size=gp.batch_size, pipelines=1,
             search_seconds=gp.search_seconds, units=len(lg), unit="layer nodes", warnings=tuple(warnings),
             info={"time_per_sample": gp.time_per_sample, "edges": tuple(gp.edges)}, baseline=baseline,
-            baseline_name="sequential pipeline (SPP)", baseline_reason="no sequential split fits the memory budget")
+            baseline_name="sequential pipeline (SPP)", baseline_reason=spp_error)
 
 
 def _budget(problem: PartitionProblem) -> float:

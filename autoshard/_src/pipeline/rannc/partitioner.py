@@ -12,7 +12,7 @@ from ..costs import PipelineCosts
 from ..partition import Baseline, PartitionedStage, PartitionProblem, StagePartition, max_over_mean
 from ..schedules.registry import schedule
 from .stages import SEARCHES, plan_stages
-from .uniform import best_uniform
+from .uniform import best_uniform, layer_starts, uniform_stage_counts
 
 
 class RanncPartitioner:
@@ -46,7 +46,8 @@ class RanncPartitioner:
                          memory_budget=problem.memory_budget, use_blocks=use_blocks,
                          search=str(options.get("search", "all")), prune=bool(options.get("prune", False)),
                          costs=costs, stage_counts=problem.stage_counts, **kw)
-        uniform = best_uniform(costs, problem.devices, grouping=group(graph), schedule=problem.schedule,
+        grouping = group(graph)
+        uniform = best_uniform(costs, problem.devices, grouping=grouping, schedule=problem.schedule,
                                memory_budget=sp.memory_budget, stage_counts=problem.stage_counts, **kw)
         stages = tuple(PartitionedStage(
             units=tuple(range(*s.blocks)), ops=s.ops, replicas=s.replicas, microbatch_size=s.microbatch_size,
@@ -68,8 +69,18 @@ class RanncPartitioner:
             unit="blocks" if use_blocks else "atomic components", warnings=tuple(warnings),
             info={"objective": sp.objective, "dp_calls": sp.dp_calls}, baseline=baseline,
             baseline_name="uniform layer split",
-            baseline_reason="it needs at least as many repeated layers as stages, stage counts dividing the devices, "
-                            "and must fit the memory budget")
+            baseline_reason="" if baseline is not None else _no_uniform(costs, grouping, problem, sp.memory_budget))
+
+
+def _no_uniform(costs, grouping, problem, budget: float) -> str:
+    """Why no uniform layer split applies, with the numbers it was tried on."""
+    counts = problem.stage_counts or uniform_stage_counts(problem.devices)
+    layers = len(layer_starts(costs, grouping))
+    fitting = [s for s in counts if s <= layers]
+    if not fitting:
+        return f"{layers} repeated layer(s) cannot fill {min(counts) if counts else 2} or more stages"
+    return (f"no uniform split of the {layers} repeated layers into {fitting} stages fits the memory budget of "
+            f"{budget / 2**30:.3g} GiB per device")
 
 
 RANNC = RanncPartitioner()

@@ -81,6 +81,11 @@ def uniform_split(costs: PipelineCosts, num_stages: int, devices: int, microbatc
     return _with_seconds(plan, time.perf_counter() - t0)
 
 
+def uniform_stage_counts(devices: int) -> list[int]:
+    """The stage counts a uniform split tries: powers of two >= 2 dividing `devices` (RaNNC §IV-B)."""
+    return [s for s in (2 ** i for i in range(1, 12)) if s <= devices and devices % s == 0]
+
+
 def best_uniform(costs: PipelineCosts, devices: int, *, grouping: Grouping | None = None,
                  blocks: BlockPartition | None = None, stage_counts: Sequence[int] | None = None,
                  batch_size: int | None = None, schedule: str = "1f1b", recompute: bool = False,
@@ -89,7 +94,7 @@ def best_uniform(costs: PipelineCosts, devices: int, *, grouping: Grouping | Non
     as the baselines of RaNNC §IV-B) and micro-batch counts 1, 2, 4, ... that fits memory."""
     t0 = time.perf_counter()
     bs = int(batch_size or costs.batch)
-    counts = stage_counts or [s for s in (2 ** i for i in range(1, 12)) if s <= devices and devices % s == 0]
+    counts = stage_counts or uniform_stage_counts(devices)
     best = None
     for S in counts:
         try:
