@@ -99,7 +99,7 @@ def test_flat_dict_of_weights_is_parameters():
     specs, _ = _specs("megatron", _step(loss), params, batch)
     assert specs["w0"] == P(None, ("data", "model")) and specs["w1"] == P(("data", "model"), None)
     plan = autoshard.plan(_step(loss), *_abstract((params, opt.init(params), batch)), mesh=MESH, hardware="cpu-sim")
-    # Megatron applies; Megatron-SP does not (no residual stream between the two matmuls), and says so
+    # Megatron applies; Megatron-SP does not (no sequence between the two matmuls), and says so
     lines = plan.explain().splitlines()
     assert "[0]['w0']" in plan.explain()
     assert not [line for line in lines if "not applicable" in line and "megatron-sp" not in line], lines

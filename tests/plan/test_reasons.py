@@ -44,7 +44,7 @@ def test_two_axes_needed_and_no_stream():
     _, plan = _plan("gpt", {"x": 4}, num_heads=4, d_model=32)
     assert _reasons(plan)["data-megatron"] == "needs a mesh with at least two axes"
     assert len(plan.mesh) == 1
-    # a two-matmul flat MLP has no residual stream between tensor-parallel regions
+    # a two-matmul flat MLP has no sequence between its tensor-parallel regions
     params = {"w0": jax.ShapeDtypeStruct((64, 256), "float32"), "w1": jax.ShapeDtypeStruct((256, 64), "float32")}
     import optax
     opt = optax.sgd(0.1)
@@ -58,7 +58,7 @@ def test_two_axes_needed_and_no_stream():
     batch = {"x": jax.ShapeDtypeStruct((32, 64), "float32"), "y": jax.ShapeDtypeStruct((32, 64), "float32")}
     flat = autoshard.plan(step, params, jax.eval_shape(opt.init, params), batch, mesh={"x": 4}, hardware="cpu-sim")
     why = _reasons(flat)["megatron-sp"]
-    assert "no residual stream" in why and "step_time" in flat.predicted["experts"]["megatron"], why
+    assert "no sequence to split" in why and "step_time" in flat.predicted["experts"]["megatron"], why
 
 
 @pytest.mark.parametrize("budget", [None, 4.5e5])

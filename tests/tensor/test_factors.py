@@ -322,7 +322,7 @@ def test_conv_links_batch_features_and_same_size_spatial_dims():
     assert fy[1] == fw[0]                          # out-features
     assert fy[2:] == fx[2:]                        # "SAME" spatial dims
     of = fg.op_factors[0]
-    assert of.reduced == {fx[1]}
+    assert of.reduced == {fx[1], fw[2], fw[3]}     # in-features and the window's positions
     assert {fx[0], fx[1], fw[0]} <= of.loop
 
 
@@ -336,6 +336,27 @@ def test_conv_valid_padding_does_not_link_resized_spatial_dims():
     fx, fy = fg.value_factors(x), fg.value_factors(y)
     assert fy[0] == fx[0]
     assert fy[2] not in fx and fy[3] not in fx
+    # rows split on the input only would leave partial sums of every output row: reduced
+    assert {fx[2], fx[3]} <= fg.op_factors[0].reduced
+
+
+def test_weight_gradient_conv_sums_over_image_positions():
+    """The kernel gradient of a conv is a conv of the image with the output cotangent whose 'output'
+    is the kernel window: it sums over the batch and every image position."""
+    N, H, W, C, Co = 2, 16, 12, 3, 8
+    g = GraphBuilder()
+    x, dy = g.input((N, H, W, C)), g.input((N, H, W, Co))
+    # jax's transpose rule: lhs = x as (C, H, W, N) "batch C", rhs = dy as (Co, H, W, N) "out features Co"
+    dw = g.op("conv_general_dilated", [x, dy], [(3, 3, C, Co)], params={
+        "lhs_spec": (3, 0, 1, 2), "rhs_spec": (3, 0, 1, 2), "out_spec": (2, 3, 0, 1),
+        "rhs_in_feature_dim": 0, "rhs_spatial_dims": (1, 2), "feature_group_count": 1,
+        "padding": ((1, 1), (1, 1))})
+    _, fg = analyze_all(g)
+    fx, fdy = fg.value_factors(x), fg.value_factors(dy)
+    # the batch and the rows and columns of both (in a whole step they are one factor each: the
+    # forward conv links the cotangent's positions to the image's)
+    assert fg.op_factors[0].reduced == {fx[0], fx[1], fx[2], fdy[1], fdy[2]}
+    assert fdy[0] == fx[0] and fg.value_factors(dw)[3] == fdy[3]
 
 
 def test_conv_nhwc_specs():
@@ -349,7 +370,7 @@ def test_conv_nhwc_specs():
     fx, fw, fy = fg.value_factors(x), fg.value_factors(w), fg.value_factors(y)
     assert fy == (fx[0], fx[1], fx[2], fw[3])
     assert fx[3] == fw[2]
-    assert fg.op_factors[0].reduced == {fx[3]}
+    assert fg.op_factors[0].reduced == {fx[3], fw[0], fw[1]}
 
 
 def test_depthwise_conv_channels_are_carried_not_reduced():

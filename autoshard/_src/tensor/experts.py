@@ -187,8 +187,11 @@ def _sequence_parallel(fg: FactorGraph, megatron, mesh: MeshSpec):
     dims on that axis (those sharing no tensor with a dim split on it), or why not."""
     if isinstance(megatron, str):
         return megatron
+    if not fg.sequence and fg.expert_cuts:
+        return "sequence parallelism is not searched with mixture-of-experts regions"
     if not fg.sequence:
-        return "the step has no residual stream between tensor-parallel regions (or the factor graph was not cut)"
+        return ("the values between tensor-parallel regions have no dim besides the batch and the model dims "
+                "(no sequence to split)")
     fa = dict(megatron[0])
     tp_axes = tuple(mesh.names[-1:])
     busy = [f for f, axes in fa.items() if set(axes) & set(tp_axes)]
@@ -196,11 +199,11 @@ def _sequence_parallel(fg: FactorGraph, megatron, mesh: MeshSpec):
     for f in sorted(fg.sequence):     # never two split dims of one tensor on the axis
         if f not in fa and not any(h in fg.cooccur.get(f, ()) for h in busy + seq):
             seq.append(f)
-    bad = [f for f in seq if not _fits(fg, [f], mesh, tp_axes)]
-    if bad:
-        return f"sequence dims {', '.join(_not_dividing(fg, f, mesh, tp_axes) for f in bad)} do not divide " \
+    fits = [f for f in seq if _fits(fg, [f], mesh, tp_axes)]     # others (an MoE's capacity) stay whole
+    if not fits:
+        return f"sequence dims {', '.join(_not_dividing(fg, f, mesh, tp_axes) for f in seq)} do not divide " \
                f"axes {tp_axes}"
-    fa.update({f: tp_axes for f in seq})
+    fa.update({f: tp_axes for f in fits})
     return fa, megatron[1]
 
 

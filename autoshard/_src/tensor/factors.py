@@ -196,7 +196,7 @@ def link_factors(graph: OpGraph, ops: list[int], same_ops: Sequence[tuple[int, i
         ins = [register(v, s) for v, s in zip(inputs_of(i), op.in_shapes, strict=True)]
         outs = [register(v, s) for v, s in zip(op.outputs, op.out_shapes, strict=True)]
         known = op.primitive in _KNOWN
-        reduced = _reduced_factors(op, ins)
+        reduced = _reduced_factors(op, ins, outs[0] if outs else ())
         loop = {f for fs in ins + outs for f in fs if f is not None}
         gathered: tuple = ()
         if not known:
@@ -229,7 +229,7 @@ def weight_values(graph: OpGraph, ops: Iterable[int]) -> set[int]:
     return weights
 
 
-def _reduced_factors(op: Op, ins: list[tuple]) -> set[int]:
+def _reduced_factors(op: Op, ins: list[tuple], out: tuple = ()) -> set[int]:
     p = op.primitive
     params = op.params
     if p == "dot_general" and "contracting" in params:
@@ -247,9 +247,13 @@ def _reduced_factors(op: Op, ins: list[tuple]) -> set[int]:
         scatter = [d for d in range(len(upd)) if d not in window]
         return {upd[d] for k, d in enumerate(scatter) if k not in ibatch and upd[d] is not None}
     if p == "conv_general_dilated" and "lhs_spec" in params:
-        if params.get("feature_group_count", 1) > 1:
-            return set()
-        return {ins[0][params["lhs_spec"][1]]} - {None}
+        # a window sums over the input and kernel positions it does not keep (a strided conv's
+        # input rows, a weight gradient's image positions), and over the input features
+        ls, rs = params["lhs_spec"], params["rhs_spec"]
+        summed = {ins[0][d] for d in ls[2:]} | {ins[1][d] for d in rs[2:]}
+        if params.get("feature_group_count", 1) == 1:
+            summed.add(ins[0][ls[1]])
+        return summed - set(out) - {None}
     return set()
 
 

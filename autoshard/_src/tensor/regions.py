@@ -97,7 +97,6 @@ def _sequence_cuts(graph: OpGraph, ops: list[int], fg: FactorGraph, tensor_paral
     constants and indices are never cut. Returns (subs, per cut id the dims kept linked, ({values entering a
     region from the stream},), dims of different regions' cuts linked)."""
     tp = set(tensor_parallel)
-    opset = set(ops)
     weights = weight_values(graph, ops)
     const = constant_values(graph, ops)
     batch = {fg.value_factors(v)[0] for v in graph.inputs
@@ -120,8 +119,10 @@ def _sequence_cuts(graph: OpGraph, ops: list[int], fg: FactorGraph, tensor_paral
         for k, (v, s) in enumerate(zip(op.inputs, op.in_shapes, strict=True)):
             if graph.values[v].kind == "literal" or v in weights or v in const or _is_index(graph.values[v].dtype):
                 continue
+            # a value from outside the analysed ops (an input, a block that is not analysed: the next
+            # layer's cotangent) crosses between blocks: it is the stream
             p = graph.values[v].producer
-            if p is None or p not in opset or in_region[p] == in_region[i]:
+            if in_region.get(p, False) == in_region[i]:
                 continue
             fs = fg.value_factors(v, len(s))
             cut = [d for d, f in enumerate(fs) if f is not None and f not in batch | matmul_dims | tp]
