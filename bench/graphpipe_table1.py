@@ -192,16 +192,24 @@ def main() -> None:
     ap.add_argument("--profile", default="model", choices=["model", "measured"],
                     help="layer costs: the roofline on the V100 spec, or every op timed at each micro-batch size "
                          "on this machine's jax device (run it on a V100 node; hours on a CPU)")
+    ap.add_argument("--kernels", action="store_true",
+                    help="layer costs on the V100 kernel model (tile and wave quantization, 4 us launches, 90 %% "
+                         "of peak bandwidth; autoshard's core/kernels.py) instead of the pure roofline")
     ap.add_argument("--per-stage", action="store_true",
                     help="per-stage micro-batch sizes (per_stage_microbatch=True) for GraphPipe and SPP alike")
     opts = ap.parse_args()
-    global KERNEL_OVERHEAD, PROFILE, PER_STAGE
+    global KERNEL_OVERHEAD, PROFILE, PER_STAGE, HW
     KERNEL_OVERHEAD, PROFILE, PER_STAGE = opts.kernel_overhead, opts.profile, opts.per_stage
+    if opts.kernels:
+        if opts.kernel_overhead or opts.profile == "measured":
+            ap.error("--kernels is a cost model of its own: not with --kernel-overhead or --profile measured")
+        HW = get_hardware({**HARDWARE, "kernels": "v100"})
     if opts.profile == "measured" and opts.kernel_overhead:
         ap.error("--kernel-overhead adds launch costs to the roofline; measured curves hold them already")
     if opts.out is None:
         tag = f"_kernel{opts.kernel_overhead * 1e6:g}us" if opts.kernel_overhead else ""
         tag += f"_measured_{jax.devices()[0].platform}" if opts.profile == "measured" else ""
+        tag += "_kernels" if opts.kernels else ""
         tag += "_per_stage" if opts.per_stage else ""
         opts.out = str(ROOT / "bench" / "results" / f"graphpipe_table1{tag}.json")
     git = git_state()   # before running: the checkout may change while a long run goes on
@@ -258,6 +266,9 @@ def main() -> None:
           + (f"every op timed at each micro-batch size on {jax.devices()[0].device_kind} (profile='measured')."
              if PROFILE == "measured" else
              f"roofline + {KERNEL_OVERHEAD * 1e6:g} us per kernel launch (sensitivity run)." if KERNEL_OVERHEAD
+             else f"the kernel model ({hw.kernels.sms} SMs, tiles up to {hw.kernels.tile[0]}x{hw.kernels.tile[1]} in "
+             f"waves, {hw.kernels.launch * 1e6:g} us per launch, {hw.kernels.bandwidth_efficiency:.0%} of peak "
+             "bandwidth; weights paid per micro-batch)." if hw.kernels is not None
              else "pure roofline (per-op max of compute and memory time, weights paid per micro-batch).")
           + (" Per-stage micro-batch sizes (per_stage_microbatch=True) for both methods." if PER_STAGE else ""), "",
           "## Table 1 (search) and throughput, GraphPipe (GPP) vs SPP", "", *table1_md(table1), "",

@@ -25,6 +25,7 @@ from typing import Any
 
 from .collectives import DEFAULT_EFFICIENCY, KINDS
 from .errors import HardwareError
+from .kernels import KernelModel, kernel_model
 
 FLOAT_DTYPES = ("float32", "bfloat16", "float16")
 
@@ -46,6 +47,10 @@ class HardwareSpec:
     compute_efficiency: float           # achievable fraction of peak flops for large matmuls
     source: str                         # where the numbers come from
     node_speeds: tuple[float, ...] | None = None   # relative speed per node (heterogeneous); None: all equal
+    # GPU kernel facts (tile and wave quantization, launch, achievable bandwidth; kernels.py) used by
+    # the pipeline partitioners' op costs and micro-batch curves; None (every preset, for now): the
+    # pure roofline. Opt in with {"base": "v100-sxm", "kernels": "v100"} (kernels.GPU_KERNELS)
+    kernels: KernelModel | None = None
 
     def __post_init__(self) -> None:
         # Validate here, so presets, overrides and hand-built specs all fail at construction with
@@ -101,6 +106,7 @@ class HardwareSpec:
                 if not _positive(speed):
                     raise bad(f"node_speeds[{i}]", speed, f"must be a finite number > 0; {fix}")
             object.__setattr__(self, "node_speeds", tuple(float(x) for x in speeds))   # lists, numpy arrays
+        object.__setattr__(self, "kernels", kernel_model(self.kernels))   # a dict after a JSON round trip
         # read-only copies: a frozen spec must not change under a planner that cached it
         object.__setattr__(self, "flops", types.MappingProxyType(dict(self.flops)))
         object.__setattr__(self, "collective_efficiency", types.MappingProxyType(dict(eff)))
@@ -295,6 +301,8 @@ def hardware_dict(hw: HardwareSpec) -> dict[str, Any]:
     """Every field of `hw` as plain data (for plan provenance); `get_hardware` of it, also after a JSON
     round trip, gives back an equal spec (node_speeds travels as a list)."""
     def plain(value: Any) -> Any:
+        if isinstance(value, KernelModel):
+            return {k: plain(v) for k, v in dataclasses.asdict(value).items()}
         if isinstance(value, Mapping):
             return dict(value)
         return list(value) if isinstance(value, tuple) else value

@@ -38,6 +38,7 @@ import numpy as np
 from ..core.cost import AnalyticalCostModel, CostModel, alpha_beta
 from ..core.errors import PipelineError
 from ..core.hardware import HardwareSpec, get_hardware
+from ..core.kernels import op_seconds
 from .atomic import AtomicPartition, non_constant_ops
 
 CATEGORIES = ("fwd", "fwd_const", "bwd", "bwd_const", "step", "params", "state", "act", "act_const", "data")
@@ -70,6 +71,7 @@ class PipelineCosts:
         self.atomic = atomic
         graph = atomic.graph
         self.hardware: HardwareSpec = get_hardware(hardware)
+        self.custom_cost_model = cost_model          # None: the analytical model of `hardware`
         self.cost_model = cost_model or AnalyticalCostModel({"stage": 1}, self.hardware)
         self.batch = int(batch or traced_batch(graph))
         ops, values = graph.ops, graph.values
@@ -79,6 +81,12 @@ class PipelineCosts:
                 raise PipelineError(f"pipeline.PipelineCosts: op_time has {len(op_time)} entries for a graph "
                                     f"of {len(ops)} ops; give one time per op (seconds per execution).")
             self.op_time = np.array([float(t) * op.repeat for t, op in zip(op_time, ops, strict=True)])
+        elif self.hardware.kernels is not None and cost_model is None:    # tiles, waves, launches
+            hw, km = self.hardware, self.hardware.kernels
+            self.op_time = np.array([op.repeat * op_seconds(
+                km, op.primitive, op.params, op.in_shapes, op.out_shapes[0] if op.out_shapes else (), op.flops,
+                op.bytes, hw.peak_flops(op.out_dtypes[0] if op.out_dtypes else "float32") * hw.compute_efficiency,
+                hw.memory_bandwidth) for op in ops])
         else:
             self.op_time = np.array([
                 cm.compute(op.flops * op.repeat, op.bytes * op.repeat,

@@ -235,16 +235,18 @@ class _Evaluator:
 
     def _partial_sums(self, plans: np.ndarray):
         """Per partial sum read split by its consumers (or reduced in parts): (kind, per-device buffer
-        bytes per plan, axis mask per plan, executions, phase) for the reduce-scatter over the reduced
+        bytes per plan, axis mask per plan, executions, latencies paid, phase) for the reduce-scatter over the reduced
         axes the consumers' layout splits and the all-reduce(s) over the others (a local slice then
         finishes the move)."""
         for loop, red, parts, a_idx, out_bytes, w, phase in self.partial_cuts:
             r_mask = self._or(plans, red)
             buf = out_bytes * self.msize[r_mask] / self.msize[self._or(plans, loop)]
             rs = r_mask & self._or(plans, tuple(i for i in a_idx if i >= 0))
+            # gradients travel in buckets (TAP §4.7.1): each pays its share of a bucket's latency
+            count = w * min(1.0, out_bytes / self.options.bucket_bytes) if phase == "grad" else w
             for part in parts or (red,):
-                yield "all-reduce", buf, self._or(plans, part) & ~rs, w, phase
-            yield "reduce-scatter", buf, rs, w, phase
+                yield "all-reduce", buf, self._or(plans, part) & ~rs, w, count, phase
+            yield "reduce-scatter", buf, rs, w, count, phase
 
     def _build_tensors(self, weights: dict[int, float]) -> None:
         g, fg = self.graph, self.fg
@@ -320,8 +322,8 @@ class _Evaluator:
         for kind, mask, per_dev, w, phase, moves in self._reshard_moves(plans):
             t = self._coll(kind, per_dev * w, np.broadcast_to(mask, (C,)), w)
             out["fwd_comm" if phase == "forward" else "bwd_comm"] += np.where(moves, t, 0.0)
-        for kind, buf, mask, w, phase in self._partial_sums(plans):
-            out[_BUCKET[phase]] += self._coll(kind, buf * w, mask, w)
+        for kind, buf, mask, w, count, phase in self._partial_sums(plans):
+            out[_BUCKET[phase]] += self._coll(kind, buf * w, mask, count)
         for (fs, phase), b in self.gathers:
             m = self._or(plans, fs)
             out["fwd_comm" if phase == "forward" else "bwd_comm"] += self._coll(
@@ -429,7 +431,7 @@ class _Evaluator:
         for kind, mask, per_dev, w, phase, moves in self._reshard_moves(plans):
             if moves[0]:
                 add(kind, int(np.broadcast_to(mask, (1,))[0]), phase, float(per_dev[0]) * w, w)
-        for kind, buf, mask, w, phase in self._partial_sums(plans):
+        for kind, buf, mask, w, _, phase in self._partial_sums(plans):
             add(kind, int(mask[0]), phase, float(buf[0]) * w, w)
         if storage != "replicated":
             full = self.nm - 1

@@ -154,16 +154,20 @@ def test_errors_name_the_argument():
         layer_graph(graph, "v100-sxm")
 
 
+KERNELS = {"base": "v100-sxm", "kernels": "v100"}       # tile and wave quantization, launches
+
+
+@pytest.mark.parametrize("hw", ["v100-sxm", KERNELS], ids=["roofline", "kernels"])
 @pytest.mark.parametrize("name, kw", [("candle_uno", {"hidden": 512, "feature_dim": 512}),
                                       pytest.param("mmt", {"hidden": 128, "d_ff": 512}, marks=pytest.mark.slow)])
-def test_curves_match_the_step_traced_at_smaller_batches(name, kw):
+def test_curves_match_the_step_traced_at_smaller_batches(name, kw, hw):
     """A node's curve at micro-batch b equals its cost in the step traced at batch b (the batch
-    factor splits each op's flops and bytes exactly). Batch 1 is left out: jax traces a different
-    program there (size-1 dims are squeezed)."""
-    full = layer_graph(_trace(name, batch_size=8, **kw)[2], "v100-sxm")
+    factor splits each op's shapes exactly: the roofline's flops and bytes, the kernel model's tiles).
+    Batch 1 is left out: jax traces a different program there (size-1 dims are squeezed)."""
+    full = layer_graph(_trace(name, batch_size=8, **kw)[2], hw)
     assert full.curve_sizes == 4                                   # 1, 2, 4, 8
     for i, b in ((1, 2), (2, 4)):
-        small = layer_graph(_trace(name, batch_size=b, **kw)[2], "v100-sxm")
+        small = layer_graph(_trace(name, batch_size=b, **kw)[2], hw)
         assert [n.name for n in small.nodes] == [n.name for n in full.nodes]
         for nf, ns in zip(full.nodes, small.nodes, strict=True):
             assert nf.forward_curve[i] == pytest.approx(ns.forward * b, rel=1e-6), nf.name
@@ -181,7 +185,7 @@ def test_nodes_hold_every_op(traced):
 
 def test_kernel_overhead_is_paid_per_micro_batch(traced):
     name, m, args, graph = traced
-    base = layer_graph(graph, "v100-sxm")
+    base = layer_graph(graph, {"base": "v100-sxm", "kernels": None})       # the pure roofline
     slow = layer_graph(graph, "v100-sxm", kernel_overhead=5e-6)
     for a, b in zip(base.nodes, slow.nodes, strict=True):
         extra = [y - x for x, y in zip(a.forward_curve, b.forward_curve, strict=True)]
@@ -227,3 +231,21 @@ def test_measured_op_curves_are_checked():
         layer_graph(graph, "v100-sxm", op_curves=bad)
     with pytest.raises(PipelineError, match="kernel_overhead=5e-06 .* pass one"):
         layer_graph(graph, "v100-sxm", op_curves=np.ones((n, 4)), kernel_overhead=5e-6)
+
+
+def test_kernel_model_makes_small_micro_batches_cost_more_per_sample():
+    """On the kernel model a node's time per sample falls as its micro-batch grows, and faster than on
+    the roofline (which already pays the weights' bytes per micro-batch): launches and partly filled
+    waves are amortised too."""
+    graph = _trace("candle_uno", batch_size=64, hidden=512, feature_dim=512)[2]
+    curves, heavy = {}, None
+    for name, hw in (("roofline", {"base": "v100-sxm", "kernels": None}), ("kernels", KERNELS)):
+        lg = layer_graph(graph, hw)
+        sizes = [2 ** j for j in range(lg.curve_sizes)]
+        if heavy is None:       # the same node on both models
+            heavy = max(range(len(lg.nodes)), key=lambda i: lg.nodes[i].forward_curve[-1])
+        per_sample = [t / s for t, s in zip(lg.nodes[heavy].forward_curve, sizes, strict=True)]
+        assert all(a >= b * (1 - 1e-9) for a, b in zip(per_sample, per_sample[1:], strict=False)), per_sample
+        curves[name] = per_sample
+    small, large = (curves["kernels"][j] / curves["roofline"][j] for j in (1, -1))
+    assert small > 1.5 * large, curves

@@ -65,6 +65,8 @@ import numpy as np
 from ...core.cost import CostModel
 from ...core.errors import PipelineError
 from ...core.graph import OpGraph
+from ...core.hardware import get_hardware
+from ...core.kernels import KERNEL_OPS, op_seconds
 from ...tensor.regions import analyze
 from ..atomic import atomic_partition
 from ..costs import PipelineCosts
@@ -75,12 +77,6 @@ ROOT_NAME = "<root>"     # name of an outside node whose ops have no module (the
 
 
 # ops that start a kernel of their own after XLA's fusion (elementwise ops fuse into them)
-KERNEL_OPS = frozenset({"dot_general", "conv_general_dilated", "reduce_sum", "reduce_max", "reduce_min",
-                        "reduce_prod", "argmax", "argmin", "cumsum", "cumprod", "cummax", "cummin",
-                        "cumlogsumexp", "gather", "scatter", "scatter-add", "scatter_add", "sort",
-                        "dynamic_slice", "dynamic_update_slice", "reduce_window_sum", "select_and_scatter_add"})
-
-
 def layer_graph(graph: OpGraph, hardware: Any, *, batch_size: int | None = None,
                 depth: int | None = None, cost_model: CostModel | None = None,
                 kernel_overhead: float = 0.0, op_time: Sequence[float] | None = None,
@@ -93,7 +89,10 @@ def layer_graph(graph: OpGraph, hardware: Any, *, batch_size: int | None = None,
     the data inputs). `depth`: cut the module tree at this many path components instead of the
     automatic layer level. `kernel_overhead`: seconds each kernel costs per launch beyond the
     roofline (e.g. ~5e-6 for a CUDA launch), added to the curves once per micro-batch for each op
-    in KERNEL_OPS; the default 0 is the pure roofline.
+    in KERNEL_OPS. With the default 0 the curves follow the hardware's kernel model when it has one
+    (`HardwareSpec.kernels`: tile and wave quantization, launches, achievable bandwidth; GPU presets
+    do) and a custom `cost_model` is not given; otherwise the pure roofline
+    (`{"base": ..., "kernels": None}` keeps the roofline for comparison).
 
     Measured costs (autoshard's profile="measured") replace the model: `op_time` gives each op's
     seconds per execution at the traced batch (the nodes' per-sample forward/backward), and
@@ -118,6 +117,8 @@ def layer_graph(graph: OpGraph, hardware: Any, *, batch_size: int | None = None,
         raise PipelineError(f"pipeline.layer_graph: kernel_overhead={kernel_overhead!r} adds launch costs to the "
                             "roofline curves, but op_curves (measured) are given and hold them already; pass one.")
     atomic = atomic_partition(graph)
+    if kernel_overhead:             # the roofline plus a constant per launch, not the kernel model
+        hardware = dataclasses.replace(get_hardware(hardware), kernels=None)
     costs = PipelineCosts(atomic, hardware, cost_model=cost_model, batch=batch_size, op_time=op_time)
     modules = [graph.ops[t].module for t in atomic.tasks]
     units = _units(modules, depth)
@@ -182,6 +183,10 @@ def _op_curves(graph: OpGraph, costs: PipelineCosts, kernel_overhead: float = 0.
                 carries[v] = any(f in batch_factors for f in fg.value_factors(v))
         return carries[v]
 
+    km = costs.hardware.kernels
+    if km is not None and costs.custom_cost_model is None:
+        return _kernel_curves(graph, costs, sizes, lambda v, r: [f in batch_factors for f in fg.value_factors(v, r)],
+                              scales)
     cm = costs.cost_model
     out = np.repeat(costs.op_time[:, None], K, axis=1)     # ops without batch-carrying values
     for op in graph.ops:
@@ -196,6 +201,33 @@ def _op_curves(graph: OpGraph, costs: PipelineCosts, kernel_overhead: float = 0.
         launches = np.array([op.repeat if op.primitive in KERNEL_OPS else 0 for op in graph.ops], dtype=float)
         out += kernel_overhead * launches[:, None]
     return out
+
+
+def _kernel_curves(graph: OpGraph, costs: PipelineCosts, sizes: np.ndarray, batch_dims, scales) -> np.ndarray:
+    """`_op_curves` on the hardware's kernel model (core/kernels.py): each op's shapes at each
+    micro-batch (its batch-carrying dims scaled), matmuls and convolutions in whole tiles and waves,
+    memory at the achievable bandwidth, a launch per kernel (KERNEL_OPS; elementwise ops fuse)."""
+    hw, km, B = costs.hardware, costs.hardware.kernels, costs.batch
+    out = np.zeros((len(graph.ops), len(sizes)))
+    for op in graph.ops:
+        dtype = op.out_dtypes[0] if op.out_dtypes else "float32"
+        rate = hw.peak_flops(dtype) * hw.compute_efficiency
+        vals = [v for v in (*op.inputs, *op.outputs) if graph.values[v].kind != "literal"]
+        var = sum(graph.values[v].nbytes for v in vals if scales(v))
+        fixed = max(op.bytes - var, 0)
+        for j, size in enumerate(sizes):
+            f = size / B if var else 1.0
+            ins = [_at_batch(s, batch_dims(v, len(s)), f) for v, s in zip(op.inputs, op.in_shapes, strict=True)]
+            res = _at_batch(op.out_shapes[0], batch_dims(op.outputs[0], len(op.out_shapes[0])), f) \
+                if op.outputs else ()
+            t = op_seconds(km, op.primitive, op.params, ins, res, op.flops * f, fixed + var * f, rate,
+                           hw.memory_bandwidth)
+            out[op.index, j] = op.repeat * t
+    return out
+
+
+def _at_batch(shape: Sequence[int], is_batch: Sequence[bool], f: float) -> tuple[int, ...]:
+    return tuple(max(1, math.ceil(d * f)) if b else d for d, b in zip(shape, is_batch, strict=True))
 
 
 # --- units ---------------------------------------------------------------------------------------
