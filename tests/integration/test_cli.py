@@ -111,11 +111,13 @@ def test_every_command_runs_in_a_subprocess(runs):
 
 
 def test_gpt3_plan_summary_fits_two_screens(runs):
-    """GPT-3 175B on 64 H100s (3-D: no tensor-only plan fits 80 GB per device): <= 120 lines."""
+    """GPT-3 175B on 64 H100s: <= 120 lines. Without sequence parallelism no tensor-only plan fits 80 GB
+    per device and the 3-D plan is shown; with it, a tensor plan splitting the stream's sequence fits."""
     out = runs["gpt3"]
     assert out.returncode == 0, out.stderr
     assert len(out.stdout.splitlines() + out.stderr.splitlines()) <= 120, out.stdout
-    assert "block_* x96" in out.stdout and "stages" in out.stdout and "GiB" in out.stdout
+    assert "GiB" in out.stdout and "175B parameters" in out.stdout
+    assert ("block_* x96" in out.stdout and "stages" in out.stdout) or "tensor plan on mesh" in out.stdout
 
 
 BAD_FLAGS = [

@@ -266,3 +266,20 @@ def test_zero3_memory_matches_what_the_planner_can_shard():
     f = res.factors.value_factors(w)[0]
     zero3 = res.evaluate({f: ("y",)}, "zero3")
     assert zero3.memory["params"] == graph.values[w].nbytes / 4
+
+
+def test_kernel_model_prices_narrow_shards_above_their_share():
+    """On a GPU kernel model a matmul split 8 ways runs in partly filled waves: its shard costs more
+    than 1/8 of the whole (on the roofline exactly 1/8), and every kernel still pays its launch."""
+    graph = mlp_step(16, [512, 512, 512])
+    kernels = get_hardware({"base": "h100-sxm", "kernels": "h100"})
+    ratios = {}
+    for name, hw in (("roofline", H100), ("kernels", kernels)):
+        res = run(graph, hw=hw)
+        w0 = by_role(graph, "parameter")[0]
+        hidden = res.factors.value_factors(w0)[1]
+        whole = res.evaluate({}, "replicated").breakdown["compute"]
+        split = res.evaluate({hidden: ("x",)}, "replicated").breakdown["compute"]
+        ratios[name] = split / whole
+    assert ratios["kernels"] > 1.5 * ratios["roofline"], ratios
+    assert ratios["roofline"] < 0.5

@@ -22,6 +22,8 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from .errors import HardwareError
+
 
 @dataclasses.dataclass(frozen=True)
 class KernelModel:
@@ -34,8 +36,6 @@ class KernelModel:
     bandwidth_efficiency: float = 0.9  # achievable fraction of peak HBM bandwidth (STREAM-like copy)
 
     def __post_init__(self) -> None:
-        from .errors import HardwareError
-
         if not (isinstance(self.sms, int) and self.sms >= 1):
             raise HardwareError(f"KernelModel: sms={self.sms!r} must be an int >= 1 (streaming multiprocessors).")
         if len(self.tile) != 2 or any(not isinstance(t, int) or t < 1 for t in self.tile):
@@ -62,8 +62,6 @@ def kernel_model(value: Any) -> KernelModel | None:
         fields = {f.name for f in dataclasses.fields(KernelModel)}
         kw = {k: (tuple(v) if k == "tile" else v) for k, v in value.items() if k in fields}
         return KernelModel(**kw)
-    from .errors import HardwareError
-
     raise HardwareError(f"HardwareSpec kernels={value!r} must be a KernelModel, one of {sorted(GPU_KERNELS)}, a "
                         "dict of its fields or None.")
 

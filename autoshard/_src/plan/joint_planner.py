@@ -191,7 +191,9 @@ def _tensor_plan(graph: OpGraph, grouping: Grouping, res: JointResult, best: Joi
     """A one-stage point as the tensor plan it is: its factor assignment on its submesh."""
     mesh = submesh(best.data, best.model)
     tables = res.tables[(best.data, best.model)]
-    sr = search(graph, grouping, mesh, hw, options, analysed=tables.space.analysis)
+    # the point's factors are those of the 3-D tables' (uncut) space
+    sr = search(graph, grouping, mesh, hw, dataclasses.replace(options, sequence_parallel="off"),
+                analysed=tables.space.analysis)
     choice = sr.evaluate(_factor_axes(tables, best.stages[0].row), best.stages[0].storage)
     st = best.stages[0]
     if st.remat != "none":     # the 3-D tables price remat; the tensor evaluator keeps every activation

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from ..core.errors import ConfigError
+from ..core.errors import ConfigError, InfeasiblePlanError
 from ..core.graph import OpGraph
 from ..core.grouping import group
 from ..core.hardware import HardwareSpec
@@ -34,6 +34,7 @@ def make_plan(graph: OpGraph, config: Config, hardware: HardwareSpec, *, profile
         group_seconds = time.perf_counter() - t0
         plan = joint_plan(graph, devices=config.devices, hw=hardware, options=config.search, grouping=grouping,
                           joint=auto_mesh_options(config.pipeline_options))
+        plan = _with_sequence_parallel_tensor_plan(plan, graph, config, hardware, grouping)
     elif config.pipeline == "auto" and isinstance(config.mesh, MeshSpec) and "pipe" in config.mesh.names:
         # a "pipe" mesh fixes the 3-D shape: stages x data x model, searched jointly
         grouping = group(graph)
@@ -56,3 +57,24 @@ def make_plan(graph: OpGraph, config: Config, hardware: HardwareSpec, *, profile
               "search_seconds": plan.predicted["search_seconds"],
               "total_seconds": trace_seconds + time.perf_counter() - t0}
     return dataclasses.replace(plan, predicted={**plan.predicted, "timing": timing})
+
+
+def _with_sequence_parallel_tensor_plan(plan: Plan, graph: OpGraph, config: Config, hardware: HardwareSpec,
+                                        grouping) -> Plan:
+    """The 3-D search prices tensor plans without sequence parallelism; a sequence-parallel tensor plan
+    (the tensor search over every mesh shape) that is faster and fits replaces its choice, which stays
+    on record in predicted["3d"]."""
+    if config.search.sequence_parallel == "off" or plan.predicted.get("3d") is None:
+        return plan
+    try:
+        tensor = tensor_plan(graph, mesh="auto", hw=hardware, options=config.search, devices=config.devices,
+                             grouping=grouping)
+    except InfeasiblePlanError:
+        return plan
+    if not any("sequence parallel" in f[1] and f[3] for st in tensor.stages for f in st.factors):
+        return plan
+    if not plan.predicted.get("feasible", True) or tensor.predicted["step_time"] < plan.predicted["step_time"]:
+        three_d = {**plan.predicted["3d"], "replaced_by_sequence_parallel_tensor_plan": {
+            "step_time": tensor.predicted["step_time"], "mesh": dict(tensor.mesh)}}
+        return dataclasses.replace(tensor, predicted={**tensor.predicted, "3d": three_d})
+    return plan

@@ -23,6 +23,7 @@ from ..core.graph import OpGraph, nbytes
 from ..core.hardware import HardwareSpec
 from ..core.mesh import MeshSpec
 from .factors import FactorGraph
+from .kernel_costs import GemmCosts
 from .regions import REDUCE_SCATTERED
 
 STORAGE_MODES = ("replicated", "zero1", "zero3")
@@ -158,18 +159,25 @@ class _Evaluator:
         # split, an all-reduce over the rest (per part, when given): (loop, reduced, parts, after dims,
         # bytes, executions, phase)
         self.partial_cuts: list[tuple] = []
+        # on a GPU kernel model, matmuls and convolutions are priced on their shards' shapes
+        self.gemm_costs = GemmCosts(hw.kernels, self.cidx) if hw.kernels is not None else None
+        bandwidth = hw.memory_bandwidth * (hw.kernels.bandwidth_efficiency if hw.kernels is not None else 1.0)
+        self.phase_work: dict[str, float] = defaultdict(float)     # roofline seconds by phase
         for i, w in weights.items():
             if w <= 0:
                 continue
             of = self.fg.op_factors[i]
             op = self.graph.ops[i]
             dtype = op.out_dtypes[0] if op.out_dtypes else "float32"
-            t_flops = op.flops / (hw.peak_flops(dtype) * hw.compute_efficiency)
-            t_bytes = op.bytes / hw.memory_bandwidth
+            rate = hw.peak_flops(dtype) * hw.compute_efficiency
+            t = max(op.flops / rate, op.bytes / bandwidth)
             kind = "grad" if i in grad_ops else op.phase
+            self.phase_work[kind] += w * t
             key = (self._cmask(of.loop), self._cmask(of.reduced), kind)
             g = groups[key]
-            g[0] += w * max(t_flops, t_bytes)
+            if self.gemm_costs is None or not self.gemm_costs.add(op, of, self.fg, w, rate, hw.memory_bandwidth,
+                                                                  key[0]):
+                g[0] += w * t
             after = cut_after.get(op.outputs[0]) if op.outputs else None
             if of.reduced and after is not None and op.primitive in REDUCE_SCATTERED:
                 a_idx = tuple(self.cidx.get(f, -1) if f is not None else -1 for f in after)
@@ -319,6 +327,8 @@ class _Evaluator:
                 r_mask = self._or(plans, red)
                 t = self._coll("all-reduce", ar_bytes * self.msize[r_mask] / n, r_mask, count)
                 out[_BUCKET[kind]] += t
+        if self.gemm_costs is not None:
+            out["compute"] += self.gemm_costs.seconds(plans, self.msize, self._or)
         for kind, mask, per_dev, w, phase, moves in self._reshard_moves(plans):
             t = self._coll(kind, per_dev * w, np.broadcast_to(mask, (C,)), w)
             out["fwd_comm" if phase == "forward" else "bwd_comm"] += np.where(moves, t, 0.0)

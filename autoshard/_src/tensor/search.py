@@ -130,7 +130,9 @@ def with_sequence_parallel(result: SearchResult, grouping: Grouping) -> SearchRe
     if sp is None:
         return None
     cands, _ = _candidate_factors(graph, sp.fg, sp.weights, space.mesh, options, [])
-    sp_space = dataclasses.replace(space, fg=sp.fg, candidates=cands, plans=np.zeros((0, len(cands)), np.int64))
+    # its own shared tables: the candidate-mask cache is keyed by factor ids, which differ between spaces
+    sp_space = dataclasses.replace(space, fg=sp.fg, candidates=cands, plans=np.zeros((0, len(cands)), np.int64),
+                                   _shared=_Shared())
     ev = sp_space.evaluator(hw, cost, options, sp_space.weights)
     ev.budget = result.budget
     out = dataclasses.replace(result, factors=sp.fg, candidates=cands)
@@ -189,9 +191,8 @@ class PlanSpace:
         counts) and the bytes of `inputs` (None: every input of the step)."""
         ev = _Evaluator(self.graph, self.fg, weights, self.grad_ops, self.candidates, self.mesh, hw, cost,
                         options, self.in_map, inputs, self.fused_update, self._shared)
-        bwd = sum(w for (_, _, kind), w, _, _ in ev.groups if kind in ("backward", "grad"))
-        allw = sum(w for _, w, _, _ in ev.groups) or 1.0
-        ev.bwd_share = bwd / allw
+        bwd = ev.phase_work.get("backward", 0.0) + ev.phase_work.get("grad", 0.0)
+        ev.bwd_share = bwd / (sum(ev.phase_work.values()) or 1.0)
         ev.budget = math.inf
         return ev
 
