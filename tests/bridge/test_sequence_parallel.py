@@ -6,7 +6,6 @@ the bytes the plan predicts, holds less than Megatron's, and the step equals one
 
 from __future__ import annotations
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,6 +14,8 @@ import pytest
 
 import autoshard
 import models
+
+from .test_experts_apply import Block  # LayerNorm -> nn.MultiHeadDotProductAttention -> MLP, residuals
 
 MESH = {"model": 4}
 SIZES = dict(d_model=64, num_heads=4, seq_len=32, batch_size=8, vocab_size=256, num_layers=2)
@@ -90,15 +91,6 @@ def test_sequence_parallel_step_equals_one_device(gpt, experts):
     np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5, atol=1e-5)
     for a, b in zip(jax.tree.leaves(new_params), jax.tree.leaves(ref_params), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
-
-
-class Block(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-        h = nn.LayerNorm()(x)
-        x = x + nn.MultiHeadDotProductAttention(num_heads=4, qkv_features=32)(h, h)
-        h = nn.LayerNorm()(x)
-        return x + nn.Dense(32)(nn.gelu(nn.Dense(128)(h)))
 
 
 def test_megatron_sp_on_flax_attention_and_option_off():

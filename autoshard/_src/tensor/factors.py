@@ -130,19 +130,37 @@ def link_factors(graph: OpGraph, ops: list[int], same_ops: Sequence[tuple[int, i
     id, the dims (right-aligned, negative) that stay linked with the value as produced; `joined`: pairs
     of (value or cut id, right-aligned dim) linked besides."""
     subs = subs or {}
-    uf = _UnionFind()
-    values = graph.values
 
     def inputs_of(i: int) -> tuple:
         op = graph.ops[i]
         sub = subs.get(i)
         return op.inputs if not sub else tuple(sub[k][1] if k in sub else v for k, v in enumerate(op.inputs))
 
+    uf = _linked_dims(graph, ops, same_ops, subs, kept or {}, joined, inputs_of)
+    ids = _FactorIds(uf)
+    op_factors: dict[int, OpFactors] = {}
+    unknown: list[int] = []
+    for i in ops:
+        op = graph.ops[i]
+        ins = [ids.register(v, s) for v, s in zip(inputs_of(i), op.in_shapes, strict=True)]
+        outs = [ids.register(v, s) for v, s in zip(op.outputs, op.out_shapes, strict=True)]
+        op_factors[i] = _op_factors(op, ins, outs, ids.cooccur)
+        if not op_factors[i].known:
+            unknown.append(i)
+    return FactorGraph(graph, op_factors, ids.factor_of, ids.sizes, frozenset(ids.repeated),
+                       {f: frozenset(c) for f, c in ids.cooccur.items()}, unknown)
+
+
+def _linked_dims(graph: OpGraph, ops: list[int], same_ops: Sequence[tuple[int, int]], subs: dict, kept: dict,
+                 joined: Sequence, inputs_of: Callable[[int], tuple]) -> _UnionFind:
+    """Dims linked by the ops' rules, the cuts' kept dims, `joined` and corresponding ops."""
+    uf = _UnionFind()
+    values = graph.values
     for i in ops:
         op = graph.ops[i]
         _link_op(uf, op if i not in subs else dataclasses.replace(op, inputs=inputs_of(i)), values)
     cut_value = {cid: v for per_op in subs.values() for v, cid in per_op.values()}
-    for cid, dims in (kept or {}).items():
+    for cid, dims in kept.items():
         for d in dims:
             uf.union((cut_value[cid], d), (cid, d))
     for a, b in joined:
@@ -158,65 +176,62 @@ def link_factors(graph: OpGraph, ops: list[int], same_ops: Sequence[tuple[int, i
                 for d in range(len(sa)):
                     if sa[d] != 1:
                         uf.union(_key(va, d, len(sa)), _key(vb, d, len(sb)))
+    return uf
 
-    # factor ids: dense, in order of first appearance (deterministic)
-    roots: dict[tuple[int, int], int] = {}
-    factor_of: dict[tuple[int, int], int] = {}
-    sizes: dict[int, list[int]] = {}
-    repeated: set[int] = set()
-    cooccur: dict[int, set[int]] = {}
 
-    def register(v: int, shape: tuple[int, ...]) -> tuple:
+class _FactorIds:
+    """Dense factor ids in order of first appearance (deterministic), with each factor's dim sizes,
+    the factors repeated within one tensor and those sharing a tensor."""
+
+    def __init__(self, uf: _UnionFind) -> None:
+        self.uf = uf
+        self.roots: dict[tuple[int, int], int] = {}
+        self.factor_of: dict[tuple[int, int], int] = {}
+        self.sizes: dict[int, list[int]] = {}
+        self.repeated: set[int] = set()
+        self.cooccur: dict[int, set[int]] = {}
+
+    def register(self, v: int, shape: tuple[int, ...]) -> tuple:
         out = []
         for d, size in enumerate(shape):
             if size == 1:
                 out.append(None)
                 continue
             k = _key(v, d, len(shape))
-            r = uf.find(k)
-            f = roots.setdefault(r, len(roots))
-            factor_of[k] = f
-            sizes.setdefault(f, []).append(size)
+            f = self.roots.setdefault(self.uf.find(k), len(self.roots))
+            self.factor_of[k] = f
+            self.sizes.setdefault(f, []).append(size)
             out.append(f)
         present = [f for f in out if f is not None]
         if len(set(present)) < len(present):
             seen: set[int] = set()
             for f in present:
                 if f in seen:
-                    repeated.add(f)
+                    self.repeated.add(f)
                 seen.add(f)
         for f in present:
-            cooccur.setdefault(f, set()).update(present)
+            self.cooccur.setdefault(f, set()).update(present)
         return tuple(out)
 
-    op_factors: dict[int, OpFactors] = {}
-    unknown: list[int] = []
-    for i in ops:
-        op = graph.ops[i]
-        ins = [register(v, s) for v, s in zip(inputs_of(i), op.in_shapes, strict=True)]
-        outs = [register(v, s) for v, s in zip(op.outputs, op.out_shapes, strict=True)]
-        known = op.primitive in _KNOWN
-        reduced = _reduced_factors(op, ins, outs[0] if outs else ())
-        loop = {f for fs in ins + outs for f in fs if f is not None}
-        gathered: tuple = ()
-        if not known:
-            unknown.append(i)
-            loop = set()
-            reduced = set()
-            gathered = tuple((nbytes(s, d), fs) for s, d, fs in
-                             zip(op.in_shapes, op.in_dtypes, ins, strict=True) if any(fs))
-        if op.primitive in _LOOKUPS:
-            # a lookup's table rows and its indices share no tensor, but one axis cannot split both:
-            # each device would find only its own rows for its own indices
-            for f in loop:
-                cooccur.setdefault(f, set()).update(loop)
-        out_shape = op.out_shapes[0] if op.out_shapes else ()
-        out_dtype = op.out_dtypes[0] if op.out_dtypes else "float32"
-        op_factors[i] = OpFactors(i, frozenset(loop), frozenset(reduced), outs[0] if outs else (),
-                                  nbytes(out_shape, out_dtype), gathered, known)
-    return FactorGraph(graph, op_factors, factor_of, sizes, frozenset(repeated),
-                       {f: frozenset(c) for f, c in cooccur.items()}, unknown)
 
+def _op_factors(op: Op, ins: list[tuple], outs: list[tuple], cooccur: dict[int, set[int]]) -> OpFactors:
+    known = op.primitive in _KNOWN
+    reduced = _reduced_factors(op, ins, outs[0] if outs else ())
+    loop = {f for fs in ins + outs for f in fs if f is not None}
+    gathered: tuple = ()
+    if not known:
+        loop, reduced = set(), set()
+        gathered = tuple((nbytes(s, d), fs) for s, d, fs in zip(op.in_shapes, op.in_dtypes, ins, strict=True)
+                         if any(fs))
+    if op.primitive in _LOOKUPS:
+        # a lookup's table rows and its indices share no tensor, but one axis cannot split both:
+        # each device would find only its own rows for its own indices
+        for f in loop:
+            cooccur.setdefault(f, set()).update(loop)
+    out_shape = op.out_shapes[0] if op.out_shapes else ()
+    out_dtype = op.out_dtypes[0] if op.out_dtypes else "float32"
+    return OpFactors(op.index, frozenset(loop), frozenset(reduced), outs[0] if outs else (),
+                     nbytes(out_shape, out_dtype), gathered, known)
 
 
 def weight_values(graph: OpGraph, ops: Iterable[int]) -> set[int]:
