@@ -181,8 +181,14 @@ def test_data_parallel_memory_split():
     state = sum(graph.values[v].nbytes for v in by_role(graph, "state"))
     data = sum(graph.values[v].nbytes for v in by_role(graph, "data"))
     assert best.memory["params"] == params                                # replicated
-    # the update is in the step: each gradient is consumed as soon as it is complete
-    assert best.memory["grads"] == max(graph.values[v].nbytes for v in by_role(graph, "parameter"))
+    # the update is in the step: the gradient all-reduces combine after the backward pass, so every
+    # gradient and its reduced copy are alive then, in the place of the freed activations
+    assert best.memory["activations"] > 0
+    assert best.memory["grads"] == pytest.approx(max(0.0, 2 * params - best.memory["activations"]))
+    small_graph = mlp_step(64, [64, 96, 128])           # gradients outweigh a small batch's activations
+    small = run(small_graph)
+    dp = small.evaluate({batch_factor(small_graph, small): ("x",)}, "replicated")
+    assert dp.memory["grads"] + dp.memory["activations"] == pytest.approx(2 * params)
     assert best.memory["optimizer"] == state
     assert best.memory["data"] == data / 8                                # batch split
     zero1 = res.evaluate(best.factor_axes, "zero1")

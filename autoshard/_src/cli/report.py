@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..core.collectives import on_backend
 from .stages import explanation as stage_explanation
 from .stages import point_lines
 from .stages import summary as stage_summary
@@ -127,10 +128,13 @@ def collective_lines(plan: Any) -> list[str]:
     coll = plan.predicted.get("collectives") or []
     if not coll:
         return ["predicted collectives: none (every device works alone)"]
-    rows = [("collective", "over", "phase", "count", "bytes per device")]
+    rows = [("collective", "over", "phase", "count", "bytes per device", "on XLA:CPU")]
     for c in coll:
-        rows.append((c["kind"], ",".join(c["axes"]), c["phase"], f"x{c['count']:g}", fmt_bytes(c["bytes"])))
-    return ["predicted collectives per step:", *table(rows, align="lllrr")]
+        cpu = on_backend([c], "cpu", dict(plan.mesh))
+        same = [(x["kind"], x["axes"]) for x in cpu] == [(c["kind"], list(c["axes"]))]
+        rows.append((c["kind"], ",".join(c["axes"]), c["phase"], f"x{c['count']:g}", fmt_bytes(c["bytes"]),
+                     "same" if same else " + ".join(f"{x['kind']}@{','.join(x['axes'])}" for x in cpu)))
+    return ["predicted collectives per step:", *table(rows, align="lllrrl")]
 
 
 def param_records(plan: Any) -> list[ParamRecord]:

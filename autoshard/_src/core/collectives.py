@@ -18,8 +18,8 @@ HardwareSpec may override each.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
-from typing import Literal
+from collections.abc import Callable, Mapping
+from typing import Any, Literal
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,3 +61,25 @@ def lowered_kind(kind: str, platform: str) -> str:
     """The kind a backend's compiled program shows for a planned `kind` (XLA:CPU has no reduce-scatter)."""
     c = COLLECTIVES[kind]
     return c.cpu_lowering if platform == "cpu" and c.cpu_lowering else kind
+
+
+def on_backend(collectives: list[Mapping[str, Any]], platform: str, sizes: Mapping[str, int]
+               ) -> list[dict[str, Any]]:
+    """A plan's collectives (dicts of kind, axes, phase, count, bytes) as `platform` compiles them.
+
+    On a GPU (or TPU) every planned kind exists. XLA:CPU has no reduce-scatter: it all-reduces and
+    slices. A gradient's (ZeRO) reduce-scatter becomes one all-reduce over all its axes; an
+    activation's reduce-scatter over several mesh axes (sequence parallelism over a 2-D
+    tensor-parallel group) becomes one all-reduce per axis in mesh order, each on what the previous
+    one left."""
+    out = []
+    for c in collectives:
+        kind, axes = c["kind"], tuple(c["axes"])
+        if platform == "cpu" and kind == "reduce-scatter" and len(axes) > 1 and c["phase"] in ("forward", "backward"):
+            left = 1
+            for a in axes:
+                out.append(dict(c, kind="all-reduce", axes=[a], bytes=float(c["bytes"]) / left))
+                left *= sizes.get(a, 1)
+        else:
+            out.append(dict(c, kind=lowered_kind(kind, platform), axes=list(axes)))
+    return out

@@ -64,7 +64,7 @@ def _evaluators(space: PlanSpace, hw: HardwareSpec, cost: CostModel, options: Se
     sl = kind.slices
     out = {name: space.evaluator(hw, cost, options, sl[name], ()) for name in ("fwd", "fwd_dots", "bwd", "const",
                                                                                 "step")}
-    out["held"] = space.evaluator(hw, cost, options, {}, kind.inputs)
+    out["held"] = space.evaluator(hw, cost, options, {}, kind.inputs, accumulate=True)
     return out
 
 

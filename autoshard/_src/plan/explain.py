@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from ..core.collectives import on_backend
 from .specs import spec_str
 
 
@@ -60,8 +61,11 @@ def explain_tensor(self: Any) -> str:
     if p.get("collectives"):
         lines.append("predicted collectives per step (per-device buffer bytes):")
         for c in p["collectives"]:
+            cpu = on_backend([c], "cpu", dict(self.mesh))
+            on_cpu = ("" if [(x["kind"], x["axes"]) for x in cpu] == [(c["kind"], list(c["axes"]))] else
+                      "  (XLA:CPU: " + " + ".join(f"{x['kind']} over {','.join(x['axes'])}" for x in cpu) + ")")
             lines.append(f"  {c['kind']:<15} over {','.join(c['axes']):<12} {c['phase']:<9} "
-                         f"x{c['count']:<6g} {c['bytes']:>16,.0f} B")
+                         f"x{c['count']:<6g} {c['bytes']:>16,.0f} B{on_cpu}")
         lines.append("")
     rows = [("parameter", "shape", "spec", "bytes/device", "gradient sync")]
     for r in self.params:

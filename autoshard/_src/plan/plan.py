@@ -19,6 +19,7 @@ import json
 from collections.abc import Mapping
 from typing import Any, Protocol
 
+from ..core.collectives import on_backend
 from ..core.errors import PlanError
 from .explain import explain_3d, explain_pipeline, explain_tensor, runnable_alternative, stage_submeshes
 from .specs import Spec, as_spec
@@ -128,6 +129,20 @@ class Plan:
     @property
     def storage(self) -> str:
         return "replicated" if self.is_pipeline else self.stages[0].storage
+
+    def collectives_on(self, platform: str) -> list[dict[str, Any]]:
+        """The predicted collectives as `platform` ("gpu", "tpu", "cpu") compiles them: what an
+        audit on that platform compares with (XLA:CPU all-reduces where a GPU reduce-scatters)."""
+        return on_backend(list(self.predicted.get("collectives") or []), platform, dict(self.mesh))
+
+    def memory_on(self, platform: str) -> dict[str, float]:
+        """Predicted bytes per device as `platform` lays out the compiled step's buffers: arguments
+        (parameters, optimizer state, the batch) and temporaries (gradients, saved activations; on
+        XLA:CPU a ZeRO gradient's whole all-reduce result, `cpu_temp_extra`)."""
+        m = self.predicted["memory"]
+        arg = m["params"] + m["optimizer"] + m["data"]
+        temp = m["grads"] + m["activations"] + (m.get("cpu_temp_extra", 0.0) if platform == "cpu" else 0.0)
+        return {"argument": arg, "temp": temp, "argument+temp": arg + temp}
 
     @property
     def activation_constraints(self) -> tuple[tuple[str, Spec], ...]:

@@ -119,7 +119,8 @@ class _Evaluator:
                  grad_ops: frozenset[int], cands: tuple[int, ...], mesh: MeshSpec,
                  hw: HardwareSpec, cost: CostModel, options: SearchOptions,
                  in_map: dict[int, int], inputs: Sequence[int] | None = None,
-                 fused_update: bool | None = None, shared: _Shared | None = None) -> None:
+                 fused_update: bool | None = None, shared: _Shared | None = None,
+                 accumulate: bool = False) -> None:
         self.graph, self.fg, self.mesh, self.hw, self.cost = graph, fg, mesh, hw, cost
         self.in_map = in_map
         # the inputs whose bytes count (parameters, state, data): all, or a pipeline stage's own
@@ -127,6 +128,9 @@ class _Evaluator:
         # the step applies the optimizer itself (known to callers that build many evaluators)
         self.fused_update = (any(op.phase == "optimizer" for op in graph.ops) if fused_update is None
                              else fused_update)
+        # pipeline stages accumulate gradients over micro-batches: every gradient lives through the
+        # step beside the activations in flight (the 3-D tables add those per micro-batch)
+        self.accumulate = accumulate
         self.options = options
         self.cands = cands
         self.cidx = {f: i for i, f in enumerate(cands)}
@@ -289,7 +293,11 @@ class _Evaluator:
         self.state = [(dims, shape, b) for (role, dims, shape), b in sorted(tensors.items()) if role == "state"]
         self.one_bytes = {val.shape: val.nbytes for v in self.inputs if (val := g.values[v]).role == "parameter"}
         # activations kept for the backward pass (residuals), per instance weight
+        # a value cut at a region boundary is kept in both layouts: XLA saves the resharded copy the
+        # region's backward reads (the all-gathered stream of sequence parallelism, the dispatched tokens)
         acts: dict[tuple[int, ...], float] = defaultdict(float)
+        cut_after = {v: after for v, _, after in fg.cuts}
+        cut_copies: dict[tuple, float] = defaultdict(float)
         for i, w in weights.items():
             op = g.ops[i]
             if w <= 0 or op.phase != "forward":
@@ -297,7 +305,13 @@ class _Evaluator:
             for v, s, d in zip(op.outputs, op.out_shapes, op.out_dtypes, strict=True):
                 if any(g.ops[c].phase == "backward" for c in g.values[v].consumers):
                     acts[self._cmask(fg.value_factors(v, len(s)))] += w * nbytes(s, d)
+                    if v in cut_after and len(cut_after[v]) == len(s):
+                        before = tuple(self.cidx.get(f, -1) if f is not None else -1 for f in fg.value_factors(v))
+                        after = tuple(self.cidx.get(f, -1) if f is not None else -1 for f in cut_after[v])
+                        if before != after:
+                            cut_copies[(before, after)] += w * nbytes(s, d)
         self.acts = sorted(acts.items())
+        self.cut_copies = sorted(cut_copies.items())
 
     # --- evaluation --------------------------------------------------------------------------
     def _or(self, plans: np.ndarray, idxs: tuple[int, ...]) -> np.ndarray:
@@ -318,7 +332,7 @@ class _Evaluator:
         full = self.nm - 1
         out = {k: np.zeros(C) for k in ("compute", "fwd_comm", "bwd_comm", "opt_comm", "grad_sync",
                                          "storage_comm", "params", "grads", "optimizer",
-                                         "activations", "data")}
+                                         "activations", "data", "cpu_temp_extra")}
         for (loop, red, kind), work, ar_bytes, count in self.groups:
             s_mask = self._or(plans, loop)
             n = self.msize[s_mask]
@@ -339,26 +353,25 @@ class _Evaluator:
             out["fwd_comm" if phase == "forward" else "bwd_comm"] += self._coll(
                 "all-gather", b * np.ones(C), m)
 
-        # parameters, gradients, optimizer state under the storage mode. When the step applies
-        # the optimizer itself, XLA updates each parameter as soon as its gradient is complete, so
-        # gradients are not all alive at once: the largest one is counted (the audit confirms it)
-        grads_add = np.maximum if self.fused_update else np.add
+        # parameters, gradients, optimizer state under the storage mode (see _gradient_memory)
+        grads_before = np.zeros(C)      # every gradient as its op produces it (whole over ZeRO axes)
+        grads_kept = np.zeros(C)        # as the optimizer keeps it (a ZeRO gradient scattered)
         for dims, shape, b in self.params:
             m, free = self._storage_masks(plans, dims, shape, full)
             n, nt = self.msize[m], self.msize[free]
-            g = self.one_bytes[shape] if self.fused_update else b
+            grads_before += b / n
             if storage == "replicated":
                 out["params"] += b / n
-                out["grads"] = grads_add(out["grads"], g / n)
+                grads_kept += b / n
             elif storage == "zero1":
                 out["params"] += b / n
-                out["grads"] = grads_add(out["grads"], g / n)
+                grads_kept += b / (n * nt)
                 # grads reduce-scatter (instead of all-reduce) + params all-gather after the update:
                 # the same bytes as the all-reduce already counted; one extra collective's latency
                 out["storage_comm"] += self._coll("all-gather", np.zeros(C), free)
             else:  # zero3 / FSDP: the gathered copies live from their forward use to the backward
                 out["params"] += b / (n * nt)
-                out["grads"] = grads_add(out["grads"], g / (n * nt))
+                grads_kept += b / (n * nt)
                 out["activations"] += np.where(free > 0, b / n, 0.0)
         if storage == "zero3":
             for dims, shape, b in self.gathered:
@@ -370,6 +383,14 @@ class _Evaluator:
             out["optimizer"] += b / n if storage == "replicated" else b / (n * self.msize[free])
         for fs, b in self.acts:
             out["activations"] += b / self.msize[self._or(plans, fs)]
+        for (before, after), b in self.cut_copies:     # only where the plan moves the value
+            moved = np.zeros(C, dtype=bool)
+            for i, j in zip(before, after, strict=True):
+                moved |= (plans[:, i] if i >= 0 else 0) != (plans[:, j] if j >= 0 else 0)
+            out["activations"] += np.where(moved, b / self.msize[self._or(plans, tuple(j for j in after if j >= 0))],
+                                           0.0)
+        out["grads"], out["cpu_temp_extra"] = self._gradient_memory(plans, out["activations"], grads_before,
+                                                                    grads_kept)
         for fs, b in self.data:
             out["data"] += b / self.msize[self._or(plans, fs)]
         bwd_compute = out["compute"] * self.bwd_share
@@ -378,6 +399,43 @@ class _Evaluator:
                             + sync_exposed + out["storage_comm"])
         out["memory"] = (out["params"] + out["grads"] + out["optimizer"] + out["activations"]
                          + out["data"])
+        return out
+
+    def _gradient_memory(self, plans: np.ndarray, acts: np.ndarray, before: np.ndarray, kept: np.ndarray
+                         ) -> tuple[np.ndarray, np.ndarray]:
+        """(gradient bytes per device beyond the saved activations, as a GPU backend lays them out;
+        the extra XLA:CPU needs).
+
+        The backward pass frees the saved activations as it produces the gradients, layer by layer,
+        so the live set peaks at one end: all activations (its start) or all gradients (its end).
+        With the optimizer in the step, XLA's all-reduce combiner merges the gradient reductions into
+        a few collectives after the backward pass, so every gradient (`before`: whole over ZeRO axes)
+        is alive at its end, and each reduction's result is a second buffer: an all-reduce is not in
+        place, a reduce-scatter's result is the kept shard. XLA:CPU has no reduce-scatter: its
+        all-reduce's result is whole. Without the optimizer the gradients are the step's outputs
+        (`kept`), alive beside everything else; so are a pipeline stage's accumulated gradients."""
+        if not self.fused_update:
+            return kept, np.zeros(plans.shape[0])
+        if self.accumulate:
+            return before, np.zeros(plans.shape[0])
+        reduced = self._reduced_gradient_bytes(plans)
+        scattered = reduced * np.where(before > 0, kept / np.maximum(before, 1e-30), 1.0)
+        gpu = np.maximum(0.0, before + scattered - acts)
+        cpu = np.maximum(0.0, before + reduced - acts)
+        return gpu, cpu - gpu
+
+    def _reduced_gradient_bytes(self, plans: np.ndarray) -> np.ndarray:
+        """Per plan, the per-device bytes of the gradients that go through a reduction (summed over
+        split batch or sequence axes)."""
+        out = np.zeros(plans.shape[0])
+        for (loop, red, kind), _, ar_bytes, _ in self.groups:
+            if kind == "grad" and red and ar_bytes:
+                r = self._or(plans, red)
+                out += np.where(self.msize[r] > 1, ar_bytes * self.msize[r] / self.msize[self._or(plans, loop)], 0.0)
+        for loop, red, _, _, out_bytes, w, phase in self.partial_cuts:
+            if phase == "grad":
+                r = self._or(plans, red)
+                out += np.where(self.msize[r] > 1, w * out_bytes * self.msize[r] / self.msize[self._or(plans, loop)], 0.0)
         return out
 
     def _storage_masks(self, plans: np.ndarray, dims: tuple[int, ...], shape: tuple[int, ...],
@@ -408,13 +466,41 @@ class _Evaluator:
         fa = {f: _mask_axes(self.mesh, int(row[k])) for k, f in enumerate(self.cands) if row[k]}
         bd = {k: float(res[k][i]) for k in ("compute", "fwd_comm", "bwd_comm", "opt_comm",
                                              "grad_sync", "storage_comm")}
-        mem = {k: float(res[k][i]) for k in ("params", "grads", "optimizer", "activations", "data")}
+        mem = {k: float(res[k][i]) for k in ("params", "grads", "optimizer", "activations", "data",
+                                             "cpu_temp_extra")}
         mem["total"] = float(res["memory"][i])
         comm: dict[str, float] = defaultdict(float)
         for (k, axes, _), (b, _) in sorted(self.comm_records(row, storage).items()):
             comm[f"{k}@{','.join(axes)}"] += b
         return PlanChoice(fa, storage, float(res["step_time"][i]), bd, mem, dict(comm), n_plans,
                           bool(res["memory"][i] <= self.budget))
+
+    def _scatter_gradients(self, out: dict, plans: np.ndarray, storage: str) -> None:
+        """Under ZeRO a gradient is reduce-scattered over the axes its shards are stored on (all of
+        its reduction axes): move its bytes from the gradient all-reduce records to reduce-scatter."""
+        reduce_axes = 0
+        for (_, red, kind), _, ar_bytes, _ in self.groups:
+            if kind == "grad" and red and ar_bytes:
+                reduce_axes |= int(self._or(plans, red)[0])
+        reduce_axes &= sum(1 << i for i, s in enumerate(self.mesh.sizes) if s > 1)
+        for dims, shape, b in self.params:
+            m, free = self._storage_masks(plans, dims, shape, self.nm - 1)
+            mask = reduce_axes & ~int(m[0])
+            if not mask or int(free[0]) & mask != mask:
+                continue
+            key = ("all-reduce", _mask_axes(self.mesh, mask), "grad")
+            rec = out.get(key)
+            if rec is None or rec[0] <= 0:
+                continue
+            moved = min(rec[0], b / self.msize[int(m[0])])
+            share = rec[1] * moved / rec[0]
+            rec[0] -= moved
+            rec[1] -= share
+            rs = out[("reduce-scatter", key[1], "grad")]
+            rs[0] += moved
+            rs[1] += share
+        for key in [k for k, rec in out.items() if rec[0] <= 1e-6 * max(1.0, rec[0])]:
+            del out[key]
 
     def comm_records(self, row: np.ndarray, storage: str) -> dict[tuple[str, tuple[str, ...], str], list[float]]:
         """The collectives one plan issues: (kind, axes, phase) -> [per-device buffer bytes, count].
@@ -450,6 +536,7 @@ class _Evaluator:
                 n = self.msize[int(m[0])]
                 if storage == "zero1":
                     add("all-gather", int(free[0]), "optimizer", b / n, 1.0)
+            self._scatter_gradients(out, plans, storage)
             if storage == "zero3":
                 for dims, shape, b in self.gathered:
                     m, free = self._storage_masks(plans, dims, shape, full)

@@ -186,11 +186,12 @@ class PlanSpace:
         return Analysis(self.weights, self.fg, self.grad_ops, self.periods, self.in_map, self.fused_update)
 
     def evaluator(self, hw: HardwareSpec, cost: CostModel, options: SearchOptions, weights: dict[int, float],
-                  inputs: Sequence[int] | None = None) -> _Evaluator:
+                  inputs: Sequence[int] | None = None, accumulate: bool = False) -> _Evaluator:
         """An evaluator of this space's plans over the ops in `weights` (op -> how many times it
-        counts) and the bytes of `inputs` (None: every input of the step)."""
+        counts) and the bytes of `inputs` (None: every input of the step); `accumulate`: gradients
+        accumulate over micro-batches (a pipeline stage's)."""
         ev = _Evaluator(self.graph, self.fg, weights, self.grad_ops, self.candidates, self.mesh, hw, cost,
-                        options, self.in_map, inputs, self.fused_update, self._shared)
+                        options, self.in_map, inputs, self.fused_update, self._shared, accumulate)
         bwd = ev.phase_work.get("backward", 0.0) + ev.phase_work.get("grad", 0.0)
         ev.bwd_share = bwd / (sum(ev.phase_work.values()) or 1.0)
         ev.budget = math.inf
