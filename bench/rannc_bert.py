@@ -39,7 +39,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from autoshard import InfeasiblePlanError  # noqa: E402
+from autoshard import InfeasiblePlanError, get_hardware  # noqa: E402
 from bench._common import git_state, machine  # noqa: E402
 from pipeline.rannc import PipelineCosts, atomic_partition, best_uniform, partition_blocks, plan_stages  # noqa: E402
 
@@ -212,8 +212,15 @@ def equal_table(cells: dict) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="2 BERTs, ResNet152x8, a 1-layer no-block run")
-    ap.add_argument("--out", default=str(ROOT / "bench/results/rannc_bert.json"))
+    ap.add_argument("--out", default=None, help="default bench/results/rannc_bert[_kernels].json")
+    ap.add_argument("--kernels", action="store_true",
+                    help="V100 kernel model (tile/wave quantisation, launches, achievable bandwidth; autoshard's "
+                         "core/kernels.py) instead of the pure roofline")
     args = ap.parse_args()
+    global HW
+    if args.kernels:
+        HW = get_hardware({"base": "v100-sxm", "kernels": "v100"})
+    args.out = args.out or str(ROOT / f"bench/results/rannc_bert{'_kernels' if args.kernels else ''}.json")
     git = git_state()
     t_start = time.perf_counter()
     grid = [(1024, 24), (2048, 96)] if args.quick else [(h, n) for h in HIDDEN for n in LAYERS]
@@ -228,7 +235,8 @@ def main() -> None:
     resnet = {"resnet152x8": model_cell("resnet", "resnet152x8", 8, 128, equal_stages=False)}
     no_blocks = {f"bert-h1024-l{n}": no_block_cell(n) for n in ((1,) if args.quick else (2, 4))}
     out = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": machine(git), "quick": args.quick,
-           "settings": {"hardware": HW, "bert": {"devices": 32, "nodes": 4, "batch": 256, "seq": 512,
+           "settings": {"hardware": "v100-sxm" + (" + v100 kernel model" if args.kernels else ""),
+                        "bert": {"devices": 32, "nodes": 4, "batch": 256, "seq": 512,
                                                  "dtype": "float32", "optimizer": "adamw", "k": 32},
                         "resnet": {"devices": 8, "batch": 128, "image": 224, "dtype": "float32"},
                         "checkpointing": "none for 1 stage, recompute for >= 2 (RaNNC §IV-A); uniform: recompute",

@@ -99,8 +99,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="entries marked quick; audit auto plans only")
     ap.add_argument("--config", default=str(Path(__file__).parent / "sweep.toml"))
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "sweep"))
+    ap.add_argument("--out", default=None, help="default bench/results/sweep[_kernels]")
+    ap.add_argument("--kernels", action="store_true",
+                    help="price on the GPU kernel model of the hardware (tile/wave quantisation, launches, "
+                         "achievable bandwidth; core/kernels.py) instead of the pure roofline")
     opts = ap.parse_args()
+    opts.out = opts.out or str(Path(__file__).parent / "results" / f"sweep{'_kernels' if opts.kernels else ''}")
     cfg = tomllib.loads(Path(opts.config).read_text())
     info = machine()
     t_start = time.perf_counter()
@@ -113,6 +117,8 @@ def main() -> None:
             args = m.abstract_state()
             for mesh_name, mesh in cfg["meshes"][section].items():
                 hw = cfg["multi_node_hardware"] if "node" in mesh else cfg["hardware"]
+                if opts.kernels:     # the preset's GPU: "h100-sxm" -> the "h100" kernel model
+                    hw = {"base": hw, "kernels": hw.split("-")[0]}
                 row = {"model": entry["name"], "config": entry["config"], "overrides": entry.get("overrides", {}),
                        "params": m.num_params(), "mesh": mesh_name, "mesh_axes": mesh, "kind": section,
                        "hardware": hw}
@@ -183,7 +189,8 @@ def summary_markdown(rows: list[dict], wall: float, quick: bool) -> str:
     lines = [f"## autoshard sweep{' (--quick)' if quick else ''}: {len(rows)} cells in {wall:.0f} s", "",
              "Predicted step time (ms) of the automatic plan and of each expert plan (same cost model); "
              "'-' = not applicable or over the memory budget. Compiled cells: collective bytes predicted / "
-             "compiled, argument+temp memory gap.", "",
+             "compiled, argument+temp memory gap. Hardware: "
+             + ", ".join(sorted({str(r["hardware"]) for r in rows})) + ".", "",
              "| model | mesh | search s | auto | " + " | ".join(EXPERT_NAMES)
              + " | auto <= best | coll. bytes pred/compiled | mem gap |",
              "|---|---|---|---|" + "---|" * len(EXPERT_NAMES) + "---|---|---|"]

@@ -85,3 +85,38 @@ def test_idle_axis_warning_states_sizes():
     assert idle, plan.warnings
     dims = [int(d) for d in re.search(r"candidate dims \[([\d, ]+)\]", idle[0]).group(1).split(",")]
     assert dims and all(d % 4 for d in dims), idle[0]
+
+
+def test_data_megatron_batch_that_does_not_divide_the_data_axis():
+    m, plan = _plan("gpt", {"data": 4, "model": 2}, batch_size=6, num_heads=4, d_model=32)
+    why = _reasons(plan)["data-megatron"]
+    axes = re.search(r"does not divide axes (\(.*?\))", why).group(1)
+    assert axes == "('data',)" and m.config.batch_size % dict(plan.mesh)["data"] != 0, why
+
+
+def test_sequence_that_does_not_divide_the_tensor_parallel_axis():
+    m, plan = _plan("gpt", {"model": 4}, seq_len=6, num_heads=4, d_model=32)
+    why = _reasons(plan)["megatron-sp"]
+    sizes = [int(s) for s in re.search(r"of size \[([\d, ]+)\]", why).group(1).split(",")]
+    assert m.config.seq_len in sizes and all(s % 4 for s in sizes), why
+    assert "step_time" in plan.predicted["experts"]["megatron"]     # Megatron itself still applies
+
+
+def test_no_tensor_parallel_parameter_and_moe_regions():
+    import optax
+    opt = optax.sgd(0.1)
+    params = {"scale": jax.ShapeDtypeStruct((64,), "float32")}
+
+    def step(p, s, b):
+        g = jax.grad(lambda p: ((b["x"] * p["scale"]) ** 2).mean())(p)
+        u, s = opt.update(g, s, p)
+        return optax.apply_updates(p, u), s
+
+    batch = {"x": jax.ShapeDtypeStruct((32, 64), "float32")}
+    plan = autoshard.plan(step, params, jax.eval_shape(opt.init, params), batch, mesh={"x": 4}, hardware="cpu-sim")
+    why = _reasons(plan)
+    assert why["megatron"] == "no parameter matches the tensor-parallel rules" == why["megatron-sp"]
+    assert not any(len(r.shape) == 2 for r in plan.params)      # nothing a matmul reads
+    m, moe = _plan("moe", {"data": 2, "model": 4})
+    assert m.config.num_experts > 1
+    assert _reasons(moe).get("megatron-sp") == "sequence parallelism is not searched with mixture-of-experts regions"

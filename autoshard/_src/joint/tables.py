@@ -115,8 +115,11 @@ def shape_tables(space: PlanSpace, units: Units, hw: HardwareSpec, cost: CostMod
             vals["gather"][k, z] = held["storage_comm"] if per_microbatch else 0.0
             vals["step"][k, z] = (step["compute"] + step["opt_comm"] + step["fwd_comm"] + step["bwd_comm"]
                                   + (0.0 if per_microbatch else held["storage_comm"]))
+            # gradients accumulate over the micro-batches; their reduction's result (an all-reduce is
+            # not in place, a reduce-scatter keeps the shard) is counted beside them (conservative)
+            kept_share = np.where(held["grads"] > 0, held["grads_kept"] / np.maximum(held["grads"], 1e-30), 1.0)
             vals["static"][k, z] = (held["params"] + held["grads"] + held["optimizer"] + held["activations"]
-                                    + const["activations"])
+                                    + const["activations"] + bwd["grads_reduced"] * kept_share)
             vals["acts"][k, z] = fwd["activations"]
             vals["acts_dots"][k, z] = dots["activations"]
             vals["data"][k, z] = held["data"]

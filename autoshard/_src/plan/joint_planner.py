@@ -198,6 +198,13 @@ def _tensor_plan(graph: OpGraph, grouping: Grouping, res: JointResult, best: Joi
     st = best.stages[0]
     if st.remat != "none":     # the 3-D tables price remat; the tensor evaluator keeps every activation
         mem = dict(choice.memory)
+        ev = sr._evaluator
+        row = np.array([[sum(1 << mesh.names.index(a) for a in choice.factor_axes.get(f, ())) for f in sr.candidates]],
+                       dtype=np.int64)
+        g = ev.evaluate(row, st.storage)
+        # as the tables count them: every gradient and its reduction's result (XLA:CPU's is whole)
+        mem["grads"] = float(g["grads_before"][0] + g["grads_scattered"][0])
+        mem["cpu_temp_extra"] = float(g["grads_reduced"][0] - g["grads_scattered"][0])
         mem["activations"] = max(0.0, st.memory - mem["params"] - mem["grads"] - mem["optimizer"] - mem["data"])
         mem["total"] = st.memory
         choice = dataclasses.replace(choice, memory=mem, feasible=True,

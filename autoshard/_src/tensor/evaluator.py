@@ -389,8 +389,12 @@ class _Evaluator:
                 moved |= (plans[:, i] if i >= 0 else 0) != (plans[:, j] if j >= 0 else 0)
             out["activations"] += np.where(moved, b / self.msize[self._or(plans, tuple(j for j in after if j >= 0))],
                                            0.0)
+        out["grads_before"], out["grads_kept"] = grads_before, grads_kept
+        out["grads_reduced"] = self._reduced_gradient_bytes(plans)
+        out["grads_scattered"] = out["grads_reduced"] * np.where(
+            grads_before > 0, grads_kept / np.maximum(grads_before, 1e-30), 1.0)
         out["grads"], out["cpu_temp_extra"] = self._gradient_memory(plans, out["activations"], grads_before,
-                                                                    grads_kept)
+                                                                    grads_kept, out)
         for fs, b in self.data:
             out["data"] += b / self.msize[self._or(plans, fs)]
         bwd_compute = out["compute"] * self.bwd_share
@@ -401,8 +405,8 @@ class _Evaluator:
                          + out["data"])
         return out
 
-    def _gradient_memory(self, plans: np.ndarray, acts: np.ndarray, before: np.ndarray, kept: np.ndarray
-                         ) -> tuple[np.ndarray, np.ndarray]:
+    def _gradient_memory(self, plans: np.ndarray, acts: np.ndarray, before: np.ndarray, kept: np.ndarray,
+                         out: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
         """(gradient bytes per device beyond the saved activations, as a GPU backend lays them out;
         the extra XLA:CPU needs).
 
@@ -418,8 +422,7 @@ class _Evaluator:
             return kept, np.zeros(plans.shape[0])
         if self.accumulate:
             return before, np.zeros(plans.shape[0])
-        reduced = self._reduced_gradient_bytes(plans)
-        scattered = reduced * np.where(before > 0, kept / np.maximum(before, 1e-30), 1.0)
+        reduced, scattered = out["grads_reduced"], out["grads_scattered"]
         gpu = np.maximum(0.0, before + scattered - acts)
         cpu = np.maximum(0.0, before + reduced - acts)
         return gpu, cpu - gpu
@@ -435,7 +438,8 @@ class _Evaluator:
         for loop, red, _, _, out_bytes, w, phase in self.partial_cuts:
             if phase == "grad":
                 r = self._or(plans, red)
-                out += np.where(self.msize[r] > 1, w * out_bytes * self.msize[r] / self.msize[self._or(plans, loop)], 0.0)
+                per_device = w * out_bytes * self.msize[r] / self.msize[self._or(plans, loop)]
+                out += np.where(self.msize[r] > 1, per_device, 0.0)
         return out
 
     def _storage_masks(self, plans: np.ndarray, dims: tuple[int, ...], shape: tuple[int, ...],
