@@ -25,7 +25,7 @@ from typing import Any
 
 from .collectives import DEFAULT_EFFICIENCY, KINDS
 from .errors import HardwareError
-from .kernels import KernelModel, kernel_model
+from .kernels import GPU_KERNELS, KernelModel, kernel_model
 
 FLOAT_DTYPES = ("float32", "bfloat16", "float16")
 
@@ -48,8 +48,9 @@ class HardwareSpec:
     source: str                         # where the numbers come from
     node_speeds: tuple[float, ...] | None = None   # relative speed per node (heterogeneous); None: all equal
     # GPU kernel facts (tile and wave quantization, launch, achievable bandwidth; kernels.py) used by
-    # the pipeline partitioners' op costs and micro-batch curves; None (every preset, for now): the
-    # pure roofline. Opt in with {"base": "v100-sxm", "kernels": "v100"} (kernels.GPU_KERNELS)
+    # the tensor search, the pipeline partitioners' op costs and micro-batch curves and the 3-D
+    # tables; the GPU presets carry their GPU's (kernels.GPU_KERNELS). None: the pure roofline, the
+    # CPU presets' and the switch for comparison ({"base": "v100-sxm", "kernels": None})
     kernels: KernelModel | None = None
 
     def __post_init__(self) -> None:
@@ -150,7 +151,7 @@ def _v100(name: str, intra: float, inter: float, inter_latency: float, note: str
         name=name, flops=_V100_FLOPS, memory_bytes=32 * 10**9, memory_bandwidth=900e9, devices_per_node=8,
         intra_node_bandwidth=intra, intra_node_latency=2e-6, inter_node_bandwidth=inter,
         inter_node_latency=inter_latency, collective_efficiency=_EFFICIENCY, compute_efficiency=0.6,
-        source=f"{_V100_SOURCE} {note} {_LATENCY_NOTE} {_EFF_NOTE}")
+        kernels=GPU_KERNELS["v100"], source=f"{_V100_SOURCE} {note} {_LATENCY_NOTE} {_EFF_NOTE}")
 
 
 _RANNC_NET = ("RaNNC §IV (Hardware): V100s joined by NVLink at '25 GB/s or 50 GB/s' (NVLink2 is 25 GB/s per "
@@ -167,7 +168,7 @@ _PRESETS: dict[str, HardwareSpec] = {
         memory_bytes=80 * 10**9, memory_bandwidth=3.35e12, devices_per_node=8,
         intra_node_bandwidth=450e9, intra_node_latency=2e-6,
         inter_node_bandwidth=50e9, inter_node_latency=5e-6,
-        collective_efficiency=_EFFICIENCY, compute_efficiency=0.6,
+        collective_efficiency=_EFFICIENCY, compute_efficiency=0.6, kernels=GPU_KERNELS["h100"],
         source=("NVIDIA H100 SXM5 datasheet: 989 TFLOP/s dense bf16/fp16 and 495 TFLOP/s dense TF32 (float32 "
                 "matmuls; halves of the sparsity figures 1979/989), 80 GB HBM3 at 3.35 TB/s; NVLink4 900 GB/s "
                 "total = 450 GB/s per direction through NVSwitch; DGX H100: 8 GPUs per node, one 400 Gb/s "
@@ -178,7 +179,7 @@ _PRESETS: dict[str, HardwareSpec] = {
         memory_bytes=80 * 10**9, memory_bandwidth=2.039e12, devices_per_node=8,
         intra_node_bandwidth=300e9, intra_node_latency=2e-6,
         inter_node_bandwidth=25e9, inter_node_latency=5e-6,
-        collective_efficiency=_EFFICIENCY, compute_efficiency=0.6,
+        collective_efficiency=_EFFICIENCY, compute_efficiency=0.6, kernels=GPU_KERNELS["a100"],
         source=("NVIDIA A100 SXM4 80GB datasheet (the 80 GB variant; the 40 GB one has 1.555 TB/s): 312 "
                 "TFLOP/s dense bf16/fp16, 156 TFLOP/s dense TF32 (float32 matmuls), 80 GB HBM2e at 2039 GB/s; "
                 "NVLink3 600 GB/s total = 300 GB/s per direction through NVSwitch; DGX A100: 8 GPUs per node, "
@@ -299,11 +300,11 @@ def _from_mapping(spec: Mapping[str, Any]) -> HardwareSpec:
 
 def hardware_dict(hw: HardwareSpec) -> dict[str, Any]:
     """Every field of `hw` as plain data (for plan provenance); `get_hardware` of it, also after a JSON
-    round trip, gives back an equal spec (node_speeds travels as a list)."""
+    round trip, gives back an equal spec (node_speeds and a kernel tile travel as lists)."""
     def plain(value: Any) -> Any:
         if isinstance(value, KernelModel):
             return {k: plain(v) for k, v in dataclasses.asdict(value).items()}
         if isinstance(value, Mapping):
             return dict(value)
-        return list(value) if isinstance(value, tuple) else value
+        return value        # tuples stay tuples, as a plan read back from JSON holds them
     return {f.name: plain(getattr(hw, f.name)) for f in dataclasses.fields(hw)}

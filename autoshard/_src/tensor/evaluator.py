@@ -72,6 +72,7 @@ class SearchResult:
         return self._evaluator.evaluate_one(factor_axes, storage)
 
 
+_MATERIALISED = ("dot_general", "conv_general_dilated")     # results XLA writes to memory, never fused away
 _BUCKET = {"forward": "fwd_comm", "backward": "bwd_comm", "grad": "grad_sync", "optimizer": "opt_comm",
            "other": "fwd_comm"}
 
@@ -141,7 +142,7 @@ class _Evaluator:
         self.coll = shared.collective_tables(mesh, cost)
         self._cmasks = shared.cmasks
         self._build_groups(weights, grad_ops)
-        self._build_tensors(weights)
+        self._build_tensors(weights, grad_ops)
         self._build_reshards(weights)
 
     # --- summaries -------------------------------------------------------------------------
@@ -260,7 +261,7 @@ class _Evaluator:
                 yield "all-reduce", buf, self._or(plans, part) & ~rs, w, count, phase
             yield "reduce-scatter", buf, rs, w, count, phase
 
-    def _build_tensors(self, weights: dict[int, float]) -> None:
+    def _build_tensors(self, weights: dict[int, float], grad_ops: frozenset[int]) -> None:
         g, fg = self.graph, self.fg
         # parameters and optimizer state, aggregated by (per-dim candidate factor, shape): every
         # layer of a 96-layer model adds bytes to the same few entries
@@ -293,8 +294,8 @@ class _Evaluator:
         self.state = [(dims, shape, b) for (role, dims, shape), b in sorted(tensors.items()) if role == "state"]
         self.one_bytes = {val.shape: val.nbytes for v in self.inputs if (val := g.values[v]).role == "parameter"}
         # activations kept for the backward pass (residuals), per instance weight
-        # a value cut at a region boundary is kept in both layouts: XLA saves the resharded copy the
-        # region's backward reads (the all-gathered stream of sequence parallelism, the dispatched tokens)
+        # a value cut at a region boundary is kept in the layout the region's backward reads too (the
+        # all-gathered stream of sequence parallelism, the dispatched tokens; see evaluate)
         acts: dict[tuple[int, ...], float] = defaultdict(float)
         cut_after = {v: after for v, _, after in fg.cuts}
         cut_copies: dict[tuple, float] = defaultdict(float)
@@ -312,6 +313,17 @@ class _Evaluator:
                             cut_copies[(before, after)] += w * nbytes(s, d)
         self.acts = sorted(acts.items())
         self.cut_copies = sorted(cut_copies.items())
+        # the backward pass's working set beside the saved activations: the cotangent a matmul or
+        # convolution computes (elementwise results fuse into their consumers; gradients are counted
+        # as gradients), at most the largest of them at a time
+        largest: dict[tuple[int, ...], float] = {}
+        for i, w in weights.items():
+            op = g.ops[i]
+            if w > 0 and op.phase == "backward" and op.primitive in _MATERIALISED and i not in grad_ops:
+                for v, s, d in zip(op.outputs, op.out_shapes, op.out_dtypes, strict=True):
+                    key = self._cmask(fg.value_factors(v, len(s)))
+                    largest[key] = max(largest.get(key, 0.0), float(nbytes(s, d)))
+        self.backward_values = sorted(largest.items())
 
     # --- evaluation --------------------------------------------------------------------------
     def _or(self, plans: np.ndarray, idxs: tuple[int, ...]) -> np.ndarray:
@@ -383,12 +395,21 @@ class _Evaluator:
             out["optimizer"] += b / n if storage == "replicated" else b / (n * self.msize[free])
         for fs, b in self.acts:
             out["activations"] += b / self.msize[self._or(plans, fs)]
+        working = np.zeros(C)
+        for fs, b in self.backward_values:
+            working = np.maximum(working, b / self.msize[self._or(plans, fs)])
+        out["activations"] += working
         for (before, after), b in self.cut_copies:     # only where the plan moves the value
             moved = np.zeros(C, dtype=bool)
+            sliced = np.ones(C, dtype=bool)      # the kept layout is a slice of the moved one (a gather)
             for i, j in zip(before, after, strict=True):
-                moved |= (plans[:, i] if i >= 0 else 0) != (plans[:, j] if j >= 0 else 0)
-            out["activations"] += np.where(moved, b / self.msize[self._or(plans, tuple(j for j in after if j >= 0))],
-                                           0.0)
+                bm, am = (plans[:, i] if i >= 0 else 0), (plans[:, j] if j >= 0 else 0)
+                moved |= bm != am
+                sliced &= (am & ~bm) == 0
+            copy = b / self.msize[self._or(plans, tuple(j for j in after if j >= 0))]
+            # a gathered copy replaces the split one (slicing it again is free); an all-to-all's does not
+            own = b / self.msize[self._or(plans, tuple(i for i in before if i >= 0))]
+            out["activations"] += np.where(moved, copy - np.where(sliced, own, 0.0), 0.0)
         out["grads_before"], out["grads_kept"] = grads_before, grads_kept
         out["grads_reduced"] = self._reduced_gradient_bytes(plans)
         out["grads_scattered"] = out["grads_reduced"] * np.where(

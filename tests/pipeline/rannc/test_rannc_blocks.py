@@ -106,7 +106,7 @@ def test_rebalancing_spends_no_block_on_a_cheap_cut():
         h = g.op("tanh", [h], [()], module="M/loss")
     g.output(h, (2,))
     atomic = atomic_partition(g.build())
-    bp = partition_blocks(atomic, 32, costs=PipelineCosts(atomic, "v100-sxm"))
+    bp = partition_blocks(atomic, 32, costs=PipelineCosts(atomic, {"base": "v100-sxm", "kernels": None}))
     check_blocks(atomic, bp)
     work = np.array(bp.work)
     assert bp.stats["rebalanced"] and len(bp) == 32
