@@ -22,6 +22,7 @@ Acceptance (issue 7): GraphPipe search <= the paper's at every device count, and
 throughput >= 1.2x SPP at 16 and 32 devices for all three models.
 
     python bench/graphpipe_table1.py [--quick] [--reps 3] [--out bench/results/graphpipe_table1.json]
+    python bench/graphpipe_table1.py --roofline            # the pure roofline, for comparison
     python bench/graphpipe_table1.py --profile measured    # on a V100 node: measured layer curves
     python bench/graphpipe_table1.py --per-stage           # per-stage micro-batch sizes, both methods
 """
@@ -186,30 +187,31 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true",
                     help="4 and 16 GPUs only, one search per cell, a smaller branch sweep and A.3 check")
     ap.add_argument("--reps", type=int, default=3, help="searches per cell (median reported)")
-    ap.add_argument("--out", default=None, help="default bench/results/graphpipe_table1[_kernel<us>us].json")
+    ap.add_argument("--out", default=None,
+                    help="default bench/results/graphpipe_table1[_roofline][_kernel<us>us][_per_stage].json")
     ap.add_argument("--kernel-overhead", type=float, default=0.0,
                     help="seconds per kernel launch beyond the roofline (sensitivity run, e.g. 5e-6; default 0)")
     ap.add_argument("--profile", default="model", choices=["model", "measured"],
                     help="layer costs: the roofline on the V100 spec, or every op timed at each micro-batch size "
                          "on this machine's jax device (run it on a V100 node; hours on a CPU)")
-    ap.add_argument("--kernels", action="store_true",
-                    help="layer costs on the V100 kernel model (tile and wave quantization, 4 us launches, 90 %% "
-                         "of peak bandwidth; autoshard's core/kernels.py) instead of the pure roofline")
+    ap.add_argument("--roofline", action="store_true",
+                    help="layer costs on the pure roofline instead of the preset's V100 kernel model (tile and wave "
+                         "quantization, 4 us launches, 90 %% of peak bandwidth; autoshard's core/kernels.py)")
     ap.add_argument("--per-stage", action="store_true",
                     help="per-stage micro-batch sizes (per_stage_microbatch=True) for GraphPipe and SPP alike")
     opts = ap.parse_args()
     global KERNEL_OVERHEAD, PROFILE, PER_STAGE, HW
     KERNEL_OVERHEAD, PROFILE, PER_STAGE = opts.kernel_overhead, opts.profile, opts.per_stage
-    if opts.kernels:
-        if opts.kernel_overhead or opts.profile == "measured":
-            ap.error("--kernels is a cost model of its own: not with --kernel-overhead or --profile measured")
-        HW = get_hardware({**HARDWARE, "kernels": "v100"})
+    if opts.roofline or opts.kernel_overhead or opts.profile == "measured":
+        # a launch constant is a sensitivity run on the roofline; measured curves hold their own kernels
+        opts.roofline = True
+        HW = get_hardware({**HARDWARE, "kernels": None})
     if opts.profile == "measured" and opts.kernel_overhead:
         ap.error("--kernel-overhead adds launch costs to the roofline; measured curves hold them already")
     if opts.out is None:
-        tag = f"_kernel{opts.kernel_overhead * 1e6:g}us" if opts.kernel_overhead else ""
+        tag = "_roofline" if opts.roofline and opts.profile != "measured" else ""
+        tag += f"_kernel{opts.kernel_overhead * 1e6:g}us" if opts.kernel_overhead else ""
         tag += f"_measured_{jax.devices()[0].platform}" if opts.profile == "measured" else ""
-        tag += "_kernels" if opts.kernels else ""
         tag += "_per_stage" if opts.per_stage else ""
         opts.out = str(ROOT / "bench" / "results" / f"graphpipe_table1{tag}.json")
     git = git_state()   # before running: the checkout may change while a long run goes on

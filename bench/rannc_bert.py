@@ -23,7 +23,7 @@ Everything is planned abstractly (traced with ShapeDtypeStructs, nothing allocat
 Search seconds = atomic + costs + blocks + Algorithm 2 (the trace is timed separately). Each graph
 is traced once and dropped before the next (the 256-layer BERTs are ~140k ops, ~0.7 GB).
 
-    python bench/rannc_bert.py [--quick] [--out bench/results/rannc_bert.json]
+    python bench/rannc_bert.py [--quick] [--roofline] [--out bench/results/rannc_bert.json]
 """
 
 from __future__ import annotations
@@ -212,15 +212,15 @@ def equal_table(cells: dict) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="2 BERTs, ResNet152x8, a 1-layer no-block run")
-    ap.add_argument("--out", default=None, help="default bench/results/rannc_bert[_kernels].json")
-    ap.add_argument("--kernels", action="store_true",
-                    help="V100 kernel model (tile/wave quantisation, launches, achievable bandwidth; autoshard's "
-                         "core/kernels.py) instead of the pure roofline")
+    ap.add_argument("--out", default=None, help="default bench/results/rannc_bert[_roofline].json")
+    ap.add_argument("--roofline", action="store_true",
+                    help="the pure roofline instead of the preset's V100 kernel model (tile/wave quantisation, "
+                         "launches, achievable bandwidth; autoshard's core/kernels.py)")
     args = ap.parse_args()
     global HW
-    if args.kernels:
-        HW = get_hardware({"base": "v100-sxm", "kernels": "v100"})
-    args.out = args.out or str(ROOT / f"bench/results/rannc_bert{'_kernels' if args.kernels else ''}.json")
+    if args.roofline:
+        HW = get_hardware({"base": "v100-sxm", "kernels": None})
+    args.out = args.out or str(ROOT / f"bench/results/rannc_bert{'_roofline' if args.roofline else ''}.json")
     git = git_state()
     t_start = time.perf_counter()
     grid = [(1024, 24), (2048, 96)] if args.quick else [(h, n) for h in HIDDEN for n in LAYERS]
@@ -235,7 +235,7 @@ def main() -> None:
     resnet = {"resnet152x8": model_cell("resnet", "resnet152x8", 8, 128, equal_stages=False)}
     no_blocks = {f"bert-h1024-l{n}": no_block_cell(n) for n in ((1,) if args.quick else (2, 4))}
     out = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": machine(git), "quick": args.quick,
-           "settings": {"hardware": "v100-sxm" + (" + v100 kernel model" if args.kernels else ""),
+           "settings": {"hardware": "v100-sxm" + (" (roofline)" if args.roofline else " (v100 kernel model)"),
                         "bert": {"devices": 32, "nodes": 4, "batch": 256, "seq": 512,
                                                  "dtype": "float32", "optimizer": "adamw", "k": 32},
                         "resnet": {"devices": 8, "batch": 128, "image": 224, "dtype": "float32"},

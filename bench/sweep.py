@@ -99,12 +99,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="entries marked quick; audit auto plans only")
     ap.add_argument("--config", default=str(Path(__file__).parent / "sweep.toml"))
-    ap.add_argument("--out", default=None, help="default bench/results/sweep[_kernels]")
-    ap.add_argument("--kernels", action="store_true",
-                    help="price on the GPU kernel model of the hardware (tile/wave quantisation, launches, "
-                         "achievable bandwidth; core/kernels.py) instead of the pure roofline")
+    ap.add_argument("--out", default=None, help="default bench/results/sweep[_roofline]")
+    ap.add_argument("--roofline", action="store_true",
+                    help="price on the pure roofline instead of the presets' GPU kernel model (tile/wave "
+                         "quantisation, launches, achievable bandwidth; core/kernels.py)")
     opts = ap.parse_args()
-    opts.out = opts.out or str(Path(__file__).parent / "results" / f"sweep{'_kernels' if opts.kernels else ''}")
+    opts.out = opts.out or str(Path(__file__).parent / "results" / f"sweep{'_roofline' if opts.roofline else ''}")
     cfg = tomllib.loads(Path(opts.config).read_text())
     info = machine()
     t_start = time.perf_counter()
@@ -117,8 +117,8 @@ def main() -> None:
             args = m.abstract_state()
             for mesh_name, mesh in cfg["meshes"][section].items():
                 hw = cfg["multi_node_hardware"] if "node" in mesh else cfg["hardware"]
-                if opts.kernels:     # the preset's GPU: "h100-sxm" -> the "h100" kernel model
-                    hw = {"base": hw, "kernels": hw.split("-")[0]}
+                if opts.roofline:
+                    hw = {"base": hw, "kernels": None}
                 row = {"model": entry["name"], "config": entry["config"], "overrides": entry.get("overrides", {}),
                        "params": m.num_params(), "mesh": mesh_name, "mesh_axes": mesh, "kind": section,
                        "hardware": hw}
