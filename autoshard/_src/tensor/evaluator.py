@@ -292,7 +292,6 @@ class _Evaluator:
             gathered[(dims, val.shape)] += val.nbytes * max(1, len(uses))
         self.gathered = [(dims, shape, b) for (dims, shape), b in sorted(gathered.items())]
         self.state = [(dims, shape, b) for (role, dims, shape), b in sorted(tensors.items()) if role == "state"]
-        self.one_bytes = {val.shape: val.nbytes for v in self.inputs if (val := g.values[v]).role == "parameter"}
         # activations kept for the backward pass (residuals), per instance weight
         # a value cut at a region boundary is kept in the layout the region's backward reads too (the
         # all-gathered stream of sequence parallelism, the dispatched tokens; see evaluate)
@@ -341,7 +340,6 @@ class _Evaluator:
     def evaluate(self, plans: np.ndarray, storage: str) -> dict[str, np.ndarray]:
         """Per-plan step time, memory and breakdown for plans[C, K] (axis masks per factor)."""
         C = plans.shape[0]
-        full = self.nm - 1
         out = {k: np.zeros(C) for k in ("compute", "fwd_comm", "bwd_comm", "opt_comm", "grad_sync",
                                          "storage_comm", "params", "grads", "optimizer",
                                          "activations", "data", "cpu_temp_extra")}
@@ -365,7 +363,21 @@ class _Evaluator:
             out["fwd_comm" if phase == "forward" else "bwd_comm"] += self._coll(
                 "all-gather", b * np.ones(C), m)
 
-        # parameters, gradients, optimizer state under the storage mode (see _gradient_memory)
+        self._add_memory(out, plans, storage)
+        for fs, b in self.data:
+            out["data"] += b / self.msize[self._or(plans, fs)]
+        bwd_compute = out["compute"] * self.bwd_share
+        sync_exposed = np.maximum(0.0, out["grad_sync"] - self.options.overlap * bwd_compute)
+        out["step_time"] = (out["compute"] + out["fwd_comm"] + out["bwd_comm"] + out["opt_comm"]
+                            + sync_exposed + out["storage_comm"])
+        out["memory"] = (out["params"] + out["grads"] + out["optimizer"] + out["activations"]
+                         + out["data"])
+        return out
+
+    def _add_memory(self, out: dict[str, np.ndarray], plans: np.ndarray, storage: str) -> None:
+        """Parameters, gradients, optimizer state and activations per device, under the storage mode
+        (see _gradient_memory), into `out` (whose storage_comm gets ZeRO-1's gather latency)."""
+        C, full = plans.shape[0], self.nm - 1
         grads_before = np.zeros(C)      # every gradient as its op produces it (whole over ZeRO axes)
         grads_kept = np.zeros(C)        # as the optimizer keeps it (a ZeRO gradient scattered)
         for dims, shape, b in self.params:
@@ -416,15 +428,6 @@ class _Evaluator:
             grads_before > 0, grads_kept / np.maximum(grads_before, 1e-30), 1.0)
         out["grads"], out["cpu_temp_extra"] = self._gradient_memory(plans, out["activations"], grads_before,
                                                                     grads_kept, out)
-        for fs, b in self.data:
-            out["data"] += b / self.msize[self._or(plans, fs)]
-        bwd_compute = out["compute"] * self.bwd_share
-        sync_exposed = np.maximum(0.0, out["grad_sync"] - self.options.overlap * bwd_compute)
-        out["step_time"] = (out["compute"] + out["fwd_comm"] + out["bwd_comm"] + out["opt_comm"]
-                            + sync_exposed + out["storage_comm"])
-        out["memory"] = (out["params"] + out["grads"] + out["optimizer"] + out["activations"]
-                         + out["data"])
-        return out
 
     def _gradient_memory(self, plans: np.ndarray, acts: np.ndarray, before: np.ndarray, kept: np.ndarray,
                          out: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
@@ -524,7 +527,7 @@ class _Evaluator:
             rs = out[("reduce-scatter", key[1], "grad")]
             rs[0] += moved
             rs[1] += share
-        for key in [k for k, rec in out.items() if rec[0] <= 1e-6 * max(1.0, rec[0])]:
+        for key in [k for k, rec in out.items() if rec[0] <= 1e-6]:     # moved whole
             del out[key]
 
     def comm_records(self, row: np.ndarray, storage: str) -> dict[tuple[str, tuple[str, ...], str], list[float]]:
