@@ -51,7 +51,9 @@ class Gap:
     what: str                      # "collective all-reduce@data" / "memory argument" ...
     predicted: float
     audited: float
-    modules: tuple[tuple[str, float], ...]   # largest contributors (module, bytes)
+    modules: tuple[tuple[str, float], ...]   # largest contributors (module, bytes; memory: predicted parts)
+    # a named backend behaviour accounts for the bytes; the known ones (BACKEND_NOTES) are applied to
+    # the prediction instead (Plan.collectives_on / memory_on), so today no gap carries it
     backend_specific: bool
     note: str
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..core.collectives import on_backend
+from ..core.collectives import lowered_differently
 from .stages import explanation as stage_explanation
 from .stages import point_lines
 from .stages import summary as stage_summary
@@ -130,10 +130,9 @@ def collective_lines(plan: Any) -> list[str]:
         return ["predicted collectives: none (every device works alone)"]
     rows = [("collective", "over", "phase", "count", "bytes per device", "on XLA:CPU")]
     for c in coll:
-        cpu = on_backend([c], "cpu", dict(plan.mesh))
-        same = [(x["kind"], x["axes"]) for x in cpu] == [(c["kind"], list(c["axes"]))]
+        cpu = lowered_differently(c, "cpu", dict(plan.mesh))
         rows.append((c["kind"], ",".join(c["axes"]), c["phase"], f"x{c['count']:g}", fmt_bytes(c["bytes"]),
-                     "same" if same else " + ".join(f"{x['kind']}@{','.join(x['axes'])}" for x in cpu)))
+                     " + ".join(f"{k}@{','.join(a)}" for k, a in cpu) if cpu else "same"))
     return ["predicted collectives per step:", *table(rows, align="lllrrl")]
 
 

@@ -83,3 +83,11 @@ def on_backend(collectives: list[Mapping[str, Any]], platform: str, sizes: Mappi
         else:
             out.append(dict(c, kind=lowered_kind(kind, platform), axes=list(axes)))
     return out
+
+
+def lowered_differently(collective: Mapping[str, Any], platform: str, sizes: Mapping[str, int]
+                        ) -> list[tuple[str, tuple[str, ...]]]:
+    """(kind, axes) of each collective `platform` compiles one planned `collective` to, or [] when it
+    compiles it as planned (what a plan report prints beside it)."""
+    lowered = [(c["kind"], tuple(c["axes"])) for c in on_backend([collective], platform, sizes)]
+    return [] if lowered == [(collective["kind"], tuple(collective["axes"]))] else lowered

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from ..core.collectives import on_backend
+from ..core.collectives import lowered_differently
 from .specs import spec_str
 
 
@@ -61,9 +61,8 @@ def explain_tensor(self: Any) -> str:
     if p.get("collectives"):
         lines.append("predicted collectives per step (per-device buffer bytes):")
         for c in p["collectives"]:
-            cpu = on_backend([c], "cpu", dict(self.mesh))
-            on_cpu = ("" if [(x["kind"], x["axes"]) for x in cpu] == [(c["kind"], list(c["axes"]))] else
-                      "  (XLA:CPU: " + " + ".join(f"{x['kind']} over {','.join(x['axes'])}" for x in cpu) + ")")
+            cpu = lowered_differently(c, "cpu", dict(self.mesh))
+            on_cpu = "  (XLA:CPU: " + " + ".join(f"{k} over {','.join(a)}" for k, a in cpu) + ")" if cpu else ""
             lines.append(f"  {c['kind']:<15} over {','.join(c['axes']):<12} {c['phase']:<9} "
                          f"x{c['count']:<6g} {c['bytes']:>16,.0f} B{on_cpu}")
         lines.append("")
