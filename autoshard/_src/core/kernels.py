@@ -100,26 +100,37 @@ def memory_seconds(km: KernelModel, nbytes: float, bandwidth: float) -> float:
     return nbytes / (bandwidth * km.bandwidth_efficiency)
 
 
+def gemm_roles(primitive: str, params: Mapping[str, Any], ranks: Sequence[int]
+               ) -> tuple[tuple[tuple[int, int], ...], ...] | None:
+    """Where a matmul's or an ungrouped convolution's (batch, m, n, k) come from: per role, the
+    (operand, dim) pairs whose sizes multiply into it (operand 0 / 1: the inputs, 2: the output;
+    `ranks`: the two inputs' and the output's ranks). None for other ops and grouped convolutions."""
+    if primitive == "dot_general" and "contracting" in params and len(ranks) == 3:
+        (lc, rc), (lb, rb) = params["contracting"], params["batch"]
+        free_l = tuple((0, d) for d in range(ranks[0]) if d not in lc and d not in lb)
+        free_r = tuple((1, d) for d in range(ranks[1]) if d not in rc and d not in rb)
+        return tuple((0, d) for d in lb), free_l, free_r, tuple((0, d) for d in lc)
+    if primitive == "conv_general_dilated" and "lhs_spec" in params and len(ranks) == 3 \
+            and int(params.get("feature_group_count", 1)) == 1:
+        rs, os_ = params["rhs_spec"], params["out_spec"]
+        return ((), ((2, os_[0]), *((2, d) for d in os_[2:])), ((2, os_[1]),),
+                ((1, rs[1]), *((1, d) for d in rs[2:])))
+    return None
+
+
 def gemm_dims(primitive: str, params: Mapping[str, Any], in_shapes: Sequence[Sequence[int]],
               out_shape: Sequence[int]) -> tuple[int, int, int, int] | None:
-    """(batch, m, n, k) of a matmul or convolution, or None for other ops."""
-    if primitive == "dot_general" and "contracting" in params and len(in_shapes) == 2:
-        (lc, rc), (lb, rb) = params["contracting"], params["batch"]
-        lhs, rhs = in_shapes
-        batch = math.prod(lhs[d] for d in lb)
-        k = math.prod(lhs[d] for d in lc)
-        m = math.prod(lhs[d] for d in range(len(lhs)) if d not in lc and d not in lb)
-        n = math.prod(rhs[d] for d in range(len(rhs)) if d not in rc and d not in rb)
-        return batch, m, n, k
-    if primitive == "conv_general_dilated" and "lhs_spec" in params and len(in_shapes) == 2:
-        rs, os_ = params["rhs_spec"], params["out_spec"]
-        rhs = in_shapes[1]
-        groups = max(1, int(params.get("feature_group_count", 1)))
-        m = out_shape[os_[0]] * math.prod(out_shape[d] for d in os_[2:])
-        n = out_shape[os_[1]] // groups
-        k = rhs[rs[1]] * math.prod(rhs[d] for d in rs[2:])
-        return groups, m, n, k
-    return None
+    """(batch, m, n, k) of a matmul or convolution (a grouped one: groups as the batch), or None."""
+    if len(in_shapes) != 2:
+        return None
+    groups = max(1, int(params.get("feature_group_count", 1))) if primitive == "conv_general_dilated" else 1
+    roles = gemm_roles(primitive, dict(params, feature_group_count=1) if groups > 1 else params,
+                       [len(in_shapes[0]), len(in_shapes[1]), len(out_shape)])
+    if roles is None:
+        return None
+    shapes = (in_shapes[0], in_shapes[1], out_shape)
+    b, m, n, k = (math.prod(shapes[o][d] for o, d in role) for role in roles)
+    return b * groups, m, n // groups, k
 
 
 # ops that start a kernel of their own after XLA's fusion (elementwise ops fuse into them: no launch)

@@ -14,7 +14,7 @@ import dataclasses
 import numpy as np
 
 from ..core.graph import Op
-from ..core.kernels import KERNEL_OPS, KernelModel, _tile_choices
+from ..core.kernels import KERNEL_OPS, KernelModel, _tile_choices, gemm_roles
 from .factors import FactorGraph, OpFactors
 
 
@@ -47,25 +47,17 @@ class GemmCosts:
         return True
 
     def _dims(self, op: Op, fg: FactorGraph):
-        def of(v: int, shape, ds):
-            fs = fg.value_factors(v, len(shape))
-            return tuple((shape[d], self.cidx.get(fs[d], -1) if fs[d] is not None else -1) for d in ds)
-
-        p, ins, shapes = op.params, op.inputs, op.in_shapes
-        if op.primitive == "dot_general" and "contracting" in p and len(ins) == 2:
-            (lc, rc), (lb, rb) = p["contracting"], p["batch"]
-            (lv, ls), (rv, rs) = (ins[0], shapes[0]), (ins[1], shapes[1])
-            free_l = [d for d in range(len(ls)) if d not in lc and d not in lb]
-            free_r = [d for d in range(len(rs)) if d not in rc and d not in rb]
-            return of(lv, ls, lb), of(lv, ls, free_l), of(rv, rs, free_r), of(lv, ls, lc)
-        if op.primitive == "conv_general_dilated" and "lhs_spec" in p and len(ins) == 2 and op.outputs:
-            if p.get("feature_group_count", 1) != 1:
-                return None                    # grouped / depthwise: memory-bound, left to the roofline
-            os_, rsp = p["out_spec"], p["rhs_spec"]
-            out, oshape = op.outputs[0], op.out_shapes[0]
-            m = of(out, oshape, [os_[0], *os_[2:]])
-            return (), m, of(out, oshape, [os_[1]]), of(ins[1], shapes[1], [rsp[1], *rsp[2:]])
-        return None
+        """(batch, m, n, k) as ((size, candidate index or -1) per tensor dim), from `gemm_roles`."""
+        if not op.outputs or len(op.inputs) != 2:
+            return None
+        values = (op.inputs[0], op.inputs[1], op.outputs[0])
+        shapes = (op.in_shapes[0], op.in_shapes[1], op.out_shapes[0])
+        roles = gemm_roles(op.primitive, op.params, [len(s) for s in shapes])
+        if roles is None:
+            return None                        # grouped / depthwise convolutions: memory-bound, the roofline's
+        factors = [fg.value_factors(v, len(s)) for v, s in zip(values, shapes, strict=True)]
+        return tuple(tuple((shapes[o][d], self.cidx.get(factors[o][d], -1) if factors[o][d] is not None else -1)
+                           for o, d in role) for role in roles)
 
     def seconds(self, plans: np.ndarray, msize: np.ndarray, or_masks) -> np.ndarray:
         """Per plan: the matmuls' and convolutions' time on their shards, plus every launch."""
