@@ -99,6 +99,7 @@ def search(graph: OpGraph, grouping: Grouping, mesh: MeshSpec, hw: HardwareSpec,
     mode = options.sequence_parallel
     if mode != "off":
         sp = sequence_parallel_analysis(graph, grouping, analysed)
+        result._sp_analysis = sp          # with_sequence_parallel prices experts in it without redoing it
         if sp is not None:
             sp_result = _search_space(plan_space(graph, grouping, mesh, options, sp), hw, cost, options)
             if mode == "on" or _better(sp_result.best, result.best):
@@ -120,13 +121,18 @@ def _search_space(space: PlanSpace, hw: HardwareSpec, cost: CostModel, options: 
     return result
 
 
+_UNSET = object()
+
+
 def with_sequence_parallel(result: SearchResult, grouping: Grouping) -> SearchResult | None:
     """`result`'s space with the residual stream cut from the tensor-parallel regions, for pricing
     given plans (the Megatron-SP expert) without enumerating it; None when it has no such regions."""
     if result.factors.sequence:
         return result
     graph, space, hw, cost, options = result._context
-    sp = sequence_parallel_analysis(graph, grouping, space.analysis)
+    sp = getattr(result, "_sp_analysis", _UNSET)
+    if sp is _UNSET:
+        sp = sequence_parallel_analysis(graph, grouping, space.analysis)
     if sp is None:
         return None
     cands, _ = _candidate_factors(graph, sp.fg, sp.weights, space.mesh, options, [])
