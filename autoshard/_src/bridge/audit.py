@@ -230,7 +230,7 @@ def audit(plan: Plan, step: Callable, *args: Any, mesh: Mesh | None = None) -> A
                         f"differs from the plan's mesh {dict(plan.mesh)}. Fix: pass a mesh with the plan's "
                         "axis names and sizes, or re-plan for this mesh.")
     if plan.stages[0].remat != "none":     # as the decorator runs it: autoshard.value_and_grad rematerialises
-        step, _ = rematerialised(step, plan)
+        step, _ = rematerialised(step, plan, mesh)
     compiled = jit_step(trace_step(step, *abstract), plan, mesh, abstract).lower(*abstract).compile()
     platform = mesh.devices.flat[0].platform
     names = tuple(n for n, _ in plan.mesh)

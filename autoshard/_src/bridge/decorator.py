@@ -135,7 +135,7 @@ class Autosharded:
     def _rematerialised(self, abstract: tuple) -> Traced:
         """The step traced again with its autoshard.value_and_grad losses run block by block under the
         plan's remat policy (a step without that call keeps every activation: warned)."""
-        step, calls = rematerialised(self.fn, self._plan)
+        step, calls = rematerialised(self.fn, self._plan, self._mesh)
         traced = trace_step(step, *abstract)
         if not calls():
             warnings.warn(

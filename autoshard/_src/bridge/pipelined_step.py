@@ -27,9 +27,12 @@ import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from ..core.errors import PlanError
+from ..core.graph import keys_in_order
 from ..pipeline.costs import traced_batch
 from ..plan.plan import Plan
 from .cut import pipelined
+from .emit import partition_spec
+from .layouts import fitting_spec
 from .loss_call import LossCall
 from .remat import remat_loss
 from .repack import storage_sharding
@@ -61,6 +64,7 @@ class _Remat:
     policy: str
     labels: tuple[str, ...]
     calls: int = 0
+    constrain: Callable | None = None     # the plan's activation constraints on the loss's eqns
 
 
 _ACTIVE: contextvars.ContextVar[_Capture | _Running | _Remat | None] = contextvars.ContextVar("autoshard_pipeline",
@@ -79,8 +83,8 @@ def value_and_grad(fun: Callable, argnums: int = 0, has_aux: bool = False, **kwa
             return plain(*args)
         if isinstance(ctx, _Remat):
             ctx.calls += 1
-            return jax.value_and_grad(remat_loss(fun, ctx.policy, ctx.labels), argnums=argnums, has_aux=has_aux,
-                                      **kwargs)(*args)
+            return jax.value_and_grad(remat_loss(fun, ctx.policy, ctx.labels, ctx.constrain), argnums=argnums,
+                                      has_aux=has_aux, **kwargs)(*args)
         if kwargs:
             raise PlanError(
                 f"autoshard.value_and_grad: inside a pipelined @autoshard step the options {sorted(kwargs)} are not "
@@ -124,10 +128,14 @@ def capture(fn: Callable, args: tuple, batch_size: int) -> _Capture:
         "`loss, grads = autoshard.value_and_grad(loss_fn)(params, batch)` (it is jax.value_and_grad elsewhere).")
 
 
-def rematerialised(fn: Callable, plan: Plan) -> tuple[Callable, Callable[[], int]]:
+def rematerialised(fn: Callable, plan: Plan, mesh: Any = None) -> tuple[Callable, Callable[[], int]]:
     """`fn` whose autoshard.value_and_grad calls run their loss with the tensor plan's remat policy,
-    block by block; and a function counting those calls (0: the plan's remat is not emitted)."""
-    state = _Remat(plan.stages[0].remat, tuple(plan.predicted.get("3d", {}).get("unit_labels", ())))
+    block by block, its activation constraints placed inside the checkpointed blocks on `mesh` (the
+    step's own constraints cannot reach them); and a function counting those calls (0: the plan's
+    remat is not emitted)."""
+    constrain = (lambda prog, modules: _loss_constraints(prog, modules, plan, mesh)) if mesh is not None else None
+    state = _Remat(plan.stages[0].remat, tuple(plan.predicted.get("3d", {}).get("unit_labels", ())),
+                   constrain=constrain)
 
     def step(*args: Any) -> Any:
         token = _ACTIVE.set(state)
@@ -138,6 +146,29 @@ def rematerialised(fn: Callable, plan: Plan) -> tuple[Callable, Callable[[], int
 
     step.__name__ = getattr(fn, "__name__", "step")
     return step, lambda: state.calls
+
+
+def _loss_constraints(prog: Any, modules: list[str], plan: Plan, mesh: Any) -> Callable:
+    """after(eqn, outputs) placing a tensor plan's activation constraints on a loss's eqns: the plan
+    keys ops "<module>/<primitive>:<k>" in the step, whose forward eqns are the loss's, in order."""
+    wanted: dict[str, list] = {}
+    for key, spec in plan.activation_constraints:
+        wanted.setdefault(key, []).append(spec)
+    keys = keys_in_order((modules[e], fe.eqn.primitive.name) for e, fe in enumerate(prog.eqns))
+    sizes = dict(mesh.shape)
+    specs: dict[int, list] = {}
+    for e, fe in enumerate(prog.eqns):
+        out = fe.eqn.outvars[0].aval if fe.eqn.outvars else None
+        for spec in wanted.get(keys[e], ()):
+            if out is not None and len(spec) == len(out.shape):
+                specs.setdefault(e, []).append(NamedSharding(mesh, partition_spec(
+                    fitting_spec(tuple(out.shape), spec, sizes))))
+
+    def after(e: int, outs: list) -> list:
+        for s in specs.get(e, ()):
+            outs = [jax.lax.with_sharding_constraint(outs[0], s), *outs[1:]]
+        return outs
+    return after
 
 
 def batch_sharding(mesh: Any, shape: tuple[int, ...]) -> Any:

@@ -111,9 +111,11 @@ def _checkpointed(prog: Any, run: list[int], env: dict, readers: dict, keep: set
     env.update(zip(outs, values, strict=True))
 
 
-def remat_loss(fun: Callable, policy: str, labels: Sequence[str]) -> Callable:
+def remat_loss(fun: Callable, policy: str, labels: Sequence[str],
+               constrain: Callable[[Any, list[str]], Callable] | None = None) -> Callable:
     """`fun` evaluated block by block under `policy` (see the module docstring); same outputs, any
-    pytree of them (a loss, or (loss, aux))."""
+    pytree of them (a loss, or (loss, aux)). `constrain(prog, modules) -> after(eqn, outputs)`: the
+    plan's activation constraints on the loss's eqns, applied inside the checkpointed blocks too."""
     if policy == "none":
         return fun
 
@@ -124,7 +126,8 @@ def remat_loss(fun: Callable, policy: str, labels: Sequence[str]) -> Callable:
         env: dict = dict(prog.consts)
         env.update(zip(prog.inputs, jax.tree.leaves(args), strict=True))
         outputs = [k for k in prog.outputs if not jc.is_literal(k)]
-        run_eqns(prog, range(len(prog.eqns)), env, eqn_blocks(prog, labels), policy, set(outputs))
+        after = constrain(prog, [parse_scope(fe.scope)[0] for fe in prog.eqns]) if constrain else None
+        run_eqns(prog, range(len(prog.eqns)), env, eqn_blocks(prog, labels), policy, set(outputs), after=after)
         return jax.tree.unflatten(jax.tree.structure(out_shape), [_read(env, k) for k in prog.outputs])
 
     run.__name__ = getattr(fun, "__name__", "loss")
