@@ -15,7 +15,9 @@ import pytest
 
 import autoshard
 import models
+from autoshard._src.bridge.emit import make_mesh
 from autoshard._src.bridge.hlo import collectives
+from autoshard._src.bridge.pipelined_step import rematerialised
 from autoshard._src.core.hardware import get_hardware, hardware_dict
 
 from .._reference import run_steps
@@ -169,6 +171,10 @@ def test_tensor_plan_with_planned_remat_trains_like_one_device_within_its_memory
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
     compiled = fast.lower(*args).compile()
     assert "checkpoint" in compiled.as_text()
+    # the plan's activation constraints reach inside the checkpointed blocks (the step's cannot)
+    placed = [str(jax.make_jaxpr(rematerialised(step, plan, mesh)[0])(*args)).count("sharding_constraint")
+              for mesh in (None, make_mesh(plan))]
+    assert placed[1] > placed[0], placed
     mem, pred = compiled.memory_analysis(), plan.memory_on("cpu")     # as XLA:CPU lays the buffers out
     assert mem.argument_size_in_bytes == pytest.approx(pred["argument"], rel=0.01)
     assert mem.argument_size_in_bytes + mem.temp_size_in_bytes == pytest.approx(pred["argument+temp"], rel=0.15)
