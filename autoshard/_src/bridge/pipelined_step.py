@@ -27,12 +27,11 @@ import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from ..core.errors import PlanError
-from ..core.graph import keys_in_order
 from ..pipeline.costs import traced_batch
 from ..plan.plan import Plan
 from .cut import pipelined
+from .cut_3d import ActivationSpecs
 from .emit import partition_spec
-from .layouts import fitting_spec
 from .loss_call import LossCall
 from .remat import remat_loss
 from .repack import storage_sharding
@@ -149,23 +148,13 @@ def rematerialised(fn: Callable, plan: Plan, mesh: Any = None) -> tuple[Callable
 
 
 def _loss_constraints(prog: Any, modules: list[str], plan: Plan, mesh: Any) -> Callable:
-    """after(eqn, outputs) placing a tensor plan's activation constraints on a loss's eqns: the plan
-    keys ops "<module>/<primitive>:<k>" in the step, whose forward eqns are the loss's, in order."""
-    wanted: dict[str, list] = {}
-    for key, spec in plan.activation_constraints:
-        wanted.setdefault(key, []).append(spec)
-    keys = keys_in_order((modules[e], fe.eqn.primitive.name) for e, fe in enumerate(prog.eqns))
-    sizes = dict(mesh.shape)
-    specs: dict[int, list] = {}
-    for e, fe in enumerate(prog.eqns):
-        out = fe.eqn.outvars[0].aval if fe.eqn.outvars else None
-        for spec in wanted.get(keys[e], ()):
-            if out is not None and len(spec) == len(out.shape):
-                specs.setdefault(e, []).append(NamedSharding(mesh, partition_spec(
-                    fitting_spec(tuple(out.shape), spec, sizes))))
+    """after(eqn, outputs) placing a tensor plan's activation constraints on a loss's eqns, matched as
+    the 3-D runtime matches them (`ActivationSpecs`), on the jit's concrete mesh."""
+    placed = {e: [NamedSharding(mesh, partition_spec(spec)) for spec in specs]
+              for e, specs in ActivationSpecs(prog, modules, plan, mesh).specs.items()}
 
     def after(e: int, outs: list) -> list:
-        for s in specs.get(e, ()):
+        for s in placed.get(e, ()):
             outs = [jax.lax.with_sharding_constraint(outs[0], s), *outs[1:]]
         return outs
     return after

@@ -34,6 +34,7 @@ import numpy as np
 from ..core.cost import CostModel
 from ..core.hardware import HardwareSpec
 from ..core.mesh import MeshSpec
+from ..tensor.evaluator import kept_share
 from ..tensor.experts import batch_factors, expert_assignments
 from ..tensor.search import STORAGE_MODES, PlanSpace, SearchOptions
 from .units import Units
@@ -117,9 +118,9 @@ def shape_tables(space: PlanSpace, units: Units, hw: HardwareSpec, cost: CostMod
                                   + (0.0 if per_microbatch else held["storage_comm"]))
             # gradients accumulate over the micro-batches; their reduction's result (an all-reduce is
             # not in place, a reduce-scatter keeps the shard) is counted beside them (conservative)
-            kept_share = np.where(held["grads"] > 0, held["grads_kept"] / np.maximum(held["grads"], 1e-30), 1.0)
             vals["static"][k, z] = (held["params"] + held["grads"] + held["optimizer"] + held["activations"]
-                                    + const["activations"] + bwd["grads_reduced"] * kept_share)
+                                    + const["activations"]
+                                    + bwd["grads_reduced"] * kept_share(held["grads_before"], held["grads_kept"]))
             vals["acts"][k, z] = fwd["activations"]
             vals["acts_dots"][k, z] = dots["activations"]
             vals["data"][k, z] = held["data"]

@@ -198,10 +198,7 @@ def _tensor_plan(graph: OpGraph, grouping: Grouping, res: JointResult, best: Joi
     st = best.stages[0]
     if st.remat != "none":     # the 3-D tables price remat; the tensor evaluator keeps every activation
         mem = dict(choice.memory)
-        ev = sr._evaluator
-        row = np.array([[sum(1 << mesh.names.index(a) for a in choice.factor_axes.get(f, ())) for f in sr.candidates]],
-                       dtype=np.int64)
-        g = ev.evaluate(row, st.storage)
+        g = sr._evaluator.evaluate(sr._evaluator.row(choice.factor_axes).reshape(1, -1), st.storage)
         # as the tables count them: every gradient and its reduction's result (XLA:CPU's is whole)
         mem["grads"] = float(g["grads_before"][0] + g["grads_scattered"][0])
         mem["cpu_temp_extra"] = float(g["grads_reduced"][0] - g["grads_scattered"][0])

@@ -7,8 +7,6 @@ import math
 import time
 from typing import Any
 
-import numpy as np
-
 from ..core.errors import InfeasiblePlanError, PlanError
 from ..core.graph import OpGraph, fingerprint, op_keys
 from ..core.grouping import Grouping, group
@@ -303,8 +301,7 @@ def build_plan(graph: OpGraph, grouping: Grouping, mesh: MeshSpec, hw: HardwareS
                      for i in fg.unknown_ops) + tuple(res.notes) + idle_axes(mesh, res, specs)
     b = res.best
     ev = res._evaluator
-    row = np.array([sum(1 << mesh.names.index(a) for a in b.factor_axes.get(f, ())) for f in res.candidates],
-                   dtype=np.int64)
+    row = ev.row(b.factor_axes)
     collectives = tuple({"kind": k, "axes": tuple(axes), "phase": ph, "bytes": v[0], "count": v[1]}
                         for (k, axes, ph), v in sorted(ev.comm_records(row, b.storage).items()))
     predicted = {"step_time": b.step_time, "breakdown": dict(b.breakdown), "memory": dict(b.memory),

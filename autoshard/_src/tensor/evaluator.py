@@ -89,6 +89,11 @@ def _mask_size(mesh: MeshSpec, mask: int) -> int:
     return math.prod(s for i, s in enumerate(mesh.sizes) if mask >> i & 1)
 
 
+def kept_share(before: np.ndarray, kept: np.ndarray) -> np.ndarray:
+    """Per plan, the share of its gradients' bytes the optimizer keeps (a ZeRO gradient is scattered)."""
+    return np.where(before > 0, kept / np.maximum(before, 1e-30), 1.0)
+
+
 class _Shared:
     """What the evaluators of one plan space share (the 3-D search builds ~20 per submesh shape):
     the collective cost tables per cost model and the candidate masks of factor sets."""
@@ -424,8 +429,7 @@ class _Evaluator:
             out["activations"] += np.where(moved, copy - np.where(sliced, own, 0.0), 0.0)
         out["grads_before"], out["grads_kept"] = grads_before, grads_kept
         out["grads_reduced"] = self._reduced_gradient_bytes(plans)
-        out["grads_scattered"] = out["grads_reduced"] * np.where(
-            grads_before > 0, grads_kept / np.maximum(grads_before, 1e-30), 1.0)
+        out["grads_scattered"] = out["grads_reduced"] * kept_share(grads_before, grads_kept)
         out["grads"], out["cpu_temp_extra"] = self._gradient_memory(plans, out["activations"], grads_before,
                                                                     grads_kept, out)
 
@@ -482,11 +486,16 @@ class _Evaluator:
             ok |= shape[d] % (self.msize[md].astype(np.int64) * nf) == 0
         return m, np.where(ok & (nf > 1), free, 0)
 
-    def evaluate_one(self, factor_axes: dict[int, tuple[str, ...]], storage: str) -> PlanChoice:
-        row = np.zeros((1, len(self.cands)), dtype=np.int64)
+    def row(self, factor_axes: dict[int, tuple[str, ...]]) -> np.ndarray:
+        """One plan as a row of axis masks per candidate factor (factors outside the candidates drop)."""
+        row = np.zeros(len(self.cands), dtype=np.int64)
         for f, axes in factor_axes.items():
             if f in self.cidx:
-                row[0, self.cidx[f]] = sum(1 << self.mesh.names.index(a) for a in axes)
+                row[self.cidx[f]] = sum(1 << self.mesh.names.index(a) for a in axes)
+        return row
+
+    def evaluate_one(self, factor_axes: dict[int, tuple[str, ...]], storage: str) -> PlanChoice:
+        row = self.row(factor_axes).reshape(1, -1)
         res = self.evaluate(row, storage)
         return self._choice(row[0], res, 0, storage, 1)
 
