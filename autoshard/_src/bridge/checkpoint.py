@@ -138,7 +138,7 @@ def _check_target(path: Path, overwrite: bool) -> None:
         if not ((path / STATE).exists() or (path / MANIFEST).exists()):
             raise ConfigError(f"autoshard.save: {path} holds files that are not an autoshard checkpoint; refusing to "
                               "overwrite them. Fix: choose another directory.")
-    complete = [p for p in disk.leftovers(path) if disk.is_complete(p)]
+    complete = disk.newest_first([p for p in disk.leftovers(path) if disk.is_complete(p)])
     if not path.exists() and complete and not overwrite:
         raise ConfigError(f"autoshard.save: an interrupted save to {path} left a complete checkpoint at {complete[0]} "
                           "(autoshard.restore reads it); pass overwrite=True to replace it, or save to a new "
@@ -230,7 +230,10 @@ def _manifest(source: Path, verify: bool) -> dict | None:
 def _orbax_metadata(source: Path) -> Any:
     checkpointer = ocp.StandardCheckpointer()
     try:
-        return checkpointer.metadata(source / STATE).item_metadata
+        metadata = checkpointer.metadata(source / STATE).item_metadata
+        if not jax.tree.leaves(metadata):         # orbax reads a missing _METADATA as an empty tree
+            raise FileNotFoundError(f"no arrays described in {source / STATE / '_METADATA'}")
+        return metadata
     except Exception as e:
         raise CheckpointError(f"autoshard.restore: the checkpoint at {source} cannot be read: orbax's metadata in "
                               f"{source / STATE} is missing or damaged ({type(e).__name__}: {e}). Fix: restore "

@@ -17,12 +17,22 @@ from ..core.errors import CheckpointError, ConfigError
 def check_leaves(tree: Any, what: str) -> None:
     for kp, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
         ok = isinstance(x, (jax.Array, np.ndarray, np.generic, int, float, bool, jax.ShapeDtypeStruct))
-        if not ok:
-            raise ConfigError(f"autoshard checkpoint: {what}{jax.tree_util.keystr(kp)} is a {type(x).__name__}; "
+        if not ok or not _numeric(getattr(x, "dtype", np.float32)):
+            kind = type(x).__name__ + (f" of dtype {x.dtype}" if hasattr(x, "dtype") else "")
+            raise ConfigError(f"autoshard checkpoint: {what}{jax.tree_util.keystr(kp)} is a {kind}; "
                               "checkpoints hold arrays and numbers. Fix: keep other values out of the saved tree.")
+        if isinstance(x, jax.ShapeDtypeStruct) and what == "tree":
+            raise ConfigError(f"autoshard.save: tree{jax.tree_util.keystr(kp)} is a jax.ShapeDtypeStruct, which has "
+                              "no values to save. Fix: save the arrays themselves (ShapeDtypeStructs go in like= "
+                              "of autoshard.restore).")
         if isinstance(x, jax.Array) and x.is_deleted():
             raise ConfigError(f"autoshard checkpoint: {what}{jax.tree_util.keystr(kp)} was deleted (donated to a "
                               "step); save the arrays the step returned.")
+
+
+def _numeric(dtype: Any) -> bool:
+    """Numbers and booleans, jax's own dtypes (bfloat16, float8, int4) included; not str/bytes/objects."""
+    return bool(jax.numpy.issubdtype(dtype, jax.numpy.number) or jax.numpy.issubdtype(dtype, jax.numpy.bool_))
 
 
 def abstract_leaf(x: Any) -> jax.ShapeDtypeStruct:
@@ -37,11 +47,31 @@ def leaf_records(tree: Any) -> list[dict[str, Any]]:
     now, before the caller can change the arrays (None for arrays this process cannot see whole)."""
     records = []
     for kp, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        dtype = np.dtype(jax.numpy.result_type(x))
+        dtype = _restored_dtype(x, jax.tree_util.keystr(kp))
         whole = getattr(x, "is_fully_addressable", True)
         records.append({"path": jax.tree_util.keystr(kp), "shape": list(np.shape(x)), "dtype": str(dtype),
                         "sha256": array_digest(x, dtype) if whole else None})
     return records
+
+
+def _restored_dtype(x: Any, path: str) -> np.dtype:
+    """The dtype `x` comes back in (jax's: int64 -> int32 without jax_enable_x64); refused where that
+    would change integer values, which the caller would only notice as wrong numbers later."""
+    try:
+        dtype = np.dtype(jax.numpy.result_type(x))
+        narrowed = isinstance(x, int) or (np.dtype(getattr(x, "dtype", dtype)) != dtype)
+        if narrowed and jax.numpy.issubdtype(dtype, jax.numpy.integer):
+            a = np.asarray(x)
+            ok = a.size == 0 or (np.iinfo(dtype).min <= a.min() and a.max() <= np.iinfo(dtype).max)
+        else:
+            ok = True
+    except (OverflowError, TypeError) as e:
+        ok, dtype = False, str(e)
+    if not ok:
+        raise ConfigError(f"autoshard.save: tree{path} holds integers that do not fit {dtype}, the dtype jax reads it "
+                          "back as (jax_enable_x64 is off); restoring would wrap them around. Fix: enable "
+                          "jax_enable_x64, or keep such values out of the checkpoint (or split them).")
+    return dtype
 
 
 def array_digest(x: Any, dtype: np.dtype) -> str:
@@ -85,7 +115,7 @@ def match_like(like: Any, abstract: list[jax.ShapeDtypeStruct], saved: list[dict
 
 def _check_cast(path: str, have: np.dtype, want: np.dtype, source: Path) -> None:
     """Only float -> float casts are done (with a warning); any other one would change values silently."""
-    if np.issubdtype(have, np.floating) and np.issubdtype(want, np.floating):
+    if jax.numpy.issubdtype(have, jax.numpy.floating) and jax.numpy.issubdtype(want, jax.numpy.floating):
         return
     raise ConfigError(f"autoshard.restore: like{path} asks for {want}, but the checkpoint at {source} holds {have} "
                       f"there; converting {have} to {want} would change the values, so autoshard does not. Fix: pass "
