@@ -183,6 +183,8 @@ def test_damaged_checkpoints_are_typed_errors_that_do_not_blame_like(tmp_path):
     shutil.copytree(good, legacy)
     (legacy / disk.MANIFEST).unlink()
     _assert_tree_equal(autoshard.restore(legacy, like=state(OLD), verify=False), state(OLD))
+    with pytest.raises(ConfigError, match=r"asks for \(shape, dtype\) \[\(\(256,\), 'int8'\)\].*convert after"):
+        autoshard.restore(legacy, like={**state(OLD), "ids": np.zeros(256, np.int8)}, verify=False)
     # ... and one whose orbax metadata is gone is a CheckpointError, not a complaint about like=
     (legacy / disk.STATE / "_METADATA").unlink()
     with pytest.raises(CheckpointError, match="cannot be read") as err:

@@ -148,7 +148,7 @@ def _check_target(path: Path, overwrite: bool) -> None:
 def _start_writing(tree: Any, plan: Plan | None, tmp: Path) -> Any:
     """Create the new checkpoint's directory and start orbax writing into it (asynchronously)."""
     try:
-        tmp.mkdir(parents=True)
+        tmp.mkdir(parents=True, exist_ok=True)      # every process of a multi-process save makes it
         disk.crash_point("tmp_created")
         checkpointer = ocp.StandardCheckpointer()
         checkpointer.save(tmp / STATE, tree)

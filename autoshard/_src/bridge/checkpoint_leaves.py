@@ -130,10 +130,10 @@ def _match_as_multisets(abstract: list[jax.ShapeDtypeStruct], saved: list[dict[s
         raise ConfigError(f"autoshard.restore: like= has arrays of shapes {diff} that the checkpoint at {source} does "
                           "not hold; restore into a tree of the model that was saved.")
     if got != want:
-        diff = sorted(set(want) - set(got))[:3]
+        diff, held = sorted(set(want) - set(got))[:3], sorted(set(got) - set(want))[:3]
         raise ConfigError(f"autoshard.restore: like= asks for (shape, dtype) {diff}, which the checkpoint at {source} "
-                          "holds in other dtypes; pass like= with the saved dtypes (a tree of the same structure as "
-                          "the saved one names the leaf).")
+                          f"holds in other dtypes ({held}); converting would change values, so autoshard does not. "
+                          "Fix: pass like= with the saved dtypes, and convert after restoring.")
 
 
 def verify_leaves(leaves: list[Any], saved: list[dict[str, Any]], source: Path) -> None:
@@ -149,13 +149,13 @@ def verify_leaves(leaves: list[Any], saved: list[dict[str, Any]], source: Path) 
 
 def check_structure(saved: Any, abstract: list[jax.ShapeDtypeStruct], path: Path) -> None:
     """For checkpoints without a manifest: `like` must hold as many leaves as were saved, with the saved
-    shapes (on disk an optax state is plain containers, so paths differ in kind; shapes compared as multisets)."""
-    got = [tuple(getattr(m, "shape", ()) or ()) for m in jax.tree.leaves(saved)]
-    want = [tuple(x.shape) for x in abstract]
-    if len(got) != len(want):
-        raise ConfigError(f"autoshard.restore: the checkpoint at {path} has {len(got)} arrays, like= has {len(want)}; "
-                          "pass a like= with the structure of the saved tree (e.g. (params, opt_state)).")
-    if sorted(got) != sorted(want):
-        diff = sorted(set(want) - set(got))[:3]
-        raise ConfigError(f"autoshard.restore: like= has arrays of shapes {diff} that the checkpoint at {path} does "
-                          "not hold; restore into a tree of the model that was saved.")
+    shapes and dtypes (on disk an optax state is plain containers, so paths differ in kind: compared as
+    multisets)."""
+    records = [{"shape": list(getattr(m, "shape", ()) or ()),
+                "dtype": str(jax.dtypes.canonicalize_dtype(getattr(m, "dtype", np.float32)))}
+               for m in jax.tree.leaves(saved)]
+    if len(records) != len(abstract):
+        raise ConfigError(f"autoshard.restore: the checkpoint at {path} has {len(records)} arrays, like= has "
+                          f"{len(abstract)}; pass a like= with the structure of the saved tree (e.g. (params, "
+                          "opt_state)).")
+    _match_as_multisets(abstract, records, path)
