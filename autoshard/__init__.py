@@ -7,6 +7,7 @@ plan, bridge). Names from the jax bridge load on first use, so `import autoshard
 from typing import TYPE_CHECKING
 
 from ._src.core.errors import AutoshardError as AutoshardError
+from ._src.core.errors import CheckpointError as CheckpointError
 from ._src.core.errors import ConfigError as ConfigError
 from ._src.core.errors import GroupingError as GroupingError
 from ._src.core.errors import HardwareError as HardwareError

@@ -7,14 +7,30 @@
 
 A checkpoint is a directory: `state/` holds the arrays (orbax's standard format, written
 asynchronously by every process for its own shards), `plan.json` the plan that produced them (for
-inspection; restoring does not need it). `restore` reads each array straight into the sharding of
-the matching leaf of `like` (any mesh, any plan: orbax reads only the slices each device needs), and
-rebuilds the pytree types of `like` (optax states come back as optax states, not dicts).
+inspection; restoring does not need it), `manifest.json` the size and sha256 of every file and the
+path, shape, dtype and sha256 of every array. `restore` reads each array straight into the sharding
+of the matching leaf of `like` (any mesh, any plan: orbax reads only the slices each device needs),
+and rebuilds the pytree types of `like` (optax states come back as optax states, not dicts).
+
+Nothing is lost or read back wrong:
+- saves are atomic: the new checkpoint is written beside `path` and swapped in only once complete
+  (checkpoint_disk.py); a process killed at any moment leaves the previous or the new checkpoint
+  restorable, and `restore` finds it;
+- `restore` checks every file against the manifest before reading it, and every array read against
+  its checksum, so any changed, missing or truncated byte is a `CheckpointError`, never wrong values;
+- dtypes are never converted silently: `like` asking for another float dtype than saved (float32
+  saved, bfloat16 asked) casts with a warning; any other difference (int <-> float, int8 vs int32,
+  bool) is refused, since the cast would change values.
+Concurrent saves to one path from several programs are not supported (the last swap wins).
 """
 
 from __future__ import annotations
 
 import os
+import threading
+import time
+import uuid
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -22,24 +38,31 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from ..core.errors import ConfigError, PlanError
+from ..core.errors import CheckpointError, ConfigError, PlanError
 from ..plan.plan import Plan
+from . import checkpoint_disk as disk
+from .checkpoint_leaves import abstract_leaf, check_leaves, check_structure, leaf_records, match_like, verify_leaves
 
-STATE, PLAN = "state", "plan.json"
+STATE, PLAN, MANIFEST = disk.STATE, disk.PLAN, disk.MANIFEST
+_IN_FLIGHT: set[Path] = set()     # this process's unfinished saves: their tmp dirs are not leftovers
+_IN_FLIGHT_LOCK = threading.Lock()
 
 
 class Saving:
     """A checkpoint being written (`autoshard.save(..., wait=False)`): `wait()` blocks until it is
-    complete on disk; the arrays may be updated by the next step meanwhile (orbax copied them)."""
+    complete on disk and swapped in at `path` (raising what went wrong, if anything); the arrays may be
+    updated by the next step meanwhile (orbax copied them). The save completes even without `wait()`."""
 
-    def __init__(self, path: Path, checkpointer: Any):
-        self.path, self._checkpointer = path, checkpointer
+    def __init__(self, path: Path, thread: threading.Thread | None = None):
+        self.path, self._thread, self._error = path, thread, None
 
     def wait(self) -> Path:
-        if self._checkpointer is not None:
-            self._checkpointer.wait_until_finished()
-            self._checkpointer.close()
-            self._checkpointer = None
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
         return self.path
 
 
@@ -49,78 +72,195 @@ def save(path: str | os.PathLike, tree: Any, *, plan: Plan | None = None, wait: 
     and `plan`'s JSON beside it. Asynchronous underneath: with `wait=False` it returns once the arrays
     are copied off the devices; call `.wait()` on the result before reading the checkpoint."""
     path = Path(path).absolute()
-    _check_leaves(tree, "tree")
+    check_leaves(tree, "tree")
     if plan is not None and not isinstance(plan, Plan):
         raise PlanError(f"autoshard.save: plan must be an autoshard Plan (e.g. step.plan), got {type(plan).__name__}.")
-    if path.exists() and any(path.iterdir()):
-        if not overwrite:
-            raise ConfigError(f"autoshard.save: {path} exists and is not empty; pass overwrite=True to replace it, "
-                              "or save to a new directory (e.g. one per step).")
-        if not (path / STATE).exists():
-            raise ConfigError(f"autoshard.save: {path} holds files that are not an autoshard checkpoint; refusing to "
-                              "overwrite them. Fix: choose another directory.")
-    path.mkdir(parents=True, exist_ok=True)
-    checkpointer = ocp.StandardCheckpointer()
-    checkpointer.save(path / STATE, tree, force=overwrite)
-    if plan is not None and jax.process_index() == 0:
-        (path / PLAN).write_text(plan.to_json())
-    saving = Saving(path, checkpointer)
+    _check_target(path, overwrite)
+    saved_ns, records = time.time_ns(), leaf_records(tree)
+    token = _shared_token()
+    tmp = disk.sibling(path, "tmp", token)
+    with _IN_FLIGHT_LOCK:
+        _IN_FLIGHT.add(tmp)
+    try:
+        checkpointer = _start_writing(tree, plan, tmp)
+    except BaseException:
+        _forget(tmp, discard=True)
+        raise
+    commit = (checkpointer, tmp, path, token, records, saved_ns)
     if wait:
-        saving.wait()
+        _commit(*commit)
+        return Saving(path)
+    saving = Saving(path)
+    saving._thread = threading.Thread(target=_commit_in_background, args=(saving, *commit),
+                                      name=f"autoshard-save-{path.name}")
+    saving._thread.start()
     return saving
 
 
-def restore(path: str | os.PathLike, like: Any) -> Any:
+def restore(path: str | os.PathLike, like: Any, *, verify: bool = True) -> Any:
     """The checkpoint at `path` as a pytree shaped and typed like `like`, each leaf placed with the
     sharding of `like`'s leaf (an array, or a `jax.ShapeDtypeStruct` with `.sharding`; leaves without
-    one are restored onto the first local device)."""
+    one are restored onto the first local device). Every file and array is checked against the
+    checkpoint's manifest; `verify=False` skips the checksums (and reads checkpoints written before
+    autoshard had manifests)."""
     path = Path(path).absolute()
-    if not (path / STATE).is_dir():
-        raise ConfigError(f"autoshard.restore: no checkpoint at {path} (expected the directory {path / STATE} "
-                          "written by autoshard.save).")
-    _check_leaves(like, "like")
-    abstract = jax.tree.map(_abstract_leaf, like)
+    check_leaves(like, "like")
+    source, note = disk.find_source(path)
+    if note:
+        warnings.warn(note, stacklevel=2)
+    manifest = _manifest(source, verify)
+    abstract = [abstract_leaf(x) for x in jax.tree.leaves(like)]
+    casts, records = {}, None
+    if manifest is None:
+        check_structure(_orbax_metadata(source), abstract, source)
+    else:
+        if verify:
+            disk.verify_files(source, manifest)
+        abstract, casts, records = match_like(like, abstract, manifest["leaves"], source)
+    restored = _read(source, jax.tree.unflatten(jax.tree.structure(like), abstract), legacy=manifest is None)
+    leaves = jax.tree.leaves(restored)
+    if verify and records is not None:
+        verify_leaves(leaves, records, source)
+    leaves = [x.astype(casts[i]) if i in casts else x for i, x in enumerate(leaves)]
+    # orbax rebuilds `like`'s structure from its leaves; keep `like`'s own pytree types exactly
+    return jax.tree.unflatten(jax.tree.structure(like), leaves)
+
+
+def _check_target(path: Path, overwrite: bool) -> None:
+    """Refuse to save over anything that is not an autoshard checkpoint, or over one without `overwrite`."""
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"autoshard.save: {path} is a file; a checkpoint is a directory. Fix: pass the path of a "
+                          "new directory (e.g. one per step), or of a checkpoint to replace with overwrite=True.")
+    if path.is_dir() and any(path.iterdir()):
+        if not overwrite:
+            raise ConfigError(f"autoshard.save: {path} exists and is not empty; pass overwrite=True to replace it, "
+                              "or save to a new directory (e.g. one per step).")
+        if not ((path / STATE).exists() or (path / MANIFEST).exists()):
+            raise ConfigError(f"autoshard.save: {path} holds files that are not an autoshard checkpoint; refusing to "
+                              "overwrite them. Fix: choose another directory.")
+    complete = disk.newest_first([p for p in disk.leftovers(path) if disk.is_complete(p)])
+    if not path.exists() and complete and not overwrite:
+        raise ConfigError(f"autoshard.save: an interrupted save to {path} left a complete checkpoint at {complete[0]} "
+                          "(autoshard.restore reads it); pass overwrite=True to replace it, or save to a new "
+                          "directory.")
+
+
+def _start_writing(tree: Any, plan: Plan | None, tmp: Path) -> Any:
+    """Create the new checkpoint's directory and start orbax writing into it (asynchronously)."""
+    try:
+        tmp.mkdir(parents=True, exist_ok=True)      # every process of a multi-process save makes it
+        disk.crash_point("tmp_created")
+        checkpointer = ocp.StandardCheckpointer()
+        checkpointer.save(tmp / STATE, tree)
+        if plan is not None and jax.process_index() == 0:
+            (tmp / PLAN).write_text(plan.to_json())
+            disk.crash_point("plan_written")
+    except OSError as e:
+        raise CheckpointError(f"autoshard.save: cannot write the checkpoint beside {tmp.parent} "
+                              f"({e.strerror or e}: {e.filename or tmp}). Fix: make that directory writable (and "
+                              "not full), or save to another path; an existing checkpoint there is untouched.") from e
+    return checkpointer
+
+
+def _commit(checkpointer: Any, tmp: Path, path: Path, token: str, records: list, saved_ns: int) -> None:
+    """Finish the write, seal the new checkpoint with its manifest, swap it in, drop the leftovers."""
+    try:
+        try:
+            checkpointer.wait_until_finished()
+        finally:
+            checkpointer.close()
+        disk.crash_point("state_written")
+        if jax.process_index() == 0:
+            disk.write_manifest(tmp, records, saved_ns)
+            disk.crash_point("manifest_written")
+    except Exception as e:
+        _forget(tmp, discard=True)
+        reason = f"{e.strerror or e}" if isinstance(e, OSError) else f"{type(e).__name__}: {e}"
+        raise CheckpointError(f"autoshard.save: writing the checkpoint {path} failed ({reason}); nothing was "
+                              "replaced (a previous checkpoint there is intact). Fix: check the disk has room "
+                              "and is writable, then save again.") from e
+    if jax.process_index() == 0:
+        try:
+            disk.swap_in(tmp, path, token)
+        finally:
+            _forget(tmp, discard=False)
+        with _IN_FLIGHT_LOCK:
+            stale = [p for p in disk.leftovers(path) if p not in _IN_FLIGHT]
+        for leftover in stale:
+            disk.discard(leftover)
+        disk.crash_point("done")
+    else:
+        _forget(tmp, discard=False)
+    if jax.process_count() > 1:         # no process returns before process 0 swapped the checkpoint in
+        from jax.experimental import multihost_utils
+        multihost_utils.sync_global_devices(f"autoshard-save-{token}")
+
+
+def _commit_in_background(saving: Saving, *commit: Any) -> None:
+    try:
+        _commit(*commit)
+    except Exception as e:          # raised again by `wait()`; said now too, in case nobody waits
+        saving._error = e
+        warnings.warn(str(e), RuntimeWarning, stacklevel=1)
+
+
+def _forget(tmp: Path, *, discard: bool) -> None:
+    with _IN_FLIGHT_LOCK:
+        _IN_FLIGHT.discard(tmp)
+    if discard and tmp.exists():
+        disk.discard(tmp)
+
+
+def _manifest(source: Path, verify: bool) -> dict | None:
+    if disk.is_complete(source):
+        try:
+            return disk.read_manifest(source)
+        except CheckpointError:
+            if verify:
+                raise
+            return None         # verify=False: the caller trusts the arrays; read them as orbax wrote them
+    if verify:
+        raise CheckpointError(f"autoshard.restore: the checkpoint at {source} has no {MANIFEST}, so its content "
+                              "cannot be checked: it was written by an autoshard older than its manifests, or its "
+                              "save never finished, or the file was deleted. Fix: if you trust it, "
+                              "autoshard.restore(path, like, verify=False); otherwise restore an earlier checkpoint.")
+    return None
+
+
+def _orbax_metadata(source: Path) -> Any:
     checkpointer = ocp.StandardCheckpointer()
     try:
-        _check_structure(checkpointer.metadata(path / STATE).item_metadata, abstract, path)
-        restored = checkpointer.restore(path / STATE, abstract)
-    except ConfigError:
-        raise
-    except ValueError as e:      # orbax's word on a tree that does not match what was saved
-        raise ConfigError(f"autoshard.restore: the checkpoint at {path} does not match like=: {e}") from e
+        metadata = checkpointer.metadata(source / STATE).item_metadata
+        if not jax.tree.leaves(metadata):         # orbax reads a missing _METADATA as an empty tree
+            raise FileNotFoundError(f"no arrays described in {source / STATE / '_METADATA'}")
+        return metadata
+    except Exception as e:
+        raise CheckpointError(f"autoshard.restore: the checkpoint at {source} cannot be read: orbax's metadata in "
+                              f"{source / STATE} is missing or damaged ({type(e).__name__}: {e}). Fix: restore "
+                              "an earlier checkpoint.") from e
     finally:
         checkpointer.close()
-    # orbax rebuilds `like`'s structure from its leaves; keep `like`'s own pytree types exactly
-    return jax.tree.unflatten(jax.tree.structure(like), jax.tree.leaves(restored))
 
 
-def _abstract_leaf(x: Any) -> jax.ShapeDtypeStruct:
-    sharding = getattr(x, "sharding", None)
-    if sharding is None:
-        sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-    return jax.ShapeDtypeStruct(np.shape(x), jax.numpy.result_type(x), sharding=sharding)
+def _read(source: Path, abstract: Any, *, legacy: bool) -> Any:
+    checkpointer = ocp.StandardCheckpointer()
+    try:
+        return checkpointer.restore(source / STATE, abstract)
+    except ValueError as e:
+        if legacy:       # unchecked by a manifest: orbax's word on a tree that does not match what was saved
+            raise ConfigError(f"autoshard.restore: the checkpoint at {source} does not match like=: {e}") from e
+        raise CheckpointError(f"autoshard.restore: the checkpoint at {source} cannot be read ({e}).") from e
+    except Exception as e:
+        raise CheckpointError(f"autoshard.restore: the checkpoint at {source} cannot be read "
+                              f"({type(e).__name__}: {e}). Fix: restore an earlier checkpoint.") from e
+    finally:
+        checkpointer.close()
 
 
-def _check_leaves(tree: Any, what: str) -> None:
-    for kp, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        ok = isinstance(x, (jax.Array, np.ndarray, np.generic, int, float, bool, jax.ShapeDtypeStruct))
-        if not ok:
-            raise ConfigError(f"autoshard checkpoint: {what}{jax.tree_util.keystr(kp)} is a {type(x).__name__}; "
-                              "checkpoints hold arrays and numbers. Fix: keep other values out of the saved tree.")
-        if isinstance(x, jax.Array) and x.is_deleted():
-            raise ConfigError(f"autoshard checkpoint: {what}{jax.tree_util.keystr(kp)} was deleted (donated to a "
-                              "step); save the arrays the step returned.")
-
-
-def _check_structure(saved: Any, abstract: Any, path: Path) -> None:
-    """`like` must hold as many leaves as were saved, with the saved shapes (on disk an optax state
-    is plain containers, so paths differ in kind; shapes are compared as multisets)."""
-    got = [tuple(getattr(m, "shape", ()) or ()) for m in jax.tree.leaves(saved)]
-    want = [tuple(x.shape) for x in jax.tree.leaves(abstract)]
-    if len(got) != len(want):
-        raise ConfigError(f"autoshard.restore: the checkpoint at {path} has {len(got)} arrays, like= has {len(want)}; "
-                          "pass a like= with the structure of the saved tree (e.g. (params, opt_state)).")
-    if sorted(got) != sorted(want):
-        diff = sorted(set(want) - set(got))[:3]
-        raise ConfigError(f"autoshard.restore: like= has arrays of shapes {diff} that the checkpoint at {path} does "
-                          "not hold; restore into a tree of the model that was saved.")
+def _shared_token() -> str:
+    """A name for this save's scratch directory that every process agrees on."""
+    token = uuid.uuid4().int & ((1 << 63) - 1)
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+        token = int(multihost_utils.broadcast_one_to_all(np.int64(token)))
+    return f"{token:016x}"

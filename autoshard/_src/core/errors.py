@@ -10,6 +10,7 @@ expect (TypeError for wrong types, ValueError for wrong values), so generic hand
     ├── UntraceableArgumentError (TypeError)  an argument leaf jax cannot trace
     ├── TraceFailedError (RuntimeError)       the user's function raised while jax traced it
     ├── ConfigError (ValueError)              a config file, option or cost query that is invalid
+    │   ├── CheckpointError                   a checkpoint that cannot be written, or read back exactly
     │   ├── HardwareError                     an unknown preset, a bad override, an impossible number
     │   └── MeshError                         a bad axis name or size, an impossible device count
     ├── GroupingError (ValueError)            invalid options for grouping an OpGraph
@@ -40,6 +41,11 @@ class TraceFailedError(AutoshardError, RuntimeError):
 
 class ConfigError(AutoshardError, ValueError):
     """An autoshard config file, keyword option or cost-model query that is invalid."""
+
+
+class CheckpointError(ConfigError):
+    """A checkpoint that cannot be written (unwritable path) or read back exactly as saved (corrupt,
+    truncated, incomplete); the message says where the previous good checkpoint is when one exists."""
 
 
 class HardwareError(ConfigError):
