@@ -51,10 +51,10 @@ class LossForm:
 
     chunks: int                      # chunks per batch (micro-batches x data-parallel replicas)
     batch_size: int                  # the whole batch the loss was cut for
-    prog: Any                        # the chunk program, batch-size literals at their full-batch values
+    prog: Any = dataclasses.field(repr=False)    # the chunk program, batch-size literals at full-batch values
     stats: tuple[Any, ...]           # batch-only values combining samples: full-batch values replace them
     scaled: frozenset                # parameter-dependent sums over samples: scaled by `chunks`
-    full: Any                        # the program traced at the whole batch
+    full: Any = dataclasses.field(repr=False)    # the program traced at the whole batch
     full_order: tuple[int, ...]      # its eqns computing `stats`
     n_params: int
     inexact: str                     # why the chunks' mean is not the loss ("": it is)
