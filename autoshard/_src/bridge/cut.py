@@ -171,7 +171,7 @@ def pipelined(loss_fn: Callable, params: Any, batch: Any, *, mesh: Any, num_micr
     if three_d:      # stages see the whole micro-batch, split over the data axes by XLA
         mb *= math.prod(mesh.shape[a] for a in axes)
     closed, prog, treedef, keys, p_leaves = _trace(loss_fn, params, batch, mb)
-    form = loss_form(loss_fn, params, batch, prog, closed, mb, strict=check_loss)
+    form = loss_form(loss_fn, params, batch, prog, closed, mb, B, strict=check_loss)
     if form is not None:
         prog = form.prog          # batch-size literals at their full-batch values
         if check_loss and form.inexact:

@@ -111,12 +111,11 @@ def value_avals(prog: Any, closed: Any) -> dict[Any, Any]:
     return out
 
 
-def loss_form(loss_fn: Callable, params: Any, batch: Any, prog: Any, closed: Any, mb: int,
+def loss_form(loss_fn: Callable, params: Any, batch: Any, prog: Any, closed: Any, mb: int, B: int,
               strict: bool) -> LossForm | None:
-    """How `loss_fn` (flattened at the chunk size `mb` as `prog`) combines samples; None when the batch
-    is one chunk, or (not `strict`) when the loss traces differently at the whole batch's size."""
+    """How `loss_fn` (flattened at the chunk size `mb` as `prog`) combines the `B` samples of `batch`;
+    None when the batch is one chunk, or (not `strict`) when the loss traces differently at size B."""
     n_params = len(jax.tree.leaves(params))
-    B = jax.tree.leaves(batch)[0].shape[0]
     if B == mb:
         return None
     full_closed, why = _trace_full(loss_fn, params, batch)
