@@ -101,20 +101,30 @@ def test_training_on_stacked_params_matches_train_step():
     assert_close(run.unstack(state), ref_params)
 
 
-def test_ratio_loss_is_refused():
-    m, params, batch = model_args("bert")    # sum(ce * weights) / sum(weights): not a per-sample mean
-    with pytest.raises(PipelineError, match="not a mean over samples"):
-        autoshard.pipelined(m.loss, params, batch, mesh={"pipe": 2, "data": 2}, num_microbatches=2)
+@pytest.mark.slow      # bert compiles for ~25 s; tests/reliability/test_loss_form.py runs the MLP ones
+def test_ratio_loss_is_computed_on_the_whole_batch():
+    m, params, batch = model_args("bert")    # sum(ce * weights) / max(sum(weights), 1): the normaliser spans chunks
+    run = autoshard.pipelined(m.loss, params, batch, mesh={"pipe": 2, "data": 2}, num_microbatches=2)
+    loss, grads = run.value_and_grad(params, batch)
+    want_loss, want_grads = jax.value_and_grad(m.loss)(params, batch)
+    np.testing.assert_allclose(float(loss), float(want_loss), rtol=1e-5)
+    assert_close(grads, want_grads)
 
 
-@pytest.mark.slow
-def test_ratio_loss_accepted_is_the_mean_of_chunk_losses():
-    m, params, batch = model_args("bert")
-    run = autoshard.pipelined(m.loss, params, batch, mesh={"pipe": 2, "data": 2}, num_microbatches=2,
+def test_loss_mixing_samples_is_refused_unless_accepted():
+    m, params, batch = model_args("mlp")
+
+    def worst(params, batch):    # a max over samples: no chunking computes it
+        pred = m.module.apply({"params": params}, batch["x"])
+        return jnp.max(jnp.mean((pred - batch["y"]) ** 2, axis=1))
+
+    with pytest.raises(PipelineError, match="'reduce_max' in the loss combines the samples"):
+        autoshard.pipelined(worst, params, batch, mesh={"pipe": 2, "data": 2}, num_microbatches=2)
+    run = autoshard.pipelined(worst, params, batch, mesh={"pipe": 2, "data": 2}, num_microbatches=2,
                               check_loss=False)
     loss, grads = run.value_and_grad(params, batch)
-    chunks = [jax.tree.map(lambda x, i=i: x[i:i + 1], batch) for i in range(4)]
-    parts = [jax.value_and_grad(m.loss)(params, c) for c in chunks]
+    chunks = [jax.tree.map(lambda x, i=i: x[2 * i:2 * i + 2], batch) for i in range(4)]
+    parts = [jax.value_and_grad(worst)(params, c) for c in chunks]
     np.testing.assert_allclose(float(loss), np.mean([float(p[0]) for p in parts]), rtol=1e-5)
     assert_close(grads, jax.tree.map(lambda *g: sum(g) / 4, *[p[1] for p in parts]))
 

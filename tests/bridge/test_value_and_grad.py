@@ -119,14 +119,13 @@ def test_pipelined_decorator_errors():
     with pytest.raises(ConfigError, match="pipeline plans only"):
         autoshard.autoshard(make_step(m), mesh={"data": 8}, num_microbatches=4)
 
-    # a ratio loss would change under micro-batching: the capture checks it on the real batch
-    def ratio(params, batch):
+    # a loss micro-batching cannot compute (a max over samples) is refused when the step is built
+    def worst(params, batch):
         per = jnp.mean(m.module.apply({"params": params}, batch["inputs"]) ** 2, axis=(1, 2))
-        w = (batch["targets"][:, 0] % 3).astype(jnp.float32)
-        return jnp.sum(per * w) / jnp.sum(w)
+        return jnp.max(per)
 
-    with pytest.raises(PipelineError, match="not a mean over samples"):
-        autoshard.autoshard(make_step(m, ratio), **kw)(params, opt_state, batch)
+    with pytest.raises(PipelineError, match="'reduce_max' in the loss combines the samples"):
+        autoshard.autoshard(make_step(m, worst), **kw)(params, opt_state, batch)
 
 
 def _user_losses():

@@ -39,6 +39,7 @@ from .cut_dag import assign as dag_assign
 from .cut_dag import plan_edges
 from .cut_place import anchors, live_bytes, plan_anchors, plan_stages
 from .devices import local_hardware
+from .loss_form import LossForm, loss_form, value_avals
 from .remat import eqn_blocks, run_eqns
 from .repack import Repacker
 from .runtime import pipeline_value_and_grad
@@ -138,7 +139,7 @@ def pipelined(loss_fn: Callable, params: Any, batch: Any, *, mesh: Any, num_micr
               schedule: str = "1f1b", plan: Any = None, pipe_axis: str = "pipe",
               data_axes: tuple[str, ...] | None = None, check_loss: bool = True,
               hardware: Any = None, tensor_in_stages: bool | None = None) -> Pipelined:
-    """Cut `loss_fn(params, batch) -> scalar mean loss` into one stage per `pipe_axis` rank and build
+    """Cut `loss_fn(params, batch) -> scalar loss` into one stage per `pipe_axis` rank and build
     the shard_map pipeline program (see the module docstring). `plan`: a pipeline Plan from
     `autoshard.plan(..., pipeline="rannc")` whose stage count matches; its parameter placement
     guides the cut. `data_axes`: mesh axes splitting each micro-batch (default: all but pipe).
@@ -146,11 +147,13 @@ def pipelined(loss_fn: Callable, params: Any, batch: Any, *, mesh: Any, num_micr
     preset, as everywhere): its flop rate and link
     bandwidth weigh stage flops against boundary bytes when there is no plan.
 
-    The pipelined loss is the mean of `loss_fn` over the chunks each replica computes per
-    micro-batch (B / (num_microbatches x replicas) consecutive samples). That is the full-batch loss
-    when `loss_fn` averages over samples, but not for ratios such as sum(ce * mask) / sum(mask).
-    `check_loss` (with concrete example arguments) compares the two on the example batch once and
-    raises if they differ; pass False to accept the per-chunk normalisation.
+    Each replica runs `loss_fn` per micro-batch (B / (num_microbatches x replicas) consecutive
+    samples) and the pipeline averages these chunks. `loss_form` makes that the one-device loss and
+    gradient on every batch when the loss is affine in sums over samples (means, sums, and ratios
+    such as sum(ce * mask) / sum(mask) whose denominator comes from the batch: computed on the whole
+    batch before the pipeline). `check_loss` refuses other losses (a max over samples, a
+    parameter-dependent denominator) and compares the two on the example batch (concrete arguments);
+    pass False to train on the mean of the per-chunk losses instead.
 
     A 3-D `plan` (stages with tensor plans) runs each stage's tensor plan on the automatic axes;
     `tensor_in_stages=None` first checks that this machine's runtime can run the compiled program
@@ -168,8 +171,13 @@ def pipelined(loss_fn: Callable, params: Any, batch: Any, *, mesh: Any, num_micr
     if three_d:      # stages see the whole micro-batch, split over the data axes by XLA
         mb *= math.prod(mesh.shape[a] for a in axes)
     closed, prog, treedef, keys, p_leaves = _trace(loss_fn, params, batch, mb)
+    form = loss_form(loss_fn, params, batch, prog, closed, mb, B, strict=check_loss)
+    if form is not None:
+        prog = form.prog          # batch-size literals at their full-batch values
+        if check_loss and form.inexact:
+            raise _inexact_error(form, mb, mesh)
     if check_loss:
-        _check_chunk_mean(loss_fn, params, batch, B // mb, mb, mesh)
+        _check_chunk_mean(loss_fn, params, batch, form, mb, mesh)
     g = _analyse(prog, closed, keys)
     rate, bandwidth = _rates(hardware, p_leaves)
     dag = plan_edges(plan_stages(plan, S)) if plan is not None else None
@@ -186,12 +194,13 @@ def pipelined(loss_fn: Callable, params: Any, batch: Any, *, mesh: Any, num_micr
     acts = ActivationSpecs(prog, g.modules, plan, mesh) if three_d else None
     fns = [_stage_fn(s, prog, cut.stage, needs_batch_only[s], [cut.sends[u] for u in cut.preds[s]],
                      None if s == cut.sink else cut.sends[s], keys, holders, g.loss_key, acts,
-                     (blocks, plan.stages[s].remat if three_d else "none")) for s in range(S)]
+                     (blocks, plan.stages[s].remat if three_d else "none"), form) for s in range(S)]
     tied = [[(h, dict_path(keys[i])) for h in sorted(holders[i])] for i in range(len(keys)) if len(holders[i]) > 1]
     specs = stage_specs(plan_stages(plan, S), keys, holders, owner, p_leaves, mesh) if three_d else (None, None)
     program = pipeline_value_and_grad(fns, mesh, num_microbatches=num_microbatches, schedule=schedule,
                                       edges=cut.edges, pipe_axis=pipe_axis, data_axes=axes, tied=tied,
-                                      stage_specs=specs[0], compute_specs=specs[1])
+                                      stage_specs=specs[0], compute_specs=specs[1],
+                                      batch_globals=form.globals if form is not None and form.stats else None)
     if three_d and tensor_in_stages is None:
         runnable_here(program, keys, holders, p_leaves, batch)
     elif three_d and not tensor_in_stages:
@@ -292,7 +301,7 @@ def _analyse(prog: Any, closed: Any, keys: tuple[str, ...]) -> _Eqns:
     flops = [eqn_flops(fe.eqn) for fe in eqns]      # the planner's lowering: remat/scan bodies counted
 
     modules = [parse_scope(fe.scope)[0] for fe in eqns]
-    avals = _avals(prog, closed)
+    avals = value_avals(prog, closed)
     nbytes = {k: int(np.prod(a.shape)) * jnp.dtype(a.dtype).itemsize for k, a in avals.items()}
     return _Eqns(prog, keys, param_key, producer, key_ins, batch_only, flops, modules, avals, nbytes,
                  prog.outputs[0])
@@ -400,41 +409,51 @@ def _stage_infos(g: _Eqns, cut: _Cut, S: int, holders: list[set[int]], owner: li
     return tuple(infos)
 
 
-def _check_chunk_mean(loss_fn: Callable, params: Any, batch: Any, chunks: int, mb: int, mesh: Mesh) -> None:
+def _inexact_error(form: LossForm, mb: int, mesh: Mesh) -> PipelineError:
+    return PipelineError(
+        f"autoshard.pipelined: the loss cannot be computed exactly from {form.chunks} chunks of {mb} samples "
+        f"(micro-batches x data-parallel replicas, mesh {dict(mesh.shape)}): {form.inexact}. A pipelined loss must "
+        "be affine in sums over the samples: a mean or sum of per-sample terms, or a ratio such as "
+        "sum(ce * mask) / sum(mask) whose denominator comes from the batch alone (the pipeline computes it on "
+        "the whole batch). Fix: write the loss in that form (e.g. no max over samples, no parameter-dependent "
+        "denominator), or, with autoshard.pipelined, pass check_loss=False to train on the mean of the per-chunk "
+        "losses instead of the one-device loss.")
+
+
+def _check_chunk_mean(loss_fn: Callable, params: Any, batch: Any, form: LossForm | None, mb: int,
+                      mesh: Mesh) -> None:
+    """The loss's structure makes the pipeline exact on every batch; this compares the two on the example
+    batch once, for mixing the structure cannot see (a cumsum or sort over the batch axis)."""
     leaves = jax.tree.leaves((params, batch))
-    if not all(isinstance(x, jax.Array | np.ndarray) for x in leaves):
-        return   # abstract example arguments: nothing to evaluate
-    f = jax.jit(loss_fn)
-    full = float(f(params, batch))
-    parts = [float(f(params, jax.tree.map(lambda x, i=i: x[i * mb:(i + 1) * mb], batch))) for i in range(chunks)]
+    if form is None or not all(isinstance(x, jax.Array | np.ndarray) for x in leaves):
+        return   # one chunk, or abstract example arguments: nothing to compare
+    full = float(jax.jit(loss_fn)(params, batch))
+    rows = jax.tree.map(lambda x: x[0], form.globals(batch))
+    f = jax.jit(form.chunk_loss)
+    p_leaves, b_leaves = jax.tree.leaves(params), jax.tree.leaves(batch)
+    parts = [float(f(p_leaves, [x[i * mb:(i + 1) * mb] for x in b_leaves], rows)) for i in range(form.chunks)]
     mean = float(np.mean(parts))
     if not math.isclose(full, mean, rel_tol=1e-4, abs_tol=1e-6):
         raise PipelineError(
-            f"autoshard.pipelined: on the example batch, loss_fn over all {chunks * mb} samples is {full:.6g} but the "
-            f"mean of loss_fn over the {chunks} chunks of {mb} samples the pipeline computes (micro-batches x "
-            f"data-parallel replicas, mesh {dict(mesh.shape)}) is {mean:.6g}: the loss is not a mean over samples "
-            f"(e.g. sum(ce * mask) / sum(mask)), so pipelining would change it. Fix: normalise by a per-sample or "
-            f"constant count, or pass check_loss=False to train on the chunk-mean loss.")
-
-
-def _avals(prog: Any, closed: Any) -> dict[int, Any]:
-    out: dict[int, Any] = {}
-    for k, v in zip(prog.inputs, closed.in_avals, strict=True):
-        out[k] = v
-    for fe in prog.eqns:
-        for k, var in zip(fe.outputs, fe.eqn.outvars, strict=True):
-            out[k] = var.aval
-    return out
+            f"autoshard.pipelined: on the example batch, loss_fn over all {form.chunks * mb} samples is {full:.6g} but "
+            f"the mean over the {form.chunks} chunks of {mb} samples the pipeline computes (micro-batches x "
+            f"data-parallel replicas, mesh {dict(mesh.shape)}) is {mean:.6g}: the loss mixes samples in a way other "
+            "than sums over them (e.g. a cumsum, sort or normalisation across the batch axis), so pipelining would "
+            "change it. Fix: compute per-sample terms and reduce them with a mean, a sum or sum(l * mask) / "
+            "sum(mask), or pass check_loss=False to train on the mean of the per-chunk losses.")
 
 
 def _stage_fn(s: int, prog: Any, stage: list[int], batch_only_eqns: list[int], recv: list[list],
               send: list | None, keys: tuple[str, ...], holders: list[set[int]], loss_key: Any,
-              acts: ActivationSpecs | None = None, remat: tuple[list, str] = ([], "none")) -> Callable:
+              acts: ActivationSpecs | None = None, remat: tuple[list, str] = ([], "none"),
+              form: LossForm | None = None) -> Callable:
     """Stage s: receives one tuple of values per predecessor (`recv`, in the runtime's order), runs
     its eqns and sends `send` (None: the last stage, returns the loss). `acts`: a 3-D stage runs with
     automatic data/model axes, its plan's activation constraints placed (and
     `cut_3d.batched_gather_operand` guarding gathers); `remat`: (block of every eqn, policy), its
-    blocks run checkpointed (`remat.run_eqns`)."""
+    blocks run checkpointed (`remat.run_eqns`); `form`: the loss's sums over samples scaled to the whole
+    batch and its batch statistics taken from the whole batch (the runtime's batch is then (batch,
+    `LossForm.globals`))."""
     own = sorted(set(batch_only_eqns) | {e for e, st in enumerate(stage) if st == s})
     n_params = len(keys)
     my_params = [(prog.inputs[i], keys[i]) for i in range(n_params) if s in holders[i]]
@@ -445,14 +464,23 @@ def _stage_fn(s: int, prog: Any, stage: list[int], batch_only_eqns: list[int], r
     after = acts.after if acts is not None else None
 
     def fn(params: dict, batch: Any, *inputs: Any) -> Any:
+        rows: tuple = ()
+        if form is not None and form.stats:
+            batch, whole = batch
+            rows = tuple(x[0] for x in whole)     # each row holds the whole batch's value
+        hook = _then(form.after(rows), after) if form is not None else after
         env: dict = dict(prog.consts)
         env.update(zip(batch_in, jax.tree.leaves(batch), strict=True))
         env.update({k: params[name] for k, name in my_params})
         for ks, values in zip(recv, inputs, strict=True):
             env.update(zip(ks, values, strict=True))
-        run_eqns(prog, own, env, blocks or [None] * len(prog.eqns), policy, keep, guard, after)
+        run_eqns(prog, own, env, blocks or [None] * len(prog.eqns), policy, keep, guard, hook)
         if send is None:
             return loss_key.val if jc.is_literal(loss_key) else env[loss_key]
         return tuple(env[k] for k in send)
 
     return fn
+
+
+def _then(first: Callable, second: Callable | None) -> Callable:
+    return first if second is None else (lambda e, outs: second(e, first(e, outs)))

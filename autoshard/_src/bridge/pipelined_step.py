@@ -9,8 +9,8 @@
 Outside such a step `autoshard.value_and_grad` is `jax.value_and_grad`. Inside one, the decorator
 first runs the step eagerly up to that call on the concrete arguments (capture): it learns the loss
 function and the (params, batch) it is applied to, cuts the loss with `autoshard.pipelined` (the
-plan's parameter placement, the chunk-mean check on real values), then jits the whole step with
-the call replaced by the pipeline program: stack the parameters into the stage rows, run the
+plan's parameter placement, the loss's form over the batch checked on real values), then jits the
+whole step with the call replaced by the pipeline program: stack the parameters into the stage rows, run the
 schedule, hand back gradients shaped like the parameters. Everything else in the step (optimizer,
 metrics) runs as ordinary jitted code around it.
 """
@@ -101,7 +101,7 @@ def value_and_grad(fun: Callable, argnums: int = 0, has_aux: bool = False, **kwa
                 f"({getattr(fun, '__name__', fun)!r}). Fix: compute one loss per step, or use "
                 "jax.value_and_grad for the others (they then run unpipelined).")
         # cut again from the traced function (the capture's cut is the same; this one cannot hold
-        # values the capture's closure had baked in); the capture already ran the chunk-mean check
+        # values the capture's closure had baked in); the capture already checked the loss's form
         run = ctx.make(call.loss_fn, call.params, call.batch)
         repack = run.repacker(call.params)          # storage <-> stage rows, one all-to-all each way
         loss, grads = run(repack.stack(call.params), call.batch)

@@ -52,8 +52,10 @@ class PipelineProgram:
     def __init__(self, stage_fns: Sequence[Callable], mesh: Mesh, sched: Schedule, pipe_axis: str,
                  data_axes: tuple[str, ...], tied: tuple[tuple[tuple[int, str], ...], ...] = (),
                  stage_specs: tuple[Mapping[str, Spec], ...] | None = None,
-                 compute_specs: tuple[Mapping[str, Spec], ...] | None = None):
+                 compute_specs: tuple[Mapping[str, Spec], ...] | None = None,
+                 batch_globals: Callable[[Any], Any] | None = None):
         self.stage_fns = tuple(stage_fns)
+        self.batch_globals = batch_globals
         self.tied = tied
         self.mesh = mesh
         self.schedule = sched
@@ -236,7 +238,8 @@ class PipelineProgram:
             structs = [params.layouts.structs(s) for s in range(self.num_stages)]
         else:
             structs = [lay.structs() for lay in params.layouts]
-        outs = _output_structs(self.stage_fns, structs, batch, local_mb, sched.edges, preds, succs)
+        outs = _output_structs(self.stage_fns, structs, jax.eval_shape(self._stage_batch, batch), local_mb,
+                               sched.edges, preds, succs)
         S = self.num_stages
         if self.auto:
             data = tuple(self.data_axes)
@@ -266,23 +269,28 @@ class PipelineProgram:
         body = spmd_body(bufs, st, fns, tables, kind_t, mb_t, ties, pipe, reduce_axes)
         data_spec = (self.data_axes if len(self.data_axes) != 1 else self.data_axes[0]) or None
         p_spec = jax.tree.map(lambda _: P(pipe), params.flat)
+        stage_batch = jax.eval_shape(self._stage_batch, batch)
         if self.auto:
             mapped = jax.shard_map(body, mesh=self.mesh, in_specs=(p_spec, P()), out_specs=(P(), p_spec),
                                    axis_names=frozenset({pipe}), check_vma=False)
             mb_sharding = P(None, data_spec)
         else:
-            batch_spec = jax.tree.map(lambda x: P(None, data_spec), batch)
+            batch_spec = jax.tree.map(lambda x: P(None, data_spec), stage_batch)
             mapped = jax.shard_map(body, mesh=self.mesh, in_specs=(p_spec, batch_spec), out_specs=(P(), p_spec),
                                    check_vma=False)
             mb_sharding = None
 
         def step(flat, batch):
-            batch_mb = jax.tree.map(lambda x: x.reshape(M, B // M, *x.shape[1:]), batch)
+            batch_mb = jax.tree.map(lambda x: x.reshape(M, B // M, *x.shape[1:]), self._stage_batch(batch))
             if mb_sharding is not None:
                 batch_mb = jax.tree.map(lambda x: constrain_to(x, mb_sharding, self.mesh), batch_mb)
             return mapped(flat, batch_mb)
 
         return jax.jit(step)
+
+    def _stage_batch(self, batch: Any) -> Any:
+        """What the stages receive, micro-batched: the batch, or (batch, its `batch_globals`)."""
+        return batch if self.batch_globals is None else (batch, self.batch_globals(batch))
 
 
 def _output_structs(fns: Sequence[Callable], structs: list[Any], batch: Any, local_mb: int,
@@ -323,7 +331,8 @@ def pipeline_value_and_grad(stage_fns: Sequence[Callable], mesh: Mesh, *, num_mi
                             pipe_axis: str = "pipe", data_axes: Sequence[str] | None = None,
                             tied: Sequence[Sequence[tuple[int, str]]] = (),
                             stage_specs: Sequence[Mapping[str, Spec]] | None = None,
-                            compute_specs: Sequence[Mapping[str, Spec]] | None = None) -> PipelineProgram:
+                            compute_specs: Sequence[Mapping[str, Spec]] | None = None,
+                            batch_globals: Callable[[Any], Any] | None = None) -> PipelineProgram:
     """Build the SPMD pipeline program for `stage_fns` on `mesh` (see the module docstring).
 
     `schedule`: a registered name ("gpipe", "1f1b", "graph-1f1b") built with `num_microbatches` and
@@ -331,7 +340,9 @@ def pipeline_value_and_grad(stage_fns: Sequence[Callable], mesh: Mesh, *, num_mi
     `data_axes`: mesh axes splitting each micro-batch; default every axis but `pipe_axis`.
     `tied`: groups of (stage, keystr path in that stage's parameters) holding copies of one parameter
     (tied embeddings): each copy's gradient becomes the group's sum once per step, so copies updated
-    by an elementwise optimizer stay equal, and the weight never travels with the micro-batches."""
+    by an elementwise optimizer stay equal, and the weight never travels with the micro-batches.
+    `batch_globals(batch)`: values of the whole batch (leaves with its leading dimension) the stages
+    need, e.g. a loss's normaliser; the stages then receive (micro-batch, its rows of them)."""
     if not isinstance(mesh, Mesh):
         raise PipelineError(f"pipeline runtime: mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}.")
     fns = tuple(stage_fns) if isinstance(stage_fns, (list, tuple)) else None
@@ -362,7 +373,9 @@ def pipeline_value_and_grad(stage_fns: Sequence[Callable], mesh: Mesh, *, num_mi
         if len(group) < 2 or len(set(stages)) != len(stages) or not all(0 <= st < S for st in stages):
             raise PipelineError(
                 f"pipeline runtime: tied group {list(group)} must name two or more distinct stages 0..{S - 1}.")
-    return PipelineProgram(fns, mesh, sched, pipe_axis, axes, groups, stage_specs, compute_specs)
+    if batch_globals is not None and not callable(batch_globals):
+        raise PipelineError(f"pipeline runtime: batch_globals must be callable, got {type(batch_globals).__name__}.")
+    return PipelineProgram(fns, mesh, sched, pipe_axis, axes, groups, stage_specs, compute_specs, batch_globals)
 
 
 def _schedule_for(schedule: str | Schedule, S: int, num_microbatches: int | None,
