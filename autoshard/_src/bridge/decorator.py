@@ -101,19 +101,21 @@ class Autosharded:
             return self._load_given(traced, args)
         config = local_config(self.config)
         key = self._key(fingerprint(traced.graph), config)
-        if key in _PLAN_CACHE:
-            return bind(_PLAN_CACHE[key], *args)
         path = None
         if config.cache_dir is not None:
             path = Path(config.cache_dir) / (hashlib.sha1(repr(key).encode()).hexdigest()[:20] + ".json")
-            cached = _cached_plan(path, key[0], args)
-            if cached is not None:
-                _PLAN_CACHE[key] = cached
-                return cached
-        # mesh="auto": tensor plans, the part of the 3-D space this runtime runs from a plain step
-        p = bind(plan_traced(self.fn, _abstract(args), traced.graph, config, trace_seconds, three_d=False), *args)
+        p, write = _PLAN_CACHE.get(key), False
+        if path is not None:        # a missing or unusable entry is (re)written; one found in memory too
+            write = p is not None and not path.is_file()
+            if p is None:
+                p = _cached_plan(path, key[0], args)
+                write = p is None
+        if p is None:
+            # mesh="auto": tensor plans, the part of the 3-D space this runtime runs from a plain step
+            p = plan_traced(self.fn, _abstract(args), traced.graph, config, trace_seconds, three_d=False)
+        p = bind(p, *args)
         _PLAN_CACHE[key] = p
-        if path is not None and jax.process_index() == 0:      # one writer on a shared file system
+        if write and jax.process_index() == 0:      # one writer on a shared file system
             _write_cache(path, p)
         return p
 
@@ -274,7 +276,7 @@ def _cached_plan(path: Path, fp: str, args: tuple) -> Plan | None:
         p = Plan.from_json(path.read_bytes())
         if p.provenance.get("fingerprint") != fp:
             raise PlanError(f"made for another step (fingerprint {p.provenance.get('fingerprint')}, this step {fp})")
-        return bind(p, *args)
+        return bind(p, *args)       # its specs against these arguments
     except (OSError, PlanError) as err:
         warnings.warn(f"autoshard: ignoring the unusable plan cache entry {str(path)!r} "
                       f"({getattr(err, 'strerror', None) or err}); planning again and rewriting it.", stacklevel=5)
