@@ -181,6 +181,11 @@ def test_activation_constraints_that_match_no_op_are_refused(megatron):
     with pytest.raises(PlanError, match=r"2 of the plan's 2 activation constraints name ops the step does not have "
                                         r"\(e.g. \['MLP_v2/dense_0/dot_general:0'"):
         autoshard.autoshard(M.train_step, plan=_keys_renamed(megatron, 2), hardware="cpu-sim")(*args)
+    renamed = _keys_renamed(megatron, 2)        # a remat plan: its step is traced again, then constrained
+    remat = dataclasses.replace(renamed, stages=(dataclasses.replace(renamed.stages[0], remat="full"),))
+    with warnings.catch_warnings(), pytest.raises(PlanError, match="2 of the plan's 2 activation constraints"):
+        warnings.simplefilter("ignore")         # (this step does not call autoshard.value_and_grad: warned)
+        autoshard.autoshard(M.train_step, plan=remat, hardware="cpu-sim")(*args)
     assert_intact(args)
     step = autoshard.autoshard(M.train_step, plan=_keys_renamed(megatron, 1), hardware="cpu-sim", donate=False)
     with pytest.warns(UserWarning, match="1 of the plan's 2 activation constraints name ops the step does not have"):
@@ -318,3 +323,17 @@ def test_plans_written_by_this_autoshard_still_load(megatron):
         warnings.simplefilter("error")
         for plan in (megatron, autoshard.plan(M.train_step, *fresh(), mesh=MESH, hardware="cpu-sim")):
             assert autoshard.Plan.from_json(plan.to_json()) == plan
+
+
+@pytest.mark.parametrize("damage, pattern", [("binary", "not UTF-8"), ("mesh axis twice", "appears twice")])
+def test_the_cli_loads_plan_files_through_the_same_checks(damage, pattern, megatron, tmp_path, capsys):
+    """A binary file (was a raw UnicodeDecodeError) or a mesh naming an axis twice (segfaulted in jax once
+    run): one line naming the problem, exit 1."""
+    from autoshard._src.cli import main
+
+    bad = tmp_path / "plan.json"
+    bad.write_bytes(b"\x00\xff\xfe\x80" * 8 if damage == "binary" else
+                    edited(megatron, lambda d: d.update(mesh=[["data", 2], ["data", 4]])).encode())
+    assert main(["explain", "--plan", str(bad)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and pattern in err[0], err
