@@ -33,7 +33,8 @@ def checked_mesh(axes: Any, where: str, field: str = "mesh") -> dict[str, int]:
     try:
         return dict(MeshSpec(tuple(tuple(a) if isinstance(a, (list, tuple)) else a for a in axes)).axes)
     except (MeshError, TypeError) as err:
-        raise _fail(where, f"{field}={axes!r} is not a valid mesh ({str(err).removeprefix('autoshard: ').rstrip('.')})") from err
+        why = str(err).removeprefix("autoshard: ").rstrip(".")
+        raise _fail(where, f"{field}={axes!r} is not a valid mesh ({why})") from err
 
 
 def spec_problem(spec: Spec, axes: Mapping[str, int]) -> str | None:
