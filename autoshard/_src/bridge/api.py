@@ -7,14 +7,16 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import numpy as np
 
-from ..core.errors import ConfigError
+from ..core.errors import ConfigError, PlanError
 from ..core.graph import OpGraph
 from ..core.hardware import HardwareSpec
 from ..plan.config import Config
 from ..plan.make import make_plan
 from ..plan.plan import Plan
 from ..plan.planner import expert_tensor_plan
+from ..plan.validate import check_fits
 from .devices import local_hardware
 from .emit import JaxArgs
 from .infer_api import plan_inference
@@ -24,8 +26,18 @@ from .trace import trace
 
 def bind(plan: Plan, *args: Any) -> Plan:
     """`plan` bound to the structure of `args` (arrays or ShapeDtypeStructs), so `plan.input_specs`
-    and emission know the pytree; raises PlanError if the plan was made for other arguments."""
-    return plan.with_args(JaxArgs.of(args))
+    and emission know the pytree; raises PlanError if the plan was made for other arguments, or one of
+    its specs does not fit its leaf (more dims than the leaf, or a split that does not divide)."""
+    if not isinstance(plan, Plan):
+        raise PlanError(f"autoshard.bind: plan={type(plan).__name__} is not a training autoshard.Plan"
+                        + (" (an inference plan runs through autoshard.autoshard(fn, mode='inference', mesh=...))"
+                           if type(plan).__name__ == "InferencePlan" else "")
+                        + ". Fix: pass the result of autoshard.plan(step, *args, ...) or Plan.from_json(text).")
+    structure = JaxArgs.of(args)
+    bound = plan.with_args(structure)
+    shapes = [tuple(np.shape(x)) for x in jax.tree.leaves(args)]
+    check_fits(plan, structure.keypaths, shapes, "autoshard.bind")
+    return bound
 
 
 def local_config(config: Config) -> Config:

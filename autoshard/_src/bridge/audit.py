@@ -23,7 +23,7 @@ from ..core.errors import PlanError
 from ..plan.plan import Plan
 from . import hlo as _hlo
 from .api import bind
-from .emit import jit_step, make_mesh
+from .emit import auto_axes, jit_step, make_mesh
 from .pipelined_step import rematerialised
 from .trace import trace_step
 
@@ -207,28 +207,46 @@ def compare(plan: Plan, records: list[_hlo.Collective], memory: Mapping[str, int
     return dict(predicted), audited, gaps, notes
 
 
+def _check_auditable(plan: Any) -> None:
+    """audit compiles one jit program of a training step under a tensor plan: anything else is a PlanError
+    saying what to call instead."""
+    if not isinstance(plan, Plan):
+        inference = type(plan).__name__ == "InferencePlan"
+        raise PlanError(
+            f"autoshard.audit: plan={type(plan).__name__} is not a training autoshard.Plan"
+            + (". An inference plan's program is compiled by its decorated function: fast = autoshard.autoshard(fn, "
+               "mode='inference', mesh=...); fast.lower(*args).compile().as_text() (its collectives via "
+               "autoshard.Audit.read_collectives(text, mesh))" if inference else "")
+            + ". Fix: pass the result of autoshard.plan(step, *args, ...) or autoshard.expert_plan(...).")
+    if plan.is_pipeline:
+        method = ("3-D (stages x data x model)" if "3d" in plan.predicted
+                  else plan.predicted.get("pipeline", {}).get("method", "pipeline"))
+        raise PlanError(
+            f"autoshard.audit: this is a {method} pipeline plan ({len(plan.stages)} stages); audit compiles one "
+            "jit program of the step under a tensor plan, and a pipeline runs as a shard_map over its stages. Fix: "
+            "run it with @autoshard(..., plan=plan) and read the compiled collectives of step.lower(*args).compile() "
+            "with autoshard.Audit.read_collectives(compiled.as_text(), step.mesh); or audit a tensor sharding plan "
+            "(autoshard.plan without pipeline=..., or a mesh without a 'pipe' axis).")
+
+
 def audit(plan: Plan, step: Callable, *args: Any, mesh: Mesh | None = None) -> Audit:
     """Compile `step` under `plan` on `mesh` (default: the plan's axes over the local devices) and
     compare the compiled program with the plan's prediction. `args` may be ShapeDtypeStructs."""
-    if not isinstance(plan, Plan):
-        raise PlanError(f"autoshard.audit: plan={type(plan).__name__} is not an autoshard.Plan. "
-                        "Fix: pass the result of autoshard.plan(...) or an expert plan.")
-    if plan.is_pipeline:
-        raise PlanError(f"autoshard.audit: this is a pipeline plan ({len(plan.stages)} stages, "
-                        f"{plan.predicted['pipeline']['method']}); audit compiles one jit program of the step. "
-                        "Fix: run it with @autoshard(..., pipeline=...) and inspect step.lower(*args).compile(), "
-                        "or with autoshard.pipelined(loss_fn, params, batch, mesh=..., num_microbatches=..., "
-                        "plan=plan) and inspect run.program.lower(...).compile(); or audit a tensor sharding plan "
-                        "(autoshard.plan without pipeline=...).")
+    _check_auditable(plan)
     abstract = _abstract(args)
     if plan._args is None:
         plan = bind(plan, *abstract)
     if mesh is None:
         mesh = make_mesh(plan)
+    elif not isinstance(mesh, Mesh):
+        raise PlanError(f"autoshard.audit: mesh={type(mesh).__name__} is not a jax.sharding.Mesh. Fix: pass "
+                        "jax.make_mesh(sizes, names) with the plan's axes, or leave mesh out (the plan's axes over the "
+                        "local devices).")
     elif tuple(zip(mesh.axis_names, mesh.devices.shape, strict=True)) != tuple(plan.mesh):
         raise PlanError(f"autoshard.audit: mesh {dict(zip(mesh.axis_names, mesh.devices.shape, strict=True))} "
                         f"differs from the plan's mesh {dict(plan.mesh)}. Fix: pass a mesh with the plan's "
                         "axis names and sizes, or re-plan for this mesh.")
+    mesh = auto_axes(mesh)        # an Explicit-axis mesh (jax.make_mesh's default): same devices, Auto axes
     if plan.stages[0].remat != "none":     # as the decorator runs it: autoshard.value_and_grad rematerialises
         step, _ = rematerialised(step, plan, mesh)
     compiled = jit_step(trace_step(step, *abstract), plan, mesh, abstract).lower(*abstract).compile()

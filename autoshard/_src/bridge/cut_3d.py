@@ -14,6 +14,7 @@ from ..core.errors import PipelineError
 from ..core.graph import keys_in_order
 from ..core.mesh import MeshSpec
 from ..plan.planner import add_storage_axes
+from ..plan.validate import check_constraints_matched
 from .cut_place import in_argument
 from .layouts import fitting_spec, partition_spec
 
@@ -85,6 +86,9 @@ class ActivationSpecs:
             for key, spec in st.activation_constraints:
                 wanted.setdefault(key, []).append(spec)
         keys = keys_in_order((modules[e], fe.eqn.primitive.name) for e, fe in enumerate(prog.eqns))
+        if plan.is_pipeline:    # a 3-D plan's stage constraints all name loss ops; a remat tensor plan's also
+            # name the backward's and the optimizer's, placed by the step's own constraints (`emit.constrained`)
+            check_constraints_matched(list(wanted), set(wanted) & set(keys), "autoshard (3-D stages)")
         self.specs: dict[int, list] = {}
         sizes = dict(mesh.shape)
         for e, fe in enumerate(prog.eqns):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import os
@@ -21,6 +22,7 @@ from ..inference.plan import MODES
 from ..plan.config import Config
 from ..plan.plan import Plan
 from ..plan.planner import IDLE_AXIS
+from ..plan.validate import check_plan
 from .api import bind, hardware_of, local_config, plan_traced
 from .emit import ShapesChanged, donated_argnums, jit_step, make_mesh, shape_guarded, shardings
 from .infer_api import InferenceAutosharded
@@ -67,18 +69,22 @@ class Autosharded:
 
     def _load_given(self, traced: Traced, args: tuple) -> Plan:
         given = self._given_plan
-        p = given if isinstance(given, Plan) else Plan.from_json(_read_plan_file(given))
+        if isinstance(given, Plan):
+            check_plan(given, "autoshard: plan=")     # a Plan built or edited in Python: the file's checks
+            p = given
+        elif isinstance(given, (str, os.PathLike)):
+            p = Plan.from_json(_read_plan_file(given))
+        else:
+            raise PlanError(f"autoshard: plan={type(given).__name__} is neither an autoshard.Plan nor the path of a "
+                            "plan file" + (" (an inference plan: decorate with autoshard.autoshard(mode='inference', "
+                                           "mesh=...) instead)" if type(given).__name__ == "InferencePlan" else "")
+                            + ". Fix: pass autoshard.plan(step, *args, ...), Plan.from_json(text) or a file path.")
         asked = self.config.mesh
         if asked is not None and asked != "auto" and tuple(asked.axes) != tuple(p.mesh):
             raise PlanError(
                 f"autoshard: plan= was made for mesh {dict(p.mesh)} but mesh={dict(asked.axes)} was also given; the "
                 "plan's shardings only fit its own mesh. Fix: drop mesh= to run the plan on its mesh, or drop plan= "
                 "to plan for the new mesh (autoshard.restore moves a checkpoint between the two).")
-        named = {a for spec in (*p.input_specs_flat, *p.output_specs_flat) for axes in spec for a in axes}
-        unknown = sorted(named - {n for n, _ in p.mesh})
-        if unknown:
-            raise PlanError(f"autoshard: plan= splits arrays over axes {unknown} that its mesh {dict(p.mesh)} does not "
-                            "have (an edited or corrupted plan file). Fix: re-plan, or correct the file's mesh.")
         fp = fingerprint(traced.graph)
         if p.provenance.get("fingerprint") != fp:
             raise PlanError(
@@ -95,22 +101,22 @@ class Autosharded:
             return self._load_given(traced, args)
         config = local_config(self.config)
         key = self._key(fingerprint(traced.graph), config)
-        if key in _PLAN_CACHE:
-            return bind(_PLAN_CACHE[key], *args)
         path = None
         if config.cache_dir is not None:
             path = Path(config.cache_dir) / (hashlib.sha1(repr(key).encode()).hexdigest()[:20] + ".json")
-            if path.exists():
-                p = Plan.from_json(path.read_text())
-                if p.provenance.get("fingerprint") == key[0]:
-                    _PLAN_CACHE[key] = p
-                    return bind(p, *args)
-        # mesh="auto": tensor plans, the part of the 3-D space this runtime runs from a plain step
-        p = bind(plan_traced(self.fn, _abstract(args), traced.graph, config, trace_seconds, three_d=False), *args)
+        p, write = _PLAN_CACHE.get(key), False
+        if path is not None:        # a missing or unusable entry is (re)written; one found in memory too
+            write = p is not None and not path.is_file()
+            if p is None:
+                p = _cached_plan(path, key[0], args)
+                write = p is None
+        if p is None:
+            # mesh="auto": tensor plans, the part of the 3-D space this runtime runs from a plain step
+            p = plan_traced(self.fn, _abstract(args), traced.graph, config, trace_seconds, three_d=False)
+        p = bind(p, *args)
         _PLAN_CACHE[key] = p
-        if path is not None and jax.process_index() == 0:      # one writer on a shared file system
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(p.to_json())
+        if write and jax.process_index() == 0:      # one writer on a shared file system
+            _write_cache(path, p)
         return p
 
     def _prepare(self, args: tuple) -> None:
@@ -260,9 +266,41 @@ def same_plan_everywhere(plan: Plan, args: tuple) -> Plan:
     return bind(Plan.from_json(ours.tobytes().decode()), *args)
 
 
-def _read_plan_file(path: Any) -> str:
+def _cached_plan(path: Path, fp: str, args: tuple) -> Plan | None:
+    """The plan cached at `path` for this step, or None. A cache entry is only a shortcut: one that cannot be
+    read, parsed or bound to these arguments (truncated by a kill, edited, of another autoshard) is
+    planned again and rewritten, with a warning, never an error."""
     try:
-        return Path(path).read_text()
+        if not path.is_file():
+            return None
+        p = Plan.from_json(path.read_bytes())
+        if p.provenance.get("fingerprint") != fp:
+            raise PlanError(f"made for another step (fingerprint {p.provenance.get('fingerprint')}, this step {fp})")
+        return bind(p, *args)       # its specs against these arguments
+    except (OSError, PlanError) as err:
+        warnings.warn(f"autoshard: ignoring the unusable plan cache entry {str(path)!r} "
+                      f"({getattr(err, 'strerror', None) or err}); planning again and rewriting it.", stacklevel=5)
+        return None
+
+
+def _write_cache(path: Path, plan: Plan) -> None:
+    """Write a cache entry whole or not at all (a temporary file renamed into place: a kill mid-write leaves
+    no truncated entry); a cache directory that cannot be written costs the cache, not the run."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(plan.to_json())
+        os.replace(tmp, path)
+    except OSError as err:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        warnings.warn(f"autoshard: cannot write the plan cache entry {str(path)!r} ({err.strerror or err}); the "
+                      "step runs without caching its plan. Fix: cache_dir= a writable directory.", stacklevel=5)
+
+
+def _read_plan_file(path: Any) -> bytes:
+    try:
+        return Path(path).read_bytes()
     except OSError as err:
         raise PlanError(f"autoshard: cannot read the plan file plan={str(path)!r} ({err.strerror}). Fix: pass the path "
                         "of a file written by plan.to_json(), a Plan, or drop plan= to plan now.") from err

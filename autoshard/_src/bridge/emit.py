@@ -14,6 +14,7 @@ from ..core.errors import MeshError, PlanError
 from ..core.graph import op_keys
 from ..plan.plan import Plan
 from ..plan.specs import Spec
+from ..plan.validate import check_constraints_matched
 from . import compat as jc
 from .trace import Traced
 
@@ -62,6 +63,15 @@ def make_mesh(plan_or_axes: Plan | tuple, devices: list | None = None) -> Mesh:
     return jax.make_mesh(sizes, names, axis_types=(AxisType.Auto,) * len(names), devices=devices)
 
 
+def auto_axes(mesh: Mesh) -> Mesh:
+    """`mesh` (same devices, names and sizes) with every axis Auto: autoshard emits NamedShardings and
+    sharding constraints for XLA to propagate, which jax accepts on Auto axes only, while jax.make_mesh
+    makes Explicit axes by default."""
+    if all(t == AxisType.Auto for t in mesh.axis_types):
+        return mesh
+    return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
+
+
 def shardings(plan: Plan, mesh: Mesh) -> tuple[Any, Any]:
     """(in_shardings, out_shardings) pytrees of NamedSharding for the plan's step."""
     if plan._args is None:
@@ -78,6 +88,8 @@ def constrained(traced: Traced, plan: Plan, mesh: Mesh) -> Callable:
     graph = traced.graph
     index = {k: i for i, k in enumerate(op_keys(graph))}
     by_eqn: dict[int, list[tuple[tuple[int, ...] | None, NamedSharding]]] = {}
+    wanted = [key for key, _ in plan.activation_constraints]
+    check_constraints_matched(wanted, set(wanted) & set(index), "autoshard")
     for key, spec in plan.activation_constraints:      # two for one op: its layout, then its consumers'
         i = index.get(key)
         if i is not None:

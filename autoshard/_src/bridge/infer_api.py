@@ -24,6 +24,7 @@ from ..inference.partition import CostModel, baselines, describe, partition
 from ..inference.plan import InferenceConfig, InferencePlan, single_direction
 from . import hlo as _hlo
 from .devices import local_hardware
+from .emit import auto_axes
 from .infer_emit import constrained_program, explicit_program, layer_of_op
 from .infer_trace import TracedInference, trace_inference
 
@@ -85,7 +86,7 @@ def plan_inference(fn: Callable, *args: Any, **kwargs: Any) -> InferencePlan:
 
 def make_inference_mesh(config: InferenceConfig, given: Any = None) -> Mesh:
     if isinstance(given, Mesh):
-        return given
+        return auto_axes(given)       # an Explicit-axis mesh (jax.make_mesh's default): same devices, Auto axes
     n, devices = config.num_nodes, jax.devices()
     if n > len(devices):
         raise MeshError(f"autoshard (inference): mesh {dict(config.mesh.axes)} needs {n} devices but jax has "
@@ -169,6 +170,10 @@ def audit_inference(fast: InferenceAutosharded, *args: Any) -> dict[str, Any]:
     """Compile `fast` for `args` and set what its collectives deliver beside the plan, per layer: the
     plan's largest per-node receive against the largest per-device receive of the collectives whose
     op metadata names the layer (`infer_emit.scope_of`); "output" is assembling the result."""
+    if not isinstance(fast, InferenceAutosharded):
+        raise PlanError(f"audit_inference: expected the function autoshard.autoshard(fn, mode='inference', mesh=...) "
+                        f"returns, got {type(fast).__name__}. Fix: audit a training plan with autoshard.audit(plan, "
+                        "step, *args), an inference function by decorating it first.")
     plan, _ = fast._compiled(args)
     compiled = fast.lower(*args).compile()
     n = plan.num_nodes

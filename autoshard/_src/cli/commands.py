@@ -67,7 +67,7 @@ def trace_and_plan(args: argparse.Namespace, model: Any, progress: Progress) -> 
 
 
 def load_plan(path: str) -> Any:
-    return autoshard.Plan.from_json(Path(path).read_text())
+    return autoshard.Plan.from_json(Path(path).read_bytes())     # from_json names a binary file a PlanError
 
 
 def write_out(path: str | None, text: str, out: Any) -> None:

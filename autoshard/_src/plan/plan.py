@@ -23,6 +23,7 @@ from ..core.collectives import on_backend
 from ..core.errors import PlanError
 from .explain import explain_3d, explain_pipeline, explain_tensor, runnable_alternative, stage_submeshes
 from .specs import Spec, as_spec
+from .validate import check_plan
 
 FORMAT_VERSION = 2   # 2: stages for every plan, activation constraints keyed by op key (1: by op index)
 Factor = tuple[int, str, int, tuple[str, ...]]     # (id, description, size, mesh axes)
@@ -83,11 +84,11 @@ class Stage:
     def from_dict(cls, d: Mapping[str, Any]) -> Stage:
         ints = lambda xs: tuple(int(x) for x in xs)  # noqa: E731
         return cls(
-            index=int(d["index"]), mesh=tuple((str(n), int(s)) for n, s in d["mesh"]), replicas=int(d["replicas"]),
+            index=int(d["index"]), mesh=tuple((n, s) for n, s in d["mesh"]), replicas=int(d["replicas"]),
             microbatch_size=int(d["microbatch_size"]), predicted_forward=float(d["predicted_forward"]),
             predicted_backward=float(d["predicted_backward"]), memory=float(d["memory"]),
             microbatches=int(d["microbatches"]), after=ints(d["after"]), units=ints(d["units"]), ops=ints(d["ops"]),
-            modules=tuple(d["modules"]), params=tuple(d["params"]),
+            modules=tuple(str(m) for m in d["modules"]), params=tuple(str(p) for p in d["params"]),
             factors=tuple((int(i), str(desc), int(size), tuple(ax)) for i, desc, size, ax in d["factors"]),
             storage=str(d["storage"]),
             activation_constraints=tuple((str(k), as_spec(s)) for k, s in d["activation_constraints"]),
@@ -205,46 +206,63 @@ class Plan:
         return json.dumps(d, indent=1, sort_keys=True)
 
     @classmethod
-    def from_json(cls, text: str) -> Plan:
+    def from_json(cls, text: str | bytes) -> Plan:
+        """The plan `to_json` wrote, every field checked against its mesh (`validate.check_plan`): a PlanError
+        naming the field, leaf and fix for anything else (an edited, truncated or foreign file)."""
+        if isinstance(text, (bytes, bytearray)):
+            try:
+                text = text.decode()
+            except UnicodeDecodeError as err:
+                raise PlanError("Plan.from_json: the text is not UTF-8 (a binary or corrupted file). Fix: load a file "
+                                "written by plan.to_json(), or re-plan with autoshard.plan(step, *args, ...).") from err
+        if not isinstance(text, str):
+            raise PlanError(f"Plan.from_json: expected the JSON text of a plan (str), got {type(text).__name__}. Fix: "
+                            "Plan.from_json(Path(file).read_text()), or pass the Plan itself.")
         try:
             d = json.loads(text)
-        except json.JSONDecodeError as err:
+        except (json.JSONDecodeError, RecursionError) as err:
             raise PlanError(f"Plan.from_json: not JSON ({err}).") from err
         version = d.get("format_version") if isinstance(d, dict) else None
+        if not isinstance(d, dict):
+            raise PlanError(f"Plan.from_json: not an autoshard plan (a JSON {type(d).__name__}, {str(d)[:60]!r}; a "
+                            "plan is a JSON object). Fix: load a file written by plan.to_json().")
         if version != FORMAT_VERSION:
             old = isinstance(version, int) and version < FORMAT_VERSION
             raise PlanError(
-                f"Plan.from_json: expected an autoshard plan of format_version {FORMAT_VERSION}, got "
-                f"{version if isinstance(d, dict) else d!r}"
+                f"Plan.from_json: expected an autoshard plan of format_version {FORMAT_VERSION}, got {version!r}"
                 + (". The file was written by an earlier autoshard (plans now hold stages, and activation "
                    "constraints are keyed by op name, not trace position). Fix: re-plan with "
-                   "autoshard.plan(step, *args, ...) and save the new plan." if old else "."))
+                   "autoshard.plan(step, *args, ...) and save the new plan." if old else
+                   ". Fix: load a file written by plan.to_json() of this autoshard, or re-plan."))
         try:
-            return cls._from_dict(d)
-        except (KeyError, TypeError, ValueError) as err:
+            plan = cls._from_dict(d)
+        except (KeyError, TypeError, ValueError, AttributeError) as err:
             what = (f"the key {err.args[0]!r} is missing" if isinstance(err, KeyError)
                     else f"{type(err).__name__}: {err}")
             raise PlanError(f"Plan.from_json: not a complete autoshard plan ({what}). Fix: load a file written by "
                             "plan.to_json(), or re-plan with autoshard.plan(step, *args, ...).") from err
+        check_plan(plan)
+        return plan
 
     @classmethod
     def _from_dict(cls, d: dict[str, Any]) -> Plan:
         spec = as_spec
         return cls(
-            mesh=tuple((n, int(s)) for n, s in d["mesh"]),
-            hardware=d["hardware"],
-            input_keypaths=tuple(d["input_keypaths"]),
-            input_specs_flat=tuple(spec(s) for s in d["input_specs_flat"]),
-            output_keypaths=tuple(d["output_keypaths"]),
-            output_specs_flat=tuple(spec(s) for s in d["output_specs_flat"]),
-            predicted=_freeze(d["predicted"]),
-            params=tuple(ParamReport(p["keypath"], tuple(p["shape"]), p["dtype"], spec(p["spec"]),
-                                     int(p["bytes_per_device"]), p["grad_sync"]) for p in d["params"]),
-            warnings=tuple(d["warnings"]),
-            provenance=_freeze(d["provenance"]),
-            stages=tuple(Stage.from_dict(s) for s in d["stages"]),
+            mesh=tuple((n, s) for n, s in d["mesh"]),         # checked by check_plan (names, int sizes >= 1)
+            hardware=str(d["hardware"]),
+            input_keypaths=_strings(d["input_keypaths"], "input_keypaths"),
+            input_specs_flat=tuple(spec(s) for s in _items(d["input_specs_flat"], "input_specs_flat")),
+            output_keypaths=_strings(d["output_keypaths"], "output_keypaths"),
+            output_specs_flat=tuple(spec(s) for s in _items(d["output_specs_flat"], "output_specs_flat")),
+            predicted=_mapping(d["predicted"], "predicted"),
+            params=tuple(ParamReport(str(p["keypath"]), tuple(int(n) for n in p["shape"]), str(p["dtype"]),
+                                     spec(p["spec"]), int(p["bytes_per_device"]), str(p["grad_sync"]))
+                         for p in _items(d["params"], "params")),
+            warnings=_strings(d["warnings"], "warnings"),
+            provenance=_mapping(d["provenance"], "provenance"),
+            stages=tuple(Stage.from_dict(s) for s in _items(d["stages"], "stages")),
             schedule=d["schedule"],
-            microbatches=int(d["microbatches"]),
+            microbatches=_int(d["microbatches"], "microbatches"),
         )
 
     # --- reports -------------------------------------------------------------------------------
@@ -258,6 +276,30 @@ class Plan:
         if self.is_pipeline:
             return explain_3d(self) if "3d" in self.predicted else explain_pipeline(self)
         return explain_tensor(self)
+
+
+def _items(x: Any, field: str) -> list:
+    if not isinstance(x, list):
+        raise ValueError(f"{field} must be a JSON list, got {type(x).__name__} {str(x)[:40]!r}")
+    return x
+
+
+def _strings(x: Any, field: str) -> tuple[str, ...]:
+    if not all(isinstance(v, str) for v in _items(x, field)):
+        raise ValueError(f"{field} must be a list of strings")
+    return tuple(x)
+
+
+def _int(x: Any, field: str) -> int:
+    if isinstance(x, bool) or not isinstance(x, int):
+        raise ValueError(f"{field}={x!r} must be an integer")
+    return x
+
+
+def _mapping(x: Any, field: str) -> Mapping[str, Any]:
+    if not isinstance(x, dict):
+        raise ValueError(f"{field} must be a JSON object, got {type(x).__name__}")
+    return _freeze(x)
 
 
 def _freeze(x):

@@ -14,5 +14,10 @@ def spec_str(spec: Spec) -> str:
 
 
 def as_spec(data) -> Spec:
-    """A spec read back from JSON lists."""
-    return tuple(tuple(str(a) for a in axes) for axes in data)
+    """A spec read back from JSON lists: per dimension a list of axis names (ValueError otherwise, so a
+    string such as "data" is not read as the axes d, a, t, a)."""
+    if not isinstance(data, (list, tuple)) or not all(
+            isinstance(axes, (list, tuple)) and all(isinstance(a, str) and a for a in axes) for axes in data):
+        raise ValueError(f"the spec {data!r} is not a list of per-dimension lists of mesh axis names "
+                         "(e.g. [[\"data\"], []])")
+    return tuple(tuple(axes) for axes in data)
