@@ -1,6 +1,18 @@
 """The decorated step's call boundary: what a call may pass, checked once per call before anything
 is planned, placed or donated (keywords bound to positions, tracers, deleted or abstract leaves,
-aliased donated leaves), and a runtime failure of the compiled step reported with what it cost."""
+aliased donated leaves), and a runtime failure of the compiled step reported with what it cost.
+
+What jax does when the compiled step fails while it runs (jaxlib 0.10.2), and what is guarded:
+- an error jax reports at the call (an argument XLA refuses, an ordered callback that raised, memory
+  exhausted when the program starts): a StepFailedError here, saying whether the donated inputs are
+  already deleted (the caller's arrays on a first call never are: they were copied when placed);
+- an error inside the running program otherwise: jax dispatches asynchronously, so it surfaces as
+  jax's JaxRuntimeError where a result is first read, after the inputs were donated;
+- a host callback (jax.pure_callback, io_callback) that raises on some devices of a multi-device
+  program: the other devices wait in the next collective; XLA's CPU runtime aborts the process
+  (SIGABRT) after its 40 s rendezvous timeout, and GPU collectives hang. Python cannot catch either:
+  make such callbacks return a status instead of raising, and checkpoint (autoshard.save) the state.
+Nothing is donated before the checks below pass, so misuse never costs the caller an array."""
 
 from __future__ import annotations
 
@@ -25,6 +37,11 @@ def positional(fn: Callable, args: tuple, kwargs: dict) -> tuple:
     except (TypeError, ValueError) as err:
         raise PlanError(f"autoshard: keyword argument(s) {sorted(kwargs)} cannot be bound: the signature of "
                         f"{name} cannot be read ({err}). Fix: pass every argument positionally.") from err
+    params = sig.parameters
+    unknown = sorted(set(kwargs) - set(params))
+    if unknown and not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        raise PlanError(f"autoshard: unknown keyword argument(s) {unknown} for {name}, whose parameters are "
+                        f"{', '.join(params)}. Fix: spell them as in {name}{sig}, or pass them by position.")
     try:
         bound = sig.bind(*args, **kwargs)
     except TypeError as err:
