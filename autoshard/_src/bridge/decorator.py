@@ -63,6 +63,7 @@ class Autosharded:
         self._jitted = None
         self._mesh = None
         self._pipelined = None
+        self._in_shardings = None
         self._treedef = None
         self._donated: tuple[int, ...] = ()
         self._programs: dict[tuple, tuple] = {}
@@ -147,7 +148,13 @@ class Autosharded:
         (traced and planned; the plan cache makes a return to an earlier model cheap)."""
         key = signature(args)
         if key not in self._programs:
-            self._prepare(args)
+            current = tuple(getattr(self, name) for name in _PROGRAM)
+            try:
+                self._prepare(args)
+            except BaseException:       # a failed plan leaves the step as it was (no half-made program)
+                for name, value in zip(_PROGRAM, current, strict=True):
+                    setattr(self, name, value)
+                raise
             self._programs[key] = tuple(getattr(self, name) for name in _PROGRAM)
         for name, value in zip(_PROGRAM, self._programs[key], strict=True):
             setattr(self, name, value)
