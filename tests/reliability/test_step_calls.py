@@ -63,6 +63,20 @@ def key_pipelined(params, opt_state, batch, key):
     return optax.apply_updates(params, updates), opt_state, loss, jax.random.fold_in(key, 1)
 
 
+def loss_with_keys(params, batch):
+    noise = jax.vmap(lambda k, row: jax.random.normal(k, row.shape))(batch["keys"], batch["x"])
+    return M.loss(params, {"x": batch["x"] + 0.01 * noise, "y": batch["y"]})
+
+
+def keys_pipelined(params, opt_state, batch):        # the keys reach the pipeline stages' micro-batches
+    loss, grads = autoshard.value_and_grad(loss_with_keys)(params, batch)
+    updates, opt_state = M.optimizer.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+
+PIPELINE = dict(mesh={"pipe": 2, "data": 4}, pipeline="rannc", num_microbatches=2)
+
+
 def key_first(p, o, b):
     return p, o, b, jax.random.key(1)
 
@@ -82,7 +96,9 @@ KEY_CASES = {
     "key inside the donated state": (key_in_state, key_in, lambda out, a: (out[0], a[1]), {}),
     "per-example keys in the batch": (keys_per_example, keys_in_batch, lambda out, a: (out[0], out[1], a[2]), {}),
     "key argument, pipeline plan": (key_pipelined, key_first, lambda out, a: (out[0], out[1], a[2], out[3]),
-                                    dict(mesh={"pipe": 2, "data": 4}, pipeline="rannc", num_microbatches=2)),
+                                    PIPELINE),
+    "per-example keys in a pipelined loss's batch": (keys_pipelined, keys_in_batch,
+                                                     lambda out, a: (out[0], out[1], a[2]), PIPELINE),
 }
 
 
