@@ -250,7 +250,8 @@ def test_a_step_that_fails_while_running_says_what_it_consumed(donate):
     state = fast(params, opt, batch)[:2]
     fail.append(True)
     expect = "consumed its donated inputs.*donate=False" if donate else "arguments are intact"
-    with pytest.raises(StepFailedError, match=r"failed while running.*ValueError: loss watcher.*" + expect):
+    cause = r"XLA failed on the step \(compiling or running it\).*ValueError: loss watcher.*"
+    with pytest.raises(StepFailedError, match=cause + expect):
         fast(*state, batch)
     assert alive(state) is not donate
     assert alive((params, opt, batch))

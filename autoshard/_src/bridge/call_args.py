@@ -120,7 +120,7 @@ def failed(err: Exception, args: tuple, donated: tuple[int, ...]) -> StepFailedE
                 "its inputs intact.")
     else:
         lost = "Your arguments are intact: fix the cause and call the step again."
-    return StepFailedError(f"autoshard: the compiled step failed while running: {_first_line(err)}. {lost}")
+    return StepFailedError(f"autoshard: XLA failed on the step (compiling or running it): {_first_line(err)}. {lost}")
 
 
 def _first_line(err: Exception) -> str:

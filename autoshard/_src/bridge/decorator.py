@@ -211,6 +211,7 @@ class Autosharded:
 
     @property
     def plan(self) -> Plan:
+        """The plan of the arguments last called with (each structure and shape has its own)."""
         if self._plan is None:
             raise PlanError("autoshard: no plan yet; call the step once (or .lower(*args)).")
         return self._plan
