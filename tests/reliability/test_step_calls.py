@@ -5,6 +5,8 @@ typed error; the caller's arrays survive unless the step donated them by design.
 
 from __future__ import annotations
 
+import inspect
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -258,3 +260,14 @@ def test_a_step_that_fails_while_running_says_what_it_consumed(donate):
     if not donate:
         fail.clear()
         assert_same(fast(*state, batch), jax.jit(step)(*state, batch))
+
+
+def test_inference_functions_take_keywords_too():
+    toy = models.get("convnet_toy", "bbgrap")
+    params, images = toy.init(jax.random.key(0)), toy.batch()["images"]
+    fast = autoshard.autoshard(mode="inference", mesh={"x": 2}, hardware="cpu-sim")(toy.apply)
+    name = list(inspect.signature(toy.apply).parameters)[1]
+    np.testing.assert_allclose(fast(params, **{name: images}), toy.apply(params, images), rtol=1e-5, atol=1e-5)
+    with pytest.raises(PlanError, match=r"unknown keyword argument\(s\) \['imgs'\]"):
+        fast(params, imgs=images)
+    assert alive((params, images))
