@@ -17,6 +17,7 @@ from ._src.core.errors import NotCallableError as NotCallableError
 from ._src.core.errors import PipelineError as PipelineError
 from ._src.core.errors import PlanError as PlanError
 from ._src.core.errors import ScheduleError as ScheduleError
+from ._src.core.errors import StepFailedError as StepFailedError
 from ._src.core.errors import TraceFailedError as TraceFailedError
 from ._src.core.errors import UntraceableArgumentError as UntraceableArgumentError
 from ._src.core.graph import OpGraph as OpGraph

@@ -26,6 +26,11 @@ def name_stack(eqn: Any) -> str:
     return str(stack) if stack is not None else ""
 
 
+def is_tracer(x: Any) -> bool:
+    """A value being traced by an enclosing jax transformation (jit, grad, vmap, scan, ...)."""
+    return isinstance(x, jax.core.Tracer)
+
+
 def is_literal(atom: Any) -> bool:
     return isinstance(atom, Literal)
 

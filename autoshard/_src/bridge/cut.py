@@ -302,7 +302,7 @@ def _analyse(prog: Any, closed: Any, keys: tuple[str, ...]) -> _Eqns:
 
     modules = [parse_scope(fe.scope)[0] for fe in eqns]
     avals = value_avals(prog, closed)
-    nbytes = {k: int(np.prod(a.shape)) * jnp.dtype(a.dtype).itemsize for k, a in avals.items()}
+    nbytes = {k: int(np.prod(a.shape)) * a.dtype.itemsize for k, a in avals.items()}   # PRNG keys too
     return _Eqns(prog, keys, param_key, producer, key_ins, batch_only, flops, modules, avals, nbytes,
                  prog.outputs[0])
 

@@ -24,12 +24,16 @@ from ..plan.plan import Plan
 from ..plan.planner import IDLE_AXIS
 from ..plan.validate import check_plan
 from .api import bind, hardware_of, local_config, plan_traced
-from .emit import ShapesChanged, donated_argnums, jit_step, make_mesh, shape_guarded, shardings
+from .call_args import check_leaves, failed, positional, unaliased
+from .emit import ShapesChanged, donated_argnums, jit_step, make_mesh, shape_guarded, shardings, signature
 from .infer_api import InferenceAutosharded
 from .pipelined_step import pipelined_step, rematerialised
 from .trace import Traced, trace_step
 
 _PLAN_CACHE: dict[tuple, Plan] = {}
+# what one argument signature (structure, shapes, dtypes) prepares: kept per signature, so a step
+# called with alternating structures or batch shapes plans and compiles each once
+_PROGRAM = ("_plan", "plan_args", "_mesh", "_jitted", "_in_shardings", "_pipelined", "_treedef", "_donated")
 
 
 def _abstract(args: tuple) -> tuple:
@@ -61,6 +65,10 @@ class Autosharded:
         self._jitted = None
         self._mesh = None
         self._pipelined = None
+        self._in_shardings = None
+        self._treedef = None
+        self._donated: tuple[int, ...] = ()
+        self._programs: dict[tuple, tuple] = {}
         functools.update_wrapper(self, fn)
 
     # --- planning -------------------------------------------------------------------------
@@ -129,7 +137,10 @@ class Autosharded:
             if w.startswith(IDLE_AXIS):
                 warnings.warn(f"autoshard: {w}", stacklevel=3)
         self.plan_args = abstract
+        self._treedef = jax.tree.structure(args)
+        self._donated = donated_argnums(self._plan, len(args)) if self.config.donate else ()
         self._mesh = make_mesh(self._plan, self._devices)
+        self._pipelined = None
         if self._plan.is_pipeline:
             self._prepare_pipeline(args, traced)
             return
@@ -137,6 +148,22 @@ class Autosharded:
             traced = self._rematerialised(abstract)
         self._jitted = jit_step(traced, self._plan, self._mesh, abstract, donate=self.config.donate, guard=True)
         self._in_shardings, _ = shardings(self._plan, self._mesh)
+
+    def _select(self, args: tuple) -> None:
+        """Make the program for the signature of `args` current: the one prepared earlier, or a new one
+        (traced and planned; the plan cache makes a return to an earlier model cheap)."""
+        key = signature(args)
+        if key not in self._programs:
+            current = tuple(getattr(self, name) for name in _PROGRAM)
+            try:
+                self._prepare(args)
+            except BaseException:       # a failed plan leaves the step as it was (no half-made program)
+                for name, value in zip(_PROGRAM, current, strict=True):
+                    setattr(self, name, value)
+                raise
+            self._programs[key] = tuple(getattr(self, name) for name in _PROGRAM)
+        for name, value in zip(_PROGRAM, self._programs[key], strict=True):
+            setattr(self, name, value)
 
     def _rematerialised(self, abstract: tuple) -> Traced:
         """The step traced again with its autoshard.value_and_grad losses run block by block under the
@@ -159,36 +186,51 @@ class Autosharded:
             hardware=hardware_of(self.config), traced=traced)
         self._mesh = self._pipelined.mesh          # GraphPipe: the (pipe, data) mesh its stages run on
         self._jitted = jax.jit(shape_guarded(step, args), in_shardings=self._in_shardings, out_shardings=outs,
-                               donate_argnums=donated_argnums(self._plan, len(args)) if self.config.donate else ())
+                               donate_argnums=self._donated)
 
     # --- public ---------------------------------------------------------------------------
-    def __call__(self, *args):
-        _check_call_args(args, self.plan_args, concrete=True)
-        if self._jitted is None:
-            self._prepare(args)
-            args = self._placed(args)
+    def __call__(self, *args, **kwargs):
+        """Run the step. Keywords bind to their positions; a new pytree structure, shape or dtype is
+        a new program, planned once (never shardings planned for other arguments). A failure of the
+        compiled program that jax reports at the call is a StepFailedError saying whether the donated
+        inputs are gone; one it reports later (jax dispatches asynchronously) surfaces where the
+        results are read, as jax's own error."""
+        args = positional(self.fn, args, kwargs)
+        leaves, treedef = jax.tree_util.tree_flatten(args)
+        check_leaves(args, leaves, self.plan_args, concrete=True)
+        if self._treedef is None or treedef != self._treedef:
+            self._select(args)
+            return self._run(args, self._placed(args))
+        try:
+            return self._run(args, args, leaves)
+        except ShapesChanged:     # raised while jax re-traces, before anything runs or is donated
+            self._select(args)
+            return self._run(args, self._placed(args))
+
+    def _run(self, given: tuple, args: tuple, leaves: list | None = None) -> Any:
+        """The compiled step on `args` (`given` as the caller passed them, for the failure message)."""
+        args = unaliased(args, jax.tree.leaves(args) if leaves is None else leaves, self._donated)
         try:
             return self._jitted(*args)
-        except ShapesChanged:
-            # a new structure, shape or dtype is a new program: plan it (the plan cache makes a
-            # return to earlier shapes cheap) rather than run shardings planned for other shapes
-            self._prepare(args)
-            return self._jitted(*self._placed(args))
+        except jax.errors.JaxRuntimeError as err:
+            raise failed(err, given, self._donated) from err
 
     @property
     def plan(self) -> Plan:
+        """The plan of the arguments last called with (each structure and shape has its own)."""
         if self._plan is None:
             raise PlanError("autoshard: no plan yet; call the step once (or .lower(*args)).")
         return self._plan
 
-    def lower(self, *args):
-        _check_call_args(args, self.plan_args, concrete=False)
-        if self._jitted is None:
-            self._prepare(args)
+    def lower(self, *args, **kwargs):
+        args = positional(self.fn, args, kwargs)
+        check_leaves(args, jax.tree.leaves(args), self.plan_args, concrete=False)
+        if self._treedef is None or jax.tree.structure(args) != self._treedef:
+            self._select(args)
         try:
             return self._jitted.lower(*args)
         except ShapesChanged:
-            self._prepare(args)
+            self._select(args)
             return self._jitted.lower(*args)
 
     def explain(self) -> str:
@@ -202,12 +244,11 @@ class Autosharded:
         """The `Pipelined` a pipeline plan's step runs its loss with (None for tensor plans)."""
         return self._pipelined
 
-    def shardings(self, *args) -> Any:
+    def shardings(self, *args, **kwargs) -> Any:
         """The NamedSharding pytree (shaped like `args`) the step expects its arguments in; plans on
         the first use, like a call. Give it to `jax.device_put`, or to `autoshard.restore` (via
         ShapeDtypeStructs) to load a checkpoint straight into the step's layout."""
-        if self._jitted is None:
-            self._prepare(args)
+        self._select(positional(self.fn, args, kwargs))
         return self._in_shardings
 
     @property
@@ -227,14 +268,15 @@ class Autosharded:
     @property
     def donate_argnums(self) -> tuple[int, ...]:
         """The arguments the step donates (consumes): those made only of state it returns."""
-        if not self.config.donate:
-            return ()
-        return donated_argnums(self.plan, len(self.plan_args))
+        if self._plan is None:
+            raise PlanError("autoshard: no plan yet, so nothing is donated yet; call the step once (or .lower(*args)).")
+        return self._donated
 
-    def place(self, *args):
+    def place(self, *args, **kwargs):
         """Put arguments on the mesh with the planned shardings (done on the first call)."""
-        if self._jitted is None:
-            self._prepare(args)
+        args = positional(self.fn, args, kwargs)
+        check_leaves(args, jax.tree.leaves(args), self.plan_args, concrete=True)
+        self._select(args)
         return self._placed(args)
 
     def _placed(self, args: tuple) -> tuple:
@@ -304,29 +346,6 @@ def _read_plan_file(path: Any) -> bytes:
     except OSError as err:
         raise PlanError(f"autoshard: cannot read the plan file plan={str(path)!r} ({err.strerror}). Fix: pass the path "
                         "of a file written by plan.to_json(), a Plan, or drop plan= to plan now.") from err
-
-
-def _check_call_args(args: tuple, planned: tuple | None, concrete: bool) -> None:
-    """Typed errors for arguments the compiled step cannot take: donated (deleted) arrays, abstract
-    values on a call (`lower` takes them), another argument count than the step was planned for."""
-    if planned is not None and len(args) != len(planned):
-        raise PlanError(f"autoshard: the step was planned for {len(planned)} argument(s) and is now called with "
-                        f"{len(args)}. Fix: call it with the same arguments (a new batch shape is fine: it re-plans).")
-    bad = [x for x in jax.tree.leaves(args) if (isinstance(x, jax.Array) and x.is_deleted())
-           or (concrete and isinstance(x, jax.ShapeDtypeStruct))]
-    if not bad:          # the per-call cost: one flatten; paths only for the message
-        return
-    kp, x = next((kp, x) for kp, x in jax.tree_util.tree_flatten_with_path(args)[0] if x is bad[0])
-    where = f"argument {jax.tree_util.keystr(kp)}"
-    if isinstance(x, jax.ShapeDtypeStruct):
-        raise PlanError(
-            f"autoshard: {where} is an abstract jax.ShapeDtypeStruct {x.shape}; the step runs on arrays. Fix: "
-            "plan abstractly with autoshard.plan(step.fn, *abstract_args, ...), or compile with "
-            "step.lower(*abstract_args).")
-    raise PlanError(
-        f"autoshard: {where} (shape {tuple(x.shape)}) was deleted: an earlier call of the step consumed it "
-        "(the step donates the state it returns, like jax.jit(donate_argnums=...)). Fix: pass the arrays "
-        "the previous call returned, or decorate with donate=False to keep the inputs.")
 
 
 def _buffers(x: Any) -> set[int]:

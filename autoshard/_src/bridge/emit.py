@@ -131,20 +131,27 @@ class ShapesChanged(Exception):
     than the plan's: jax re-traces only then, so the check costs nothing per call."""
 
 
-def _signature(args: tuple) -> tuple:
-    """(structure, (shape, dtype) per leaf); Python scalars count as the 0-d arrays jax traces them as."""
+def signature(args: tuple) -> tuple:
+    """(structure, (shape, dtype) per leaf); Python scalars count as the 0-d arrays jax traces them as.
+    Dtypes are compared as they are (a typed PRNG key's `key<fry>` is no numpy dtype)."""
     leaves, treedef = jax.tree_util.tree_flatten(args)
-    return treedef, tuple((tuple(jax.numpy.shape(x)) if not hasattr(x, "shape") else tuple(x.shape),
-                           jax.numpy.dtype(x.dtype) if hasattr(x, "dtype") else jax.numpy.result_type(x))
-                          for x in leaves)
+    return treedef, tuple(_leaf_signature(x) for x in leaves)
+
+
+def _leaf_signature(x: Any) -> tuple:
+    if hasattr(x, "shape") and hasattr(x, "dtype"):
+        return tuple(x.shape), x.dtype
+    if isinstance(x, bool | int | float | complex):
+        return (), jax.numpy.result_type(x)
+    return type(x), None       # no array: tracing it raises the typed error that names it
 
 
 def shape_guarded(fn: Callable, args: tuple) -> Callable:
     """`fn` that raises ShapesChanged when traced for arguments unlike `args`."""
-    planned = _signature(args)
+    planned = signature(args)
 
     def guarded(*call_args):
-        if _signature(call_args) != planned:
+        if signature(call_args) != planned:
             raise ShapesChanged()
         return fn(*call_args)
 

@@ -23,6 +23,7 @@ from ..core.shapemap import direction_axis
 from ..inference.partition import CostModel, baselines, describe, partition
 from ..inference.plan import InferenceConfig, InferencePlan, single_direction
 from . import hlo as _hlo
+from .call_args import positional
 from .devices import local_hardware
 from .emit import auto_axes
 from .infer_emit import constrained_program, explicit_program, layer_of_op
@@ -126,13 +127,15 @@ class InferenceAutosharded:
             self._cache[sig] = (plan, program(traced, plan, mesh))
         return self._cache[sig]
 
-    def __call__(self, *args: Any) -> Any:
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        args = positional(self.fn, args, kwargs)
         plan, run = self._compiled(args)
         self._last = plan
         return run(*args)
 
-    def lower(self, *args: Any) -> Any:
+    def lower(self, *args: Any, **kwargs: Any) -> Any:
         """The jitted program's `lower` for these arguments (inspect `.compile().as_text()`)."""
+        args = positional(self.fn, args, kwargs)
         return self._compiled(args)[1].lower(*args)
 
     @property

@@ -36,16 +36,25 @@ _TRANSPARENT = {
 def _check_args(args: tuple) -> None:
     leaves = jax.tree_util.tree_flatten_with_path(args)[0]
     for path, leaf in leaves:
+        where = "args" + jc.keystr(path)
+        if isinstance(leaf, jax.ShapeDtypeStruct | np.ndarray | np.generic) and not _jax_dtype(leaf.dtype):
+            raise UntraceableArgumentError(
+                f"autoshard.trace: argument {where} has dtype {leaf.dtype} (shape {tuple(leaf.shape)}), which is "
+                "no jax array type (jax takes bool, integer, float, complex and PRNG key arrays). Fix: encode "
+                "it as numbers (e.g. token ids), or keep it outside the step's arguments.")
         if isinstance(leaf, jax.ShapeDtypeStruct | jax.Array | np.ndarray | np.generic
                       | bool | int | float | complex):
             continue
-        where = "args" + jc.keystr(path)
         raise UntraceableArgumentError(
             f"autoshard.trace: argument {where} is a {type(leaf).__module__}."
             f"{type(leaf).__qualname__} ({_short(leaf)}), which jax cannot trace. Arguments must "
             "be pytrees whose leaves are arrays, Python/numpy scalars or jax.ShapeDtypeStruct. "
             "Fix: pass it as an array, close over it in the function, or register its type as a "
             "pytree (jax.tree_util.register_dataclass / register_pytree_node).")
+
+
+def _jax_dtype(dtype: Any) -> bool:
+    return any(jax.numpy.issubdtype(dtype, kind) for kind in (np.number, np.bool_, jax.dtypes.prng_key))
 
 
 def _short(obj: Any) -> str:

@@ -9,6 +9,7 @@ expect (TypeError for wrong types, ValueError for wrong values), so generic hand
     ├── NotCallableError (TypeError)          the step function is not callable
     ├── UntraceableArgumentError (TypeError)  an argument leaf jax cannot trace
     ├── TraceFailedError (RuntimeError)       the user's function raised while jax traced it
+    ├── StepFailedError (RuntimeError)        the compiled step failed while it ran (says what it consumed)
     ├── ConfigError (ValueError)              a config file, option or cost query that is invalid
     │   ├── CheckpointError                   a checkpoint that cannot be written, or read back exactly
     │   ├── HardwareError                     an unknown preset, a bad override, an impossible number
@@ -37,6 +38,11 @@ class UntraceableArgumentError(AutoshardError, TypeError):
 
 class TraceFailedError(AutoshardError, RuntimeError):
     """The user's function raised while jax traced it; the original exception is chained."""
+
+
+class StepFailedError(AutoshardError, RuntimeError):
+    """The compiled step failed while it ran; the message says whether its donated inputs are gone.
+    jax's runtime error is chained."""
 
 
 class ConfigError(AutoshardError, ValueError):
