@@ -21,7 +21,7 @@ from ..pipeline.registry import partitioner_names
 from ..pipeline.schedules.registry import schedule_names
 from ..plan.config import PROFILES
 from ..tensor.experts import EXPERTS
-from .args import Parser, UsageError, input_path, memory_budget, output_path, positive_int
+from .args import MAX_LAYERS, Parser, UsageError, input_path, memory_budget, output_path, positive_int
 from .args import hardware as hardware_flag
 from .args import mesh as mesh_flag
 from .progress import Progress
@@ -39,6 +39,8 @@ def _model_flags(p: argparse.ArgumentParser, config: str) -> None:
     p.add_argument("--config", default=config, help=f"model config (default {config})")
     p.add_argument("--layers", type=positive_int, default=None, help="override num_layers (>= 1)")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config field, e.g. d_model=64")
+    p.add_argument("--max-layers", type=positive_int, default=MAX_LAYERS, metavar="N",
+                   help=f"refuse models deeper than N layers (default {MAX_LAYERS}: tracing unrolls every layer)")
 
 
 def _planning_flags(p: argparse.ArgumentParser, mesh: str | None, hardware: str, auto: bool = False) -> None:
@@ -55,7 +57,7 @@ def _planning_flags(p: argparse.ArgumentParser, mesh: str | None, hardware: str,
 def _pipeline_flags(p: argparse.ArgumentParser, default: str | None) -> None:
     p.add_argument("--pipeline", default=default, choices=[*partitioner_names(), "auto"],
                    help="pipeline stages instead of tensor sharding (a 'pipe' mesh axis fixes the stage count)")
-    p.add_argument("--schedule", default="1f1b", choices=schedule_names(), help="pipeline schedule (default 1f1b)")
+    p.add_argument("--schedule", default=None, choices=schedule_names(), help="pipeline schedule (default 1f1b)")
     p.add_argument("--blocks", type=positive_int, default=None, help="RaNNC block count k")
     p.add_argument("--recompute", action="store_true", help="recompute stage forwards in backward")
 
@@ -89,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
         pl = _add(sub, name, text, common)
         _model_flags(pl, "gpt2-small")
         _planning_flags(pl, "data=2,model=4", "h100-sxm", auto=True)
-        pl.add_argument("--devices", type=positive_int, default=8,
+        pl.add_argument("--devices", type=positive_int, default=None,
                         help="device count for --mesh auto (default 8)")
         _pipeline_flags(pl, None)
         pl.add_argument("--profile", default="model", choices=list(PROFILES),
