@@ -9,10 +9,15 @@ errors answer before jax is imported.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import importlib
 import math
+import os
+import signal
 import sys
+import threading
+from collections.abc import Iterator
 from typing import Any
 
 from ..core.errors import AutoshardError, InfeasiblePlanError
@@ -139,8 +144,9 @@ def main(argv: list[str] | None = None) -> int:
     progress = Progress()
     module, func = COMMANDS[args.command]
     try:
-        command = getattr(importlib.import_module(f"{__package__}.{module}"), func)
-        return command(args, progress, functools.partial(print, flush=True))   # in order with stderr
+        with exit_on_interrupt(prog):
+            command = getattr(importlib.import_module(f"{__package__}.{module}"), func)
+            return command(args, progress, functools.partial(print, flush=True))   # in order with stderr
     except UsageError as err:
         if debug:
             raise
@@ -159,6 +165,43 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"{prog}: {type(err).__name__}: {_one_line(err)} (--debug shows the traceback)", file=sys.stderr)
         return 1
+
+
+@contextlib.contextmanager
+def exit_on_interrupt(prog: str) -> Iterator[None]:
+    """Ctrl-C ends the command at once: one line on stderr, exit 130. A KeyboardInterrupt raised inside
+    jax (an XLA callback, a compile, interpreter shutdown with XLA threads alive) can crash the process,
+    and a Python handler waits for XLA to return; so the signal's C handler writes to a pipe that a
+    thread watches, which exits the process (stdout is flushed line by line already). Only in the main
+    thread (where signals are delivered); the previous handlers come back afterwards."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    read, write = os.pipe()
+    os.set_blocking(write, False)
+    line = f"{prog}: interrupted\n".encode()
+    stderr = os.dup(2)           # the terminal's stderr: fd 2 is captured while jax works (NativeStderr)
+
+    def leave(*_: object) -> None:
+        os.write(stderr, line)
+        os._exit(130)
+
+    def watch() -> None:
+        while data := os.read(read, 64):
+            if signal.SIGINT in data:
+                leave()
+        os.close(read)
+
+    previous = signal.signal(signal.SIGINT, leave)
+    old_fd = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+    threading.Thread(target=watch, name="autoshard-sigint", daemon=True).start()
+    try:
+        yield
+    finally:
+        signal.set_wakeup_fd(old_fd)
+        signal.signal(signal.SIGINT, previous)
+        os.close(write)          # the watcher reads end-of-file, closes its end and returns
+        os.close(stderr)
 
 
 def _infeasible(err: AutoshardError) -> str | None:
