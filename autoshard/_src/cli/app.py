@@ -9,10 +9,15 @@ errors answer before jax is imported.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import importlib
 import math
+import os
+import signal
 import sys
+import threading
+from collections.abc import Iterator
 from typing import Any
 
 from ..core.errors import AutoshardError, InfeasiblePlanError
@@ -21,7 +26,7 @@ from ..pipeline.registry import partitioner_names
 from ..pipeline.schedules.registry import schedule_names
 from ..plan.config import PROFILES
 from ..tensor.experts import EXPERTS
-from .args import Parser, UsageError, input_path, memory_budget, output_path, positive_int
+from .args import MAX_LAYERS, Parser, UsageError, input_path, memory_budget, output_path, positive_int
 from .args import hardware as hardware_flag
 from .args import mesh as mesh_flag
 from .progress import Progress
@@ -39,6 +44,8 @@ def _model_flags(p: argparse.ArgumentParser, config: str) -> None:
     p.add_argument("--config", default=config, help=f"model config (default {config})")
     p.add_argument("--layers", type=positive_int, default=None, help="override num_layers (>= 1)")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config field, e.g. d_model=64")
+    p.add_argument("--max-layers", type=positive_int, default=MAX_LAYERS, metavar="N",
+                   help=f"refuse models deeper than N layers (default {MAX_LAYERS}: tracing unrolls every layer)")
 
 
 def _planning_flags(p: argparse.ArgumentParser, mesh: str | None, hardware: str, auto: bool = False) -> None:
@@ -55,7 +62,7 @@ def _planning_flags(p: argparse.ArgumentParser, mesh: str | None, hardware: str,
 def _pipeline_flags(p: argparse.ArgumentParser, default: str | None) -> None:
     p.add_argument("--pipeline", default=default, choices=[*partitioner_names(), "auto"],
                    help="pipeline stages instead of tensor sharding (a 'pipe' mesh axis fixes the stage count)")
-    p.add_argument("--schedule", default="1f1b", choices=schedule_names(), help="pipeline schedule (default 1f1b)")
+    p.add_argument("--schedule", default=None, choices=schedule_names(), help="pipeline schedule (default 1f1b)")
     p.add_argument("--blocks", type=positive_int, default=None, help="RaNNC block count k")
     p.add_argument("--recompute", action="store_true", help="recompute stage forwards in backward")
 
@@ -89,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
         pl = _add(sub, name, text, common)
         _model_flags(pl, "gpt2-small")
         _planning_flags(pl, "data=2,model=4", "h100-sxm", auto=True)
-        pl.add_argument("--devices", type=positive_int, default=8,
+        pl.add_argument("--devices", type=positive_int, default=None,
                         help="device count for --mesh auto (default 8)")
         _pipeline_flags(pl, None)
         pl.add_argument("--profile", default="model", choices=list(PROFILES),
@@ -137,8 +144,9 @@ def main(argv: list[str] | None = None) -> int:
     progress = Progress()
     module, func = COMMANDS[args.command]
     try:
-        command = getattr(importlib.import_module(f"{__package__}.{module}"), func)
-        return command(args, progress, functools.partial(print, flush=True))   # in order with stderr
+        with exit_on_interrupt(prog):
+            command = getattr(importlib.import_module(f"{__package__}.{module}"), func)
+            return command(args, progress, functools.partial(print, flush=True))   # in order with stderr
     except UsageError as err:
         if debug:
             raise
@@ -157,6 +165,43 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"{prog}: {type(err).__name__}: {_one_line(err)} (--debug shows the traceback)", file=sys.stderr)
         return 1
+
+
+@contextlib.contextmanager
+def exit_on_interrupt(prog: str) -> Iterator[None]:
+    """Ctrl-C ends the command at once: one line on stderr, exit 130. A KeyboardInterrupt raised inside
+    jax (an XLA callback, a compile, interpreter shutdown with XLA threads alive) can crash the process,
+    and a Python handler waits for XLA to return; so the signal's C handler writes to a pipe that a
+    thread watches, which exits the process (stdout is flushed line by line already). Only in the main
+    thread (where signals are delivered); the previous handlers come back afterwards."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    read, write = os.pipe()
+    os.set_blocking(write, False)
+    line = f"{prog}: interrupted\n".encode()
+    stderr = os.dup(2)           # the terminal's stderr: fd 2 is captured while jax works (NativeStderr)
+
+    def leave(*_: object) -> None:
+        os.write(stderr, line)
+        os._exit(130)
+
+    def watch() -> None:
+        while data := os.read(read, 64):
+            if signal.SIGINT in data:
+                leave()
+        os.close(read)
+
+    previous = signal.signal(signal.SIGINT, leave)
+    old_fd = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+    threading.Thread(target=watch, name="autoshard-sigint", daemon=True).start()
+    try:
+        yield
+    finally:
+        signal.set_wakeup_fd(old_fd)
+        signal.signal(signal.SIGINT, previous)
+        os.close(write)          # the watcher reads end-of-file, closes its end and returns
+        os.close(stderr)
 
 
 def _infeasible(err: AutoshardError) -> str | None:

@@ -24,29 +24,57 @@ from .tables import mesh_text, table
 from .units import fmt_bytes, fmt_count, fmt_flops, fmt_rate
 from .zoo import model_from_args, model_names
 
+DEFAULT_AUTO_DEVICES = 8
+
 
 def model_line(args: argparse.Namespace, model: Any, overrides: dict) -> str:
     extra = "".join(f", {k}={v}" for k, v in overrides.items())
     return f"{args.model} ({args.config} config{extra}): {fmt_count(model.num_params())} parameters"
 
 
+# flag -> the pipeline option it sets
+_OPTION_FLAGS = {"--blocks": ("blocks", "k"), "--recompute": ("recompute", "recompute")}
+
+
 def pipeline_options(args: argparse.Namespace) -> dict:
-    """--blocks / --recompute for the partitioners (registered by name) that take them."""
-    names = partitioner_names() if args.pipeline == "auto" else [args.pipeline]
+    """--blocks / --recompute as pipeline options; refused where --pipeline's partitioner(s) take no such
+    option (a flag silently dropped would plan something else than asked)."""
+    pipeline = getattr(args, "pipeline", None)
+    names = partitioner_names() if pipeline == "auto" else [pipeline] if pipeline else []
     accepted = set().union(*(get_partitioner(n).options for n in names))
-    given = {"k": getattr(args, "blocks", None), "recompute": getattr(args, "recompute", None) or None}
-    return {k: v for k, v in given.items() if k in accepted and v is not None}
+    out = {}
+    for flag, (attr, key) in _OPTION_FLAGS.items():
+        value = getattr(args, attr, None) or None
+        if value is None:
+            continue
+        if not pipeline:
+            raise UsageError(flag, "applies to pipeline plans only; add --pipeline rannc (or auto), or drop it")
+        if key not in accepted:
+            raise UsageError(flag, f"--pipeline {pipeline} takes no {key!r} option (its options: "
+                                   f"{', '.join(sorted(accepted))}); use --pipeline rannc, or drop it")
+        out[key] = value
+    return out
+
+
+def _check_flag_scope(args: argparse.Namespace) -> None:
+    """Flags that only mean something with another flag are refused without it, never ignored."""
+    if getattr(args, "schedule", None) and not getattr(args, "pipeline", None):
+        raise UsageError("--schedule", "applies to pipeline plans only; add --pipeline rannc, graphpipe or auto")
+    if getattr(args, "devices", None) is not None and args.mesh != "auto":
+        raise UsageError("--devices", f"counts the devices for --mesh auto, but the mesh is fixed "
+                                      f"({args.mesh or 'the --plan file'}); add --mesh auto, or drop --devices")
 
 
 def plan_config(args: argparse.Namespace) -> Config:
     """The Config the flags describe (mesh 'auto' takes --devices)."""
+    _check_flag_scope(args)
+    options = pipeline_options(args)
     kw: dict[str, Any] = {"mesh": args.mesh, "hardware": args.hardware, "memory_budget": args.memory_budget}
     if args.mesh == "auto":
-        kw["devices"] = args.devices
+        kw["devices"] = getattr(args, "devices", None) or DEFAULT_AUTO_DEVICES
     profile = getattr(args, "profile", "model")
     if getattr(args, "pipeline", None):
-        kw.update(pipeline=args.pipeline, schedule=args.schedule, profile=profile,
-                  pipeline_options=pipeline_options(args))
+        kw.update(pipeline=args.pipeline, schedule=args.schedule or "1f1b", profile=profile, pipeline_options=options)
     elif profile != "model":
         raise UsageError("--profile", "measured op costs are for pipeline plans; add --pipeline rannc, graphpipe "
                                       "or auto")

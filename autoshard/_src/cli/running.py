@@ -107,11 +107,18 @@ def cmd_run(args: argparse.Namespace, progress: Progress, out: Any) -> int:
     import autoshard
 
     pipelined = bool(args.pipeline) or bool(given and given.is_pipeline)
+    if args.microbatches is not None and not pipelined:
+        raise UsageError("--microbatches", "applies to pipeline runs only; add --pipeline rannc (with a 'pipe' "
+                                           "mesh axis, e.g. --mesh pipe=2,data=4), or drop it")
     kw: dict[str, Any] = {"hardware": args.hardware, "memory_budget": args.memory_budget}
     kw.update({"mesh": mesh} if mesh is not None else {})
     kw.update({"plan": args.plan} if args.plan else {})
     if args.pipeline:
-        kw.update(pipeline=args.pipeline, num_microbatches=args.microbatches)
+        kw["pipeline"] = args.pipeline
+    if args.microbatches is not None and not args.pipeline:
+        raise UsageError("--microbatches", f"the --plan file fixes its micro-batch count ({given.microbatches}); "
+                                           "drop --microbatches, or add --pipeline to plan again with it")
+    kw.update({"num_microbatches": args.microbatches} if args.pipeline else {})
     step = autoshard.autoshard(train_step_for(args, model, pipelined), **kw)
     init = jax.jit(model.init)
     batch = model.batch()

@@ -12,7 +12,7 @@ from typing import Any
 
 import models
 
-from .args import UsageError
+from .args import MAX_LAYERS, UsageError
 
 
 def model_from_args(args: Any) -> tuple[Any, dict[str, Any]]:
@@ -31,6 +31,13 @@ def model_from_args(args: Any) -> tuple[Any, dict[str, Any]]:
         if "num_layers" not in _fields(base):
             raise UsageError("--layers", f"{args.model} has no num_layers; its fields: {', '.join(_fields(base))}")
         overrides["num_layers"] = args.layers
+    layers, limit = overrides.get("num_layers"), getattr(args, "max_layers", MAX_LAYERS)
+    if isinstance(layers, int) and layers > limit:
+        flag = "--layers" if args.layers is not None else "--set"
+        raise UsageError(flag, f"{layers} layers is above the limit of {limit}: tracing unrolls every layer (about "
+                               f"0.1 s and 2 MB each), so this would take ~{layers // 600} min and "
+                               f"~{layers * 2 // 1024} GB before planning starts; published models have <= 128 "
+                               f"layers. Fix: fewer layers, or raise the limit with --max-layers {layers}")
     return models.get(args.model, args.config, **overrides), overrides
 
 

@@ -14,8 +14,6 @@ import numbers
 from collections.abc import Mapping
 from typing import Any
 
-import numpy as np
-
 from .errors import MeshError
 from .hardware import HardwareSpec
 
@@ -108,10 +106,16 @@ def candidate_meshes(devices: int, max_axes: int = 3) -> list[MeshSpec]:
 
 
 def _factorizations(n: int, k: int) -> list[tuple[int, ...]]:
-    """Ordered k-tuples of factors >= 2 whose product is n."""
+    """Ordered k-tuples of factors >= 2 whose product is n (over n's divisors: cost independent of n's size)."""
     if k == 1:
         return [(n,)] if n >= 2 else []
-    return [(d, *rest) for d in range(2, n + 1) if n % d == 0 for rest in _factorizations(n // d, k - 1)]
+    return [(d, *rest) for d in _divisors(n) if d >= 2 for rest in _factorizations(n // d, k - 1)]
+
+
+def _divisors(n: int) -> list[int]:
+    """The divisors of n in ascending order (trial division up to sqrt(n))."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,9 +133,23 @@ def axis_links(mesh: Any, hw: HardwareSpec) -> dict[str, Link]:
     inside one node (for aligned meshes: stride * size <= devices_per_node, stride = product of the
     later axes' sizes); otherwise its ring crosses nodes and runs at the inter-node link's speed."""
     mesh = mesh_spec(mesh)
-    node = np.arange(mesh.size).reshape(mesh.sizes) // hw.devices_per_node
     intra = Link(hw.intra_node_bandwidth, hw.intra_node_latency, inter_node=False)
     inter = Link(hw.inter_node_bandwidth, hw.inter_node_latency, inter_node=True)
-    # exact test over all groups (also right when node boundaries cut a group unevenly)
-    return {name: intra if (node.min(axis=i) == node.max(axis=i)).all() else inter
-            for i, name in enumerate(mesh.names)}
+    sizes = mesh.sizes
+    return {name: intra if _within_nodes(math.prod(sizes[:i]), size, math.prod(sizes[i + 1:]), hw.devices_per_node)
+            else inter for i, (name, size) in enumerate(mesh.axes)}
+
+
+def _within_nodes(outer: int, size: int, stride: int, per_node: int) -> bool:
+    """Whether every group of an axis (`size` devices `stride` apart, `outer` blocks of size*stride
+    devices) stays inside one node of `per_node` devices. Arithmetic, exact also when node
+    boundaries cut groups unevenly: a block starting at residue r (mod per_node) keeps its groups
+    in one node iff r + size*stride <= per_node; residues repeat every per_node/gcd blocks, so at
+    most per_node blocks are looked at, whatever the device count."""
+    if size == 1:
+        return True
+    block = size * stride
+    if block > per_node:
+        return False
+    cycle = min(outer, per_node // math.gcd(block, per_node))
+    return all((o * block) % per_node + block <= per_node for o in range(cycle))

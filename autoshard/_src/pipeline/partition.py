@@ -85,7 +85,8 @@ class Profiler(Protocol):
 @dataclasses.dataclass(frozen=True)
 class PartitionProblem:
     """Everything a partitioner may use. `stage_counts` fixes the stage count (a "pipe" mesh axis);
-    `profiler` is given with profile="measured"."""
+    `profiler` is given with profile="measured"; `num_microbatches`, when given, is the micro-batch
+    count the plan must have (the runtime runs it: a partitioner that chooses another is refused)."""
 
     graph: OpGraph
     mesh: MeshSpec
@@ -95,6 +96,7 @@ class PartitionProblem:
     options: Mapping[str, Any]
     profile: str = "model"
     profiler: Profiler | None = None
+    num_microbatches: int | None = None
 
     @property
     def devices(self) -> int:

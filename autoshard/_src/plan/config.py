@@ -22,15 +22,20 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ..core.errors import ConfigError
+from ..core.errors import AutoshardError, ConfigError
 from ..core.hardware import HardwareSpec, get_hardware
-from ..core.mesh import MeshSpec, mesh_spec
+from ..core.mesh import MeshSpec, candidate_meshes, mesh_spec
 from ..pipeline.registry import AUTO, get_partitioner, partitioner_names
 from ..pipeline.schedules.registry import schedule_names
 from ..tensor.search import STORAGE_MODES, SearchOptions
-from .joint_planner import JOINT_OPTION_KEYS
+from .joint_planner import JOINT_OPTION_KEYS, auto_mesh_options, fixed_shape_options
+from .options import check_pipeline_options, check_search_fields
 
 PROFILES = ("model", "measured")
+# planning for more devices than any cluster has is a typo (10**9 for 10**3); refused before work
+MAX_DEVICES = 2**20
+# mesh="auto" prices every factorisation of the device count: bounded so planning stays in minutes
+MAX_AUTO_MESHES = 512
 _PIPELINE_ONLY = ("schedule", "profile", "pipeline_options", "num_microbatches")
 
 
@@ -61,6 +66,15 @@ class Config:
         if self.devices is not None and (isinstance(self.devices, bool) or not isinstance(self.devices, int)
                                          or self.devices < 1):
             raise ConfigError(f"autoshard: devices={self.devices!r} must be an int >= 1.")
+        self._check_size()
+        for name in ("pipeline", "schedule", "profile", "cache_dir"):
+            value = getattr(self, name)
+            if not (isinstance(value, str) or (value is None and name in ("pipeline", "cache_dir"))):
+                raise ConfigError(f"autoshard: {name}={value!r} must be a string" +
+                                  (" (or None)." if name in ("pipeline", "cache_dir") else "."))
+        if not isinstance(self.pipeline_options or {}, Mapping):
+            raise ConfigError(f"autoshard: pipeline_options={self.pipeline_options!r} must be a dict (a TOML table "
+                              "[pipeline_options]) of option name -> value.")
         if self.hardware is not None:
             set_("hardware", get_hardware(self.hardware))
         if self.memory_budget is not None and not _positive(self.memory_budget):
@@ -72,7 +86,25 @@ class Config:
             raise ConfigError(f"autoshard: donate={self.donate!r} must be True or False.")
         self._check_pipeline()
 
+    def _check_size(self) -> None:
+        """Sizes no cluster has, and mesh='auto' device counts with too many factorisations to price, are
+        refused now, in a second, not after hours of planning."""
+        size = self.mesh.size if isinstance(self.mesh, MeshSpec) else self.devices
+        if size is not None and size > MAX_DEVICES:
+            what = f"mesh {self.mesh}" if isinstance(self.mesh, MeshSpec) else f"devices={self.devices}"
+            raise ConfigError(f"autoshard: {what} is {size} devices, more than any cluster has (the largest hold "
+                              f"~1e5 accelerators; autoshard plans up to {MAX_DEVICES}). Fix: check the count.")
+        if self.mesh == "auto" and self.devices is not None:
+            count = len(candidate_meshes(self.devices))
+            if count > MAX_AUTO_MESHES:
+                raise ConfigError(
+                    f"autoshard: mesh='auto' with devices={self.devices} would price {count} mesh shapes (every "
+                    f"factorisation of {self.devices} into up to 3 axes; at most {MAX_AUTO_MESHES} keep planning "
+                    "within minutes). Fix: pass the mesh, e.g. mesh={'data': ..., 'model': ...}, or a device count "
+                    "with fewer divisors (a power of two, or a multiple of 8 and a power of two).")
+
     def _check_pipeline(self) -> None:
+        check_pipeline_options(self.pipeline_options)
         if self.pipeline is None:
             given = [k for k in _PIPELINE_ONLY if getattr(self, k) != _DEFAULTS[k]]
             if self.mesh == "auto" and given == ["pipeline_options"]:      # the 3-D search's own options
@@ -80,6 +112,7 @@ class Config:
                 if unknown:
                     raise ConfigError(f"autoshard: pipeline_options {unknown} do not apply to mesh='auto' (the 3-D "
                                       f"search); valid: {sorted(JOINT_OPTION_KEYS)}.")
+                auto_mesh_options(self.pipeline_options)        # contradictions: now, not when planning
                 return
             if given:
                 verb = "apply" if len(given) > 1 else "applies"
@@ -101,7 +134,8 @@ class Config:
                               "prices ops with the hardware spec's roofline, 'measured' times them on the local "
                               "device).")
         valid = set().union(*(p.options for p in parts))
-        if self.pipeline == AUTO and isinstance(self.mesh, MeshSpec) and "pipe" in self.mesh.names:
+        three_d = self.pipeline == AUTO and isinstance(self.mesh, MeshSpec) and "pipe" in self.mesh.names
+        if three_d:
             valid = set(JOINT_OPTION_KEYS)          # a "pipe" mesh: the 3-D search (plan.joint_planner)
         unknown = sorted(set(self.pipeline_options) - valid)
         if unknown:
@@ -111,10 +145,18 @@ class Config:
                                                   or not isinstance(self.num_microbatches, int)
                                                   or self.num_microbatches < 1):
             raise ConfigError(f"autoshard: num_microbatches={self.num_microbatches!r} must be an int >= 1.")
+        if self.pipeline == "graphpipe" and self.num_microbatches is not None:
+            raise ConfigError(f"autoshard: num_microbatches={self.num_microbatches} with pipeline='graphpipe': "
+                              "GraphPipe chooses each plan's micro-batch size itself, and the runtime would run "
+                              "another count than the plan's. Fix: drop num_microbatches (bound the size with "
+                              "pipeline_options={'max_microbatch_size': ...}), or use pipeline='rannc', which "
+                              "plans for the given count.")
         if self.pipeline != AUTO and isinstance(self.mesh, MeshSpec):
             why = parts[0].unsupported(self.mesh, self.pipeline_options)
             if why:
                 raise ConfigError(f"autoshard: {why}.")
+        if three_d:
+            fixed_shape_options(self.mesh, self.schedule, self.num_microbatches, self.pipeline_options)
 
     # --- building ---------------------------------------------------------------------------
     @classmethod
@@ -126,16 +168,26 @@ class Config:
                 raise ConfigError("autoshard: pass search options once: options= or search=, not both.")
             kwargs["search"] = kwargs.pop("options")
         base: dict[str, Any]
+        where = "autoshard"
         if config is None:
             base = {}
         elif isinstance(config, Config):
             base = {f.name: getattr(config, f.name) for f in dataclasses.fields(cls)}
         elif isinstance(config, Mapping):
             base = dict(config)
+        elif isinstance(config, (str, Path)):
+            base, where = load_toml(config), f"autoshard config {str(config)!r}"
         else:
-            base = load_toml(config)
-        base.update({k: v for k, v in kwargs.items() if v is not None})
-        return cls.from_mapping(base)
+            raise ConfigError(f"autoshard: config={config!r} (type {type(config).__name__}) must be a TOML file path, "
+                              "a dict of config keys or a Config.")
+        given = {k: v for k, v in kwargs.items() if v is not None}
+        try:
+            return cls.from_mapping({**base, **given})
+        except ConfigError as err:
+            if where == "autoshard":
+                raise
+            keys = f" with keywords {sorted(given)}" if given else ""
+            raise type(err)(f"{err} (in {where.removeprefix('autoshard ')}{keys})") from err
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any], where: str = "autoshard") -> Config:
@@ -143,7 +195,13 @@ class Config:
         unknown = sorted(set(data) - fields)
         if unknown:
             raise ConfigError(f"{where}: unknown key(s) {unknown}; valid keys: {sorted(fields)}.")
-        return cls(**data)
+        try:
+            return cls(**data)
+        except AutoshardError:
+            raise
+        except (TypeError, ValueError) as err:      # a value of a type no check foresaw: still typed, one line
+            raise ConfigError(f"{where}: a config value has the wrong type ({err}); keys given: "
+                              f"{sorted(data)}.") from err
 
     def replace(self, **changes: Any) -> Config:
         return dataclasses.replace(self, **changes)
@@ -158,13 +216,11 @@ def load_toml(path: str | Path) -> dict[str, Any]:
     (preset name or table), memory_budget, [search] (or [options]), pipeline, schedule, profile,
     [pipeline_options], num_microbatches, donate, cache_dir."""
     p = Path(path)
-    try:
-        data = tomllib.loads(p.read_text())
-    except FileNotFoundError as err:
-        raise ConfigError(f"autoshard config {str(p)!r} does not exist.") from err
-    except tomllib.TOMLDecodeError as err:
-        raise ConfigError(f"autoshard config {str(p)!r} is not valid TOML: {err}.") from err
+    data = _read_toml(p)
     if "options" in data:
+        if "search" in data:
+            raise ConfigError(f"autoshard config {str(p)!r} has both [options] and [search]; they are one table "
+                              "(the tensor search options) under two names. Fix: merge them into [search].")
         data["search"] = data.pop("options")
     fields = {f.name for f in dataclasses.fields(Config)}
     unknown = sorted(set(data) - fields)
@@ -173,6 +229,25 @@ def load_toml(path: str | Path) -> dict[str, Any]:
     if isinstance(data.get("search"), Mapping):
         _search_options(data["search"], None, where=f"autoshard config {str(p)!r}: [search]")
     return data
+
+
+def _read_toml(p: Path) -> dict[str, Any]:
+    """The file's TOML as a dict, or a ConfigError naming the file and what is wrong with it."""
+    where = f"autoshard config {str(p)!r}"
+    try:
+        raw = p.read_bytes()
+    except FileNotFoundError as err:
+        raise ConfigError(f"{where} does not exist.") from err
+    except IsADirectoryError as err:
+        raise ConfigError(f"{where} is a directory; give the path of a .toml file.") from err
+    except OSError as err:
+        raise ConfigError(f"{where} cannot be read: {err.strerror or err}.") from err
+    try:
+        return tomllib.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{where} is not a text file (byte {err.start} is not UTF-8); give a TOML file.") from err
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(f"{where} is not valid TOML: {err}.") from err
 
 
 def _search_options(value: Any, memory_budget: float | None, where: str = "autoshard: search") -> SearchOptions:
@@ -193,19 +268,10 @@ def _search_options(value: Any, memory_budget: float | None, where: str = "autos
 def _check_search_fields(opts: SearchOptions, where: str) -> None:
     """Each SearchOptions field within what the search can use (else a ConfigError naming it)."""
     modes = opts.storage_modes
-    if isinstance(modes, str) or not modes or any(m not in STORAGE_MODES for m in modes):
+    if isinstance(modes, str) or not isinstance(modes, tuple) or not modes or \
+            any(not isinstance(m, str) or m not in STORAGE_MODES for m in modes):
         raise ConfigError(f"{where}: storage_modes={modes!r}; give a non-empty tuple of {list(STORAGE_MODES)}.")
-    checks = (("max_plans", opts.max_plans, lambda x: isinstance(x, int) and not isinstance(x, bool) and x >= 1,
-               "an int >= 1 (the enumeration cap)"),
-              ("overlap", opts.overlap, lambda x: isinstance(x, numbers.Real) and 0 <= x <= 1,
-               "a number in [0, 1] (the share of backward compute gradient sync can hide behind)"),
-              ("bucket_bytes", opts.bucket_bytes, _positive, "a number of bytes > 0"),
-              ("memory_budget", opts.memory_budget, lambda x: x is None or _positive(x), "bytes per device > 0"),
-              ("sequence_parallel", opts.sequence_parallel, lambda x: x in ("auto", "on", "off"),
-               "'auto' (when nothing else fits the memory budget), 'on' or 'off'"))
-    for name, value, ok, want in checks:
-        if not ok(value):
-            raise ConfigError(f"{where}: {name}={value!r} must be {want}.")
+    check_search_fields(dataclasses.asdict(opts), where)
 
 
 def _positive(x: Any) -> bool:

@@ -65,10 +65,26 @@ def fixed_shape_options(mesh: MeshSpec, schedule: str, num_microbatches: int | N
                           "(the best Megatron-LM grid point of the mesh's shape) or None (the 3-D search's best).")
     remat = _remat_policies(options)
     shape = tuple(mesh.axis_size(n) if n in others else 1 for n in STAGE_AXES)
+    _check_fixed_shape(mesh, shape[1], num_microbatches, options)
     return JointOptions(schedules=(schedule,), remat=remat, stages=mesh.axis_size("pipe"),
                         shape=shape, microbatches=num_microbatches,
                         max_microbatches=int(options.get("max_microbatches", JointOptions.max_microbatches)),
                         max_model=options.get("max_model"), equal_submeshes=_equal_submeshes(options))
+
+
+def _check_fixed_shape(mesh: MeshSpec, model: int, num_microbatches: int | None, options: Mapping[str, Any]) -> None:
+    """Caps that a fixed mesh shape or micro-batch count already decides: a contradiction is refused, not
+    dropped (the search would run the mesh's shape and the given count whatever the cap says)."""
+    cap = options.get("max_model")
+    if cap is not None and model > cap:
+        raise ConfigError(f"autoshard: pipeline_options max_model={cap} contradicts mesh {mesh}, whose 'model' axis "
+                          f"fixes the tensor-parallel size to {model}. Fix: drop max_model (the mesh decides), or pass "
+                          f"a mesh whose 'model' axis is <= {cap}, or mesh='auto' with devices=N to let max_model "
+                          "bound the search.")
+    most = options.get("max_microbatches")
+    if most is not None and num_microbatches is not None and num_microbatches > most:
+        raise ConfigError(f"autoshard: num_microbatches={num_microbatches} exceeds pipeline_options "
+                          f"max_microbatches={most}. Fix: drop one of them, or raise max_microbatches.")
 
 
 def auto_mesh_options(options: Mapping[str, Any]) -> JointOptions:

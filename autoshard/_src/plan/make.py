@@ -52,7 +52,8 @@ def make_plan(graph: OpGraph, config: Config, hardware: HardwareSpec, *, profile
         mesh = MeshSpec((("data", config.devices),)) if config.mesh == "auto" else config.mesh
         plan = pipeline_plan(graph, mesh=mesh, hw=hardware, memory_budget=config.memory_budget,
                              pipeline=config.pipeline, schedule=config.schedule, profile=config.profile,
-                             options=config.pipeline_options, profiler=profiler)
+                             options=config.pipeline_options, profiler=profiler,
+                             num_microbatches=config.num_microbatches)
     timing = {"trace_seconds": trace_seconds, "group_seconds": group_seconds,
               "search_seconds": plan.predicted["search_seconds"],
               "total_seconds": trace_seconds + time.perf_counter() - t0}

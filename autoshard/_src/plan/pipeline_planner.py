@@ -41,23 +41,46 @@ def _params(graph: OpGraph, ops: tuple[int, ...]) -> tuple[str, ...]:
 
 def pipeline_plan(graph: OpGraph, *, mesh: MeshSpec, hw: HardwareSpec, memory_budget: float | None,
                   pipeline: str, schedule: str = "1f1b", profile: str = "model",
-                  options: Mapping[str, Any] | None = None, profiler: Profiler | None = None) -> Plan:
+                  options: Mapping[str, Any] | None = None, profiler: Profiler | None = None,
+                  num_microbatches: int | None = None) -> Plan:
     """The pipeline plan of the traced step `graph` by the registered partitioner `pipeline` (or
-    "auto": the best of all that apply). `profiler` times ops on the local device for profile="measured".
+    "auto": the best of all that apply). `profiler` times ops on the local device for profile="measured";
+    `num_microbatches`, when given, is the plan's micro-batch count (the count the runtime will run).
     The arguments are validated by `Config`."""
     options = dict(options or {})
     if profile == "measured" and profiler is None:
         raise PlanError("autoshard.plan: profile='measured' needs the step itself to time its ops; plan with "
                         "autoshard.plan(step, *args, ...), not from a graph alone.")
     if pipeline == AUTO:
-        return _auto(graph, mesh, hw, memory_budget, schedule, profile, options, profiler)
+        return _auto(graph, mesh, hw, memory_budget, schedule, profile, options, profiler, num_microbatches)
     problem = PartitionProblem(graph, mesh, hw, memory_budget, schedule, options, profile,
-                               profiler if profile == "measured" else None)
-    return _plan_from_partition(graph, get_partitioner(pipeline).partition(problem), problem, pipeline)
+                               profiler if profile == "measured" else None, num_microbatches)
+    return _plan_from_partition(graph, _partition(get_partitioner(pipeline), problem), problem, pipeline)
+
+
+def _partition(partitioner: Any, problem: PartitionProblem) -> StagePartition:
+    """The partitioner's result, refused when it ignores the micro-batch count asked for (the runtime
+    would run that count while the plan was priced for its own)."""
+    want = problem.num_microbatches
+    try:
+        part = partitioner.partition(problem)
+    except InfeasiblePlanError as err:
+        if want is None:
+            raise
+        raise InfeasiblePlanError(f"{err} (planned for num_microbatches={want}: each micro-batch must give every "
+                                  "replica of a stage a sample; fewer micro-batches, or none given, may fit)",
+                                  min_memory=err.min_memory, budget=err.budget) from err
+    got = sorted({s.microbatches for s in part.stages})
+    if want is not None and got != [want]:
+        raise PipelineError(f"autoshard.plan: num_microbatches={want}, but the {partitioner.name} partitioner "
+                            f"chooses its own micro-batch count ({', '.join(map(str, got))}) and cannot plan for "
+                            f"{want}. Fix: drop num_microbatches (the plan's count is then run), or use "
+                            "pipeline='rannc', which plans for the given count.")
+    return part
 
 
 def _auto(graph: OpGraph, mesh: MeshSpec, hw: HardwareSpec, memory_budget: float | None, schedule: str,
-          profile: str, options: Mapping[str, Any], profiler: Profiler | None) -> Plan:
+          profile: str, options: Mapping[str, Any], profiler: Profiler | None, num_microbatches: int | None) -> Plan:
     """pipeline="auto": every registered partitioner that applies (its schedules, the mesh), on one
     trace; the plan with the shortest simulated step wins (the same event simulator times all), and
     the plan records every candidate's step or why it had none."""
@@ -79,9 +102,9 @@ def _auto(graph: OpGraph, mesh: MeshSpec, hw: HardwareSpec, memory_budget: float
     first_error: Exception | None = None
     for p, mine in chosen_parts:
         problem = PartitionProblem(graph, mesh, hw, memory_budget, schedule, mine, profile,
-                                   profiler if profile == "measured" else None)
+                                   profiler if profile == "measured" else None, num_microbatches)
         try:
-            plans[p.name] = _plan_from_partition(graph, p.partition(problem), problem, p.name)
+            plans[p.name] = _plan_from_partition(graph, _partition(p, problem), problem, p.name)
         except (PipelineError, InfeasiblePlanError) as e:   # recorded: another may fit
             skipped[p.name] = str(e).splitlines()[0]
             first_error = first_error or e

@@ -17,7 +17,15 @@ from ..pipeline.costs import traced_batch
 from ..tensor.experts import EXPERTS, expert_assignments
 from ..tensor.instances import input_maps, instance_maps
 from ..tensor.regions import REDUCE_SCATTERED
-from ..tensor.search import PlanChoice, SearchOptions, SearchResult, search, with_sequence_parallel
+from ..tensor.search import (
+    PlanChoice,
+    SearchOptions,
+    SearchResult,
+    analysis,
+    search,
+    sequence_parallel_analysis,
+    with_sequence_parallel,
+)
 from .plan import ParamReport, Plan, Stage
 from .specs import Spec
 
@@ -40,8 +48,11 @@ def tensor_plan(graph: OpGraph, *, mesh: Any, hw: HardwareSpec, options: SearchO
         meshes = [mesh_spec(mesh)]
     t0 = time.perf_counter()
     best = None
+    # the mesh-independent analyses once, not per candidate mesh (mesh="auto" may price thousands)
+    analysed = analysis(graph, grouping)
+    sp = (sequence_parallel_analysis(graph, grouping, analysed),) if options.sequence_parallel != "off" else None
     for m in meshes:
-        res = search(graph, grouping, m, hw, options)
+        res = search(graph, grouping, m, hw, options, analysed=analysed, sp_analysed=sp)
         if best is None or _prefer(res, best[1]):
             best = (m, res)
     seconds = time.perf_counter() - t0

@@ -90,15 +90,17 @@ def _grad_ops(graph: OpGraph, ops: Sequence[int]) -> frozenset[int]:
 
 def search(graph: OpGraph, grouping: Grouping, mesh: MeshSpec, hw: HardwareSpec,
            options: SearchOptions = SearchOptions(), cost: CostModel | None = None,
-           analysed: Analysis | None = None) -> SearchResult:
+           analysed: Analysis | None = None,
+           sp_analysed: tuple[Analysis | None] | None = None) -> SearchResult:
     """Find the fastest memory-feasible assignment of mesh axes to factors and a storage mode
-    (`analysed`: a previous `analysis(graph, grouping)` to reuse)."""
+    (`analysed`: a previous `analysis(graph, grouping)` to reuse; `sp_analysed`: a previous
+    `(sequence_parallel_analysis(graph, grouping, analysed),)`, a 1-tuple since None is a result)."""
     cost = cost or AnalyticalCostModel(mesh, hw)
     analysed = analysed if analysed is not None else analysis(graph, grouping)
     result = _search_space(plan_space(graph, grouping, mesh, options, analysed), hw, cost, options)
     mode = options.sequence_parallel
     if mode != "off":
-        sp = sequence_parallel_analysis(graph, grouping, analysed)
+        sp = sp_analysed[0] if sp_analysed is not None else sequence_parallel_analysis(graph, grouping, analysed)
         result._sp_analysis = sp          # with_sequence_parallel prices experts in it without redoing it
         if sp is not None:
             sp_result = _search_space(plan_space(graph, grouping, mesh, options, sp), hw, cost, options)

@@ -45,7 +45,9 @@ class RanncPartitioner:
         sp = plan_stages(graph, problem.devices, hw, k=int(options.get("k", 32)), schedule=problem.schedule,
                          memory_budget=problem.memory_budget, use_blocks=use_blocks,
                          search=str(options.get("search", "all")), prune=bool(options.get("prune", False)),
-                         costs=costs, stage_counts=problem.stage_counts, **kw)
+                         costs=costs, stage_counts=problem.stage_counts,
+                         microbatch_counts=None if problem.num_microbatches is None else [problem.num_microbatches],
+                         **kw)
         grouping = group(graph)
         uniform = best_uniform(costs, problem.devices, grouping=grouping, schedule=problem.schedule,
                                memory_budget=sp.memory_budget, stage_counts=problem.stage_counts, **kw)

@@ -301,9 +301,11 @@ def _node_counts(N: int) -> list[int]:
 
 def form_stage(problem: StageProblem, nodes: int, devices_per_node: int, *, prune: bool = False,
                exhaustive: bool = False, method: str = "rannc",
-               stage_counts: Sequence[int] | None = None, search: str = "all") -> StagePlan:
+               stage_counts: Sequence[int] | None = None, search: str = "all",
+               microbatch_counts: Sequence[int] | None = None) -> StagePlan:
     """Algorithm 2: search node counts, stage counts and micro-batch counts (powers of two).
     `stage_counts` restricts the stage counts tried (e.g. to the size of a mesh's "pipe" axis);
+    `microbatch_counts` replaces the powers of two (e.g. the user's num_microbatches);
     `search` ("stage", "node", "all") is when to stop (module doc); `exhaustive=True` means "all"."""
     if search not in SEARCHES:
         raise PipelineError(f"pipeline.form_stage: search={search!r} is not one of {SEARCHES} (stop after the "
@@ -325,13 +327,13 @@ def form_stage(problem: StageProblem, nodes: int, devices_per_node: int, *, prun
                 continue
             tried[S] = (D, R)
             sols = []
-            MB = 1
-            while MB <= BS // R:
+            counts = [1 << i for i in range((BS // R).bit_length())] if microbatch_counts is None else \
+                [m for m in microbatch_counts if m <= BS // R]
+            for MB in counts:
                 calls += 1
                 splits = form_stage_dp(problem, S, D, R, MB, prune=prune)
                 if splits is not None:
                     sols.append((problem.plan(splits, D=D, R=R, MB=MB, method=method, with_ops=False), splits))
-                MB *= 2
             found += sols
             if sols and search == "stage":
                 break
@@ -413,13 +415,14 @@ def plan_stages(graph: OpGraph, devices: int, hardware: Any, *, k: int = 32,
                 exhaustive: bool = False, cost_model: Any = None, atomic: AtomicPartition | None = None,
                 blocks: BlockPartition | None = None, costs: PipelineCosts | None = None,
                 stage_counts: Sequence[int] | None = None, op_time: Sequence[float] | None = None,
-                search: str = "all") -> StagePlan:
+                search: str = "all", microbatch_counts: Sequence[int] | None = None) -> StagePlan:
     """RaNNC end to end: atomic components, k blocks (unless `use_blocks=False`: the §IV-C variant
     over atomic components), then Algorithm 2 over `devices` devices of `hardware`. Precomputed
     `atomic`, `blocks` or `costs` (which fix the hardware and cost model) are reused. `op_time`
     (seconds per op execution, e.g. measured) replaces the cost model's compute estimates;
     `stage_counts` restricts the stage counts Algorithm 2 tries; `search` is when it stops
-    ("stage": the paper's first stage count with a solution; "node"; "all", see form_stage)."""
+    ("stage": the paper's first stage count with a solution; "node"; "all", see form_stage);
+    `microbatch_counts` restricts the micro-batch counts tried (default: every power of two)."""
     t0 = time.perf_counter()
     atomic = atomic or (costs.atomic if costs is not None else blocks.atomic if blocks is not None
                         else atomic_partition(graph))
@@ -443,5 +446,5 @@ def plan_stages(graph: OpGraph, devices: int, hardware: Any, *, k: int = 32,
                            memory_budget=memory_budget)
     plan = form_stage(problem, nodes, per_node, prune=prune, exhaustive=exhaustive,
                       method="rannc" if use_blocks else "rannc-no-blocks", stage_counts=stage_counts,
-                      search=search)
+                      search=search, microbatch_counts=microbatch_counts)
     return dataclasses.replace(plan, search_seconds=time.perf_counter() - t0)
