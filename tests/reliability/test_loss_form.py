@@ -117,10 +117,13 @@ def test_ratio_loss_trains_like_one_device_on_a_fixed_pipe_mesh():
     assert_close(params, kept, tol=0)
 
 
-def test_per_sample_mean_is_unchanged():
+@pytest.mark.parametrize("explicit", [False, True], ids=["dict", "explicit-axes"])
+def test_per_sample_mean_is_unchanged(explicit):
+    """Also on a mesh from jax.make_mesh, whose axes are Explicit by default: taken as Auto."""
     params = M.init(jax.random.key(0))
     batch = M.batch()
-    run = autoshard.pipelined(M.loss, params, batch, mesh=MESH, num_microbatches=2)
+    mesh = jax.make_mesh(tuple(MESH.values()), tuple(MESH), devices=jax.devices()[:4]) if explicit else MESH
+    run = autoshard.pipelined(M.loss, params, batch, mesh=mesh, num_microbatches=2)
     assert run.program.batch_globals is None           # nothing taken from the whole batch
     loss, grads = run.value_and_grad(params, batch)
     want, want_grads = jax.value_and_grad(M.loss)(params, batch)

@@ -39,6 +39,7 @@ from .cut_dag import assign as dag_assign
 from .cut_dag import plan_edges
 from .cut_place import anchors, live_bytes, plan_anchors, plan_stages
 from .devices import local_hardware
+from .emit import auto_axes
 from .loss_form import LossForm, loss_form, value_avals
 from .remat import eqn_blocks, run_eqns
 from .repack import Repacker
@@ -64,7 +65,7 @@ class StageInfo:
 
 def _mesh(mesh: Any) -> Mesh:
     if isinstance(mesh, Mesh):
-        return mesh
+        return auto_axes(mesh)        # jax.make_mesh's Explicit axes: same devices, Auto (the runtime's constraints)
     if isinstance(mesh, Mapping) and mesh and all(isinstance(v, int) and v > 0 for v in mesh.values()):
         n = math.prod(mesh.values())
         if n > len(jax.devices()):

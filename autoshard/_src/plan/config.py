@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+import os
 import tomllib
 import types
 from collections.abc import Mapping
@@ -67,11 +68,13 @@ class Config:
                                          or self.devices < 1):
             raise ConfigError(f"autoshard: devices={self.devices!r} must be an int >= 1.")
         self._check_size()
+        if isinstance(self.cache_dir, os.PathLike):      # a pathlib.Path is as good as its string
+            set_("cache_dir", os.fspath(self.cache_dir))
         for name in ("pipeline", "schedule", "profile", "cache_dir"):
             value = getattr(self, name)
             if not (isinstance(value, str) or (value is None and name in ("pipeline", "cache_dir"))):
-                raise ConfigError(f"autoshard: {name}={value!r} must be a string" +
-                                  (" (or None)." if name in ("pipeline", "cache_dir") else "."))
+                also = {"pipeline": " (or None)", "cache_dir": " (or a path, or None)"}.get(name, "")
+                raise ConfigError(f"autoshard: {name}={value!r} must be a string{also}.")
         if not isinstance(self.pipeline_options or {}, Mapping):
             raise ConfigError(f"autoshard: pipeline_options={self.pipeline_options!r} must be a dict (a TOML table "
                               "[pipeline_options]) of option name -> value.")
