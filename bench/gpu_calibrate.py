@@ -400,6 +400,40 @@ def run_layer(rec: Recorder, hw, quick: bool) -> None:
         del params, x
 
 
+# whole train steps of the zoo (float32 parameters and compute: TF32 matmuls on Ampere and later)
+_STEPS = [("gpt", "gpt2-small"), ("gpt", "gpt2-medium"), ("bert", "bert-large"), ("t5", "t5-large"),
+          ("resnet", "resnet50"), ("moe", "switch-base-8")]
+
+
+def run_step(rec: Recorder, hw, quick: bool) -> None:
+    """A zoo model's whole train step (forward, backward, optimizer) under jax.jit on one device,
+    beside the planner's predicted step time for the one-device mesh (`autoshard.plan(...)
+    .predicted["step_time"]`, the tensor evaluator) and the per-op kernel-model sum."""
+    import models
+    for name, config in ([("gpt", "debug"), ("mlp", "debug")] if quick else _STEPS):
+        if rec.out_of_time(f"step {name} {config}"):
+            return
+        row = {"model": name, "config": config}
+        try:
+            m = models.get(name, config)
+            params = m.init(jax.random.PRNGKey(0))
+            args = (params, m.init_opt_state(params), m.batch())
+            t = timed(jax.jit(m.train_step), *args, runs=8)
+            plan = autoshard.plan(m.train_step, *args, mesh={"data": 1}, hardware=hw)
+            row.update(measured=t, predicted=plan.predicted["step_time"], ratio=t / plan.predicted["step_time"])
+            price = model_price(m.train_step, args, hw)
+            row.update(op_sum=price["predicted"], ratio_op_sum=t / price["predicted"],
+                       traced_flops=price["traced_flops"], tflops=price["traced_flops"] / t / 1e12)
+            row.update(compiled_facts(m.train_step, *args))
+            audit = autoshard.audit(plan, m.train_step, *args)       # the plan compiled here: memory on this backend
+            row.update(compiled_memory=dict(audit.memory), predicted_memory=dict(audit.predicted_memory),
+                       memory_gaps=[f"{g.what}: {g.predicted:.4g} vs {g.audited:.4g}" for g in audit.gaps
+                                    if g.what.startswith("memory")])
+        except Exception as exc:      # one model failing must not cost the others' rows
+            row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+        rec.add("step", row)
+
+
 def _fmt(x, unit=1.0, digits=3):
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x / unit:.{digits}g}"
 
@@ -443,6 +477,18 @@ def write_markdown(data: dict, path: Path) -> None:
                   f"{r['xla_bytes'] / r['io_bytes']:.2f} | {r['ratio_model']:.2f} | {r['ratio_one_pass']:.2f} |"
                   for r in sec["fused"]]
         lines.append("")
+    if "step" in sec:
+        lines += ["## whole train steps (one device, jax.jit)", "", "| model | config | ms | TFLOP/s | planner ms "
+                  "| ratio | per-op sum ms | ratio | kernels | argument+temp MiB compiled | predicted | note |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in sec["step"]:
+            mem = [r.get(k, {}).get("argument+temp") for k in ("compiled_memory", "predicted_memory")]
+            lines.append(f"| {r['model']} | {r['config']} | {_fmt(r.get('measured'), 1e-3)} | "
+                         f"{_fmt(r.get('tflops'), 1, 4)} | {_fmt(r.get('predicted'), 1e-3)} | "
+                         f"{_fmt(r.get('ratio'), 1, 3)} | {_fmt(r.get('op_sum'), 1e-3)} | "
+                         f"{_fmt(r.get('ratio_op_sum'), 1, 3)} | {r.get('kernels', '-')} | {_fmt(mem[0], 2**20, 4)} | "
+                         f"{_fmt(mem[1], 2**20, 4)} | {r.get('error', '')[:120]} |")
+        lines.append("")
     for name, keys in (("attention", ("B", "S", "H", "D", "impl", "mode")),
                        ("layer", ("run", "h", "heads", "tp", "B", "S", "impl", "remat"))):
         if name not in sec:
@@ -465,7 +511,7 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="small shapes (the default on a CPU)")
     ap.add_argument("--out-dir", default=str(Path(__file__).resolve().parent / "results"))
     ap.add_argument("--budget", type=float, default=480.0, help="seconds for the whole run; later cases skipped")
-    ap.add_argument("--sections", default="copy,launch,fused,attention,layer,gemm")
+    ap.add_argument("--sections", default="copy,launch,fused,attention,layer,step,gemm")
     ap.add_argument("--merge", default=None, help="a previous result JSON whose other sections are kept")
     ap.add_argument("--resume", action="store_true", help="with --merge: keep its rows of every section and "
                     "measure only the cases it lacks (gemm)")
@@ -490,7 +536,7 @@ def main(argv=None) -> int:
         rec.data["sections"] = {k: v for k, v in old["sections"].items() if k not in rerun}
         rec.data["meta"]["merged_from"] = {"sections": sorted(rec.data["sections"]), "machine": old["meta"]["machine"]}
     runners = {"copy": run_copy, "launch": run_launch, "gemm": run_gemm, "fused": run_fused,
-               "attention": run_attention, "layer": run_layer}
+               "attention": run_attention, "layer": run_layer, "step": run_step}
     for name in args.sections.split(","):
         t0 = time.time()
         runners[name](rec, hw, quick)
