@@ -407,3 +407,28 @@ def test_restoring_a_path_this_process_is_still_saving_says_so(tmp_path, monkeyp
     for saving in savings:
         saving.wait()
         _assert_tree_equal(_restore_state(saving.path), state(NEW))
+
+
+def test_saves_to_one_path_are_swapped_in_the_order_they_were_called(tmp_path, monkeypatch):
+    """Two asynchronous saves over one path whose first finishes writing last: the second (newest)
+    state is the one kept, not whichever commit happened to finish last."""
+    path = tmp_path / "ckpt"
+    first_may_seal, sealed, write_manifest = threading.Event(), [], disk.write_manifest
+
+    def manifest_first_slow(directory, *a, **k):
+        if not sealed:
+            sealed.append("first")
+            first_may_seal.wait(timeout=60)
+        write_manifest(directory, *a, **k)
+        sealed.append(directory)
+    monkeypatch.setattr(disk, "write_manifest", manifest_first_slow)
+    first = autoshard.save(path, state(OLD), wait=False)
+    while not sealed:
+        time.sleep(0.01)
+    second = autoshard.save(path, state(NEW), wait=False, overwrite=True)
+    while len(sealed) < 2:               # the second is sealed while the first still waits
+        time.sleep(0.01)
+    first_may_seal.set()
+    first.wait(), second.wait()
+    _assert_tree_equal(_restore_state(path), state(NEW))
+    assert disk.leftovers(path) == []

@@ -24,7 +24,8 @@ Nothing is lost or read back wrong:
   saved as float32 with a warning, and refused when their values overflow it (ints likewise);
 - trees whose leaves orbax would store under one name ({"a.b": x, "a": {"b": y}}) are refused;
 - zero-size arrays and empty trees round-trip (the manifest holds them; orbax cannot).
-Concurrent saves to one path from several programs are not supported (the last swap wins).
+Saves to one path from one process are swapped in in the order they were called; concurrent saves
+from several programs are not supported (the last swap wins).
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ from .checkpoint_leaves import (
 STATE, PLAN, MANIFEST = disk.STATE, disk.PLAN, disk.MANIFEST
 _IN_FLIGHT: set[Path] = set()     # this process's unfinished saves: their tmp dirs are not leftovers
 _IN_FLIGHT_LOCK = threading.Lock()
+_LAST_ASYNC: dict[Path, threading.Thread] = {}   # per path, the newest save still committing in the background
 
 
 class Saving:
@@ -98,13 +100,17 @@ def save(path: str | os.PathLike, tree: Any, *, plan: Plan | None = None, wait: 
     except BaseException:
         _forget(tmp, discard=True)
         raise
-    commit = (checkpointer, tmp, path, token, records, saved_ns)
+    with _IN_FLIGHT_LOCK:
+        earlier = _LAST_ASYNC.get(path)
+    commit = (checkpointer, tmp, path, token, records, saved_ns, earlier)
     if wait:
         _commit(*commit)
         return Saving(path)
     saving = Saving(path)
     saving._thread = threading.Thread(target=_commit_in_background, args=(saving, *commit),
                                       name=f"autoshard-save-{path.name}")
+    with _IN_FLIGHT_LOCK:
+        _LAST_ASYNC[path] = saving._thread
     saving._thread.start()
     return saving
 
@@ -187,8 +193,10 @@ def _start_writing(tree: Any, plan: Plan | None, tmp: Path) -> Any:
     return checkpointer
 
 
-def _commit(checkpointer: Any, tmp: Path, path: Path, token: str, records: list, saved_ns: int) -> None:
-    """Finish the write, seal the new checkpoint with its manifest, swap it in, drop the leftovers."""
+def _commit(checkpointer: Any, tmp: Path, path: Path, token: str, records: list, saved_ns: int,
+            earlier: threading.Thread | None) -> None:
+    """Finish the write, seal the new checkpoint with its manifest, swap it in after the `earlier` save
+    to the same path (so the last save called is the one kept), drop the leftovers."""
     try:
         if checkpointer is not None:
             try:
@@ -205,6 +213,8 @@ def _commit(checkpointer: Any, tmp: Path, path: Path, token: str, records: list,
         raise CheckpointError(f"autoshard.save: writing the checkpoint {path} failed ({reason}); nothing was "
                               "replaced (a previous checkpoint there is intact). Fix: check the disk has room "
                               "and is writable, then save again.") from e
+    if earlier is not None:
+        earlier.join()            # its own error, if any, is raised by its `wait()`
     if jax.process_index() == 0:
         try:
             disk.swap_in(tmp, path, token)
@@ -228,6 +238,10 @@ def _commit_in_background(saving: Saving, *commit: Any) -> None:
     except Exception as e:          # raised again by `wait()`; said now too, in case nobody waits
         saving._error = e
         warnings.warn(str(e), RuntimeWarning, stacklevel=1)
+    finally:
+        with _IN_FLIGHT_LOCK:
+            if _LAST_ASYNC.get(commit[2]) is threading.current_thread():
+                del _LAST_ASYNC[commit[2]]
 
 
 def _forget(tmp: Path, *, discard: bool) -> None:
