@@ -10,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -318,3 +319,116 @@ def test_leaves_a_checkpoint_cannot_give_back_are_refused_at_save(tmp_path):
     autoshard.save(tmp_path / "c", {"a": np.array([1, 2], dtype=np.int64), "b": 3})      # fits: int32 on restore
     got = autoshard.restore(tmp_path / "c", like={"a": np.zeros(2, np.int32), "b": 0})
     assert np.asarray(got["a"]).tolist() == [1, 2] and int(got["b"]) == 3
+
+
+def test_trees_whose_leaves_share_a_stored_name_are_refused(tmp_path):
+    """Orbax stores a leaf under its keys joined by '.': leaves that would share a name (one silently
+    lost) are refused at save and in like=, naming both; '.' in keys that do not collide is fine."""
+    path = _saved(tmp_path)
+    colliding = ({"a.b": jnp.ones(2), "a": {"b": jnp.zeros(2)}},
+                 {"a": [jnp.ones(2)], "a.0": jnp.zeros(2)},
+                 {"a": {"b": {}}, "a.b": jnp.zeros(2)})          # an empty container has a name too
+    for tree in colliding:
+        kept = jax.tree.map(np.asarray, tree)
+        with pytest.raises(ConfigError, match=r"tree\['a'\]\S* and tree\['a\.\w'\] would both be stored under"):
+            autoshard.save(path, tree, overwrite=True)
+        with pytest.raises(ConfigError, match=r"like\['a'\]\S* and like\['a\.\w'\] would both be stored under"):
+            autoshard.restore(path, like=tree)
+        _assert_tree_equal(tree, kept)
+    with pytest.raises(ConfigError, match=r"tree is not a pytree jax can flatten.*keys of one type"):
+        autoshard.save(tmp_path / "mixed", {1: jnp.ones(2), "a": jnp.zeros(2)})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+    _assert_tree_equal(_restore_state(path), state(OLD))
+    dotted = {"a.b": np.ones(2, np.float32), "a": {"c": np.zeros(2, np.float32)}}
+    autoshard.save(tmp_path / "dotted", dotted)
+    _assert_tree_equal(autoshard.restore(tmp_path / "dotted", like=dotted), dotted)
+
+
+def test_float64_values_float32_cannot_hold_are_refused_and_narrowing_warns(tmp_path):
+    """Without jax_enable_x64 a float64 leaf comes back float32: values beyond its range (inf on
+    restore) are refused at save like wrapped integers; in range, save and restore both warn."""
+    path = _saved(tmp_path)
+    huge = np.array([1e300, 1.0 + 1e-12, 1e-60])
+    for tree in ({"a": huge}, {"a": -1e39}):
+        with pytest.raises(ConfigError, match=r"tree\['a'\] holds float64 values up to 1e\+(300|39), beyond "
+                                              r"float32's largest.*restoring would give inf.*jax_enable_x64"):
+            autoshard.save(path, tree, overwrite=True)
+    np.testing.assert_array_equal(huge, [1e300, 1.0 + 1e-12, 1e-60])
+    _assert_tree_equal(_restore_state(path), state(OLD))
+    fine = {"a": np.array([1.5, 1.0 + 1e-12, 1e-60]), "b": np.float32(2.0)}
+    with pytest.warns(UserWarning, match=r"rounded to the narrower float dtype.*\['a'\] \(float64 -> float32\)"):
+        autoshard.save(tmp_path / "f64", fine)
+    with pytest.warns(UserWarning, match=r"1 arrays come back narrower: \['a'\] \(float64 -> float32\)"):
+        got = autoshard.restore(tmp_path / "f64", like=fine)
+    np.testing.assert_array_equal(np.asarray(got["a"]), fine["a"].astype(np.float32))
+    assert got["a"].dtype == np.float32 and fine["a"].dtype == np.float64
+
+
+@pytest.mark.parametrize("wait", [True, False])
+def test_empty_trees_and_zero_size_arrays_round_trip(tmp_path, wait):
+    """Orbax refuses both; the manifest holds them, so they restore exactly (shape, dtype, sharding),
+    beside ordinary arrays too, and a like= of another shape is still refused."""
+    mesh = jax.make_mesh((8,), ("data",))
+    rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+    mixed = {"a": jax.device_put(jnp.zeros((0, 4)), rows), "b": jnp.arange(3),
+             "c": np.zeros((2, 0), np.int8), "d": [jnp.zeros((8, 0), jnp.bfloat16)]}
+    for i, tree in enumerate(({}, (), {"a": jnp.zeros((0, 4))}, {"a": None}, mixed)):
+        path = tmp_path / f"c{i}"
+        autoshard.save(path, tree, wait=wait).wait()
+        got = autoshard.restore(path, like=tree)
+        _assert_tree_equal(got, tree)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(tree), strict=True):
+            assert getattr(b, "sharding", None) is None or a.sharding == b.sharding
+    assert autoshard.restore(tmp_path / "c4", like=mixed)["a"].sharding == rows
+    with pytest.raises(ConfigError, match=r"like\['a'\] has shape \(1, 4\).*holds \(0, 4\) float32"):
+        autoshard.restore(tmp_path / "c2", like={"a": jnp.zeros((1, 4))})
+    with pytest.raises(ConfigError, match="has 0 arrays, like= has 1"):
+        autoshard.restore(tmp_path / "c0", like={"a": jnp.zeros(2)})
+
+
+def test_restoring_a_path_this_process_is_still_saving_says_so(tmp_path, monkeypatch):
+    """Before `.wait()` of an asynchronous save the path holds the old checkpoint (or nothing): restore
+    refuses, saying the save is in progress and to call `.wait()`; afterwards it gives the new state."""
+    path = _saved(tmp_path)
+    release, write_manifest = threading.Event(), disk.write_manifest
+
+    def slow_manifest(*a, **k):
+        release.wait(timeout=60)
+        write_manifest(*a, **k)
+    monkeypatch.setattr(disk, "write_manifest", slow_manifest)
+    savings = [autoshard.save(path, state(NEW), overwrite=True, wait=False),
+               autoshard.save(tmp_path / "new", state(NEW), wait=False)]
+    try:
+        for saving in savings:
+            with pytest.raises(CheckpointError, match=r"a save to .* is still in progress in this process.*\.wait\(\)"):
+                _restore_state(saving.path)
+    finally:
+        release.set()
+    for saving in savings:
+        saving.wait()
+        _assert_tree_equal(_restore_state(saving.path), state(NEW))
+
+
+def test_saves_to_one_path_are_swapped_in_the_order_they_were_called(tmp_path, monkeypatch):
+    """Two asynchronous saves over one path whose first finishes writing last: the second (newest)
+    state is the one kept, not whichever commit happened to finish last."""
+    path = tmp_path / "ckpt"
+    first_may_seal, sealed, write_manifest = threading.Event(), [], disk.write_manifest
+
+    def manifest_first_slow(directory, *a, **k):
+        if not sealed:
+            sealed.append("first")
+            first_may_seal.wait(timeout=60)
+        write_manifest(directory, *a, **k)
+        sealed.append(directory)
+    monkeypatch.setattr(disk, "write_manifest", manifest_first_slow)
+    first = autoshard.save(path, state(OLD), wait=False)
+    while not sealed:
+        time.sleep(0.01)
+    second = autoshard.save(path, state(NEW), wait=False, overwrite=True)
+    while len(sealed) < 2:               # the second is sealed while the first still waits
+        time.sleep(0.01)
+    first_may_seal.set()
+    first.wait(), second.wait()
+    _assert_tree_equal(_restore_state(path), state(NEW))
+    assert disk.leftovers(path) == []

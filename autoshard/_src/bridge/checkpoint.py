@@ -20,12 +20,17 @@ Nothing is lost or read back wrong:
   its checksum, so any changed, missing or truncated byte is a `CheckpointError`, never wrong values;
 - dtypes are never converted silently: `like` asking for another float dtype than saved (float32
   saved, bfloat16 asked) casts with a warning; any other difference (int <-> float, int8 vs int32,
-  bool) is refused, since the cast would change values.
-Concurrent saves to one path from several programs are not supported (the last swap wins).
+  bool) is refused, since the cast would change values. Without jax_enable_x64, float64 leaves are
+  saved as float32 with a warning, and refused when their values overflow it (ints likewise);
+- trees whose leaves orbax would store under one name ({"a.b": x, "a": {"b": y}}) are refused;
+- zero-size arrays and empty trees round-trip (the manifest holds them; orbax cannot).
+Saves to one path from one process are swapped in in the order they were called; concurrent saves
+from several programs are not supported (the last swap wins).
 """
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 import time
@@ -41,11 +46,20 @@ import orbax.checkpoint as ocp
 from ..core.errors import CheckpointError, ConfigError, PlanError
 from ..plan.plan import Plan
 from . import checkpoint_disk as disk
-from .checkpoint_leaves import abstract_leaf, check_leaves, check_structure, leaf_records, match_like, verify_leaves
+from .checkpoint_leaves import (
+    abstract_leaf,
+    check_leaves,
+    check_structure,
+    leaf_records,
+    match_like,
+    verify_leaves,
+    warn_narrowed_likes,
+)
 
 STATE, PLAN, MANIFEST = disk.STATE, disk.PLAN, disk.MANIFEST
 _IN_FLIGHT: set[Path] = set()     # this process's unfinished saves: their tmp dirs are not leftovers
 _IN_FLIGHT_LOCK = threading.Lock()
+_LAST_ASYNC: dict[Path, threading.Thread] = {}   # per path, the newest save still committing in the background
 
 
 class Saving:
@@ -86,13 +100,17 @@ def save(path: str | os.PathLike, tree: Any, *, plan: Plan | None = None, wait: 
     except BaseException:
         _forget(tmp, discard=True)
         raise
-    commit = (checkpointer, tmp, path, token, records, saved_ns)
+    with _IN_FLIGHT_LOCK:
+        earlier = _LAST_ASYNC.get(path)
+    commit = (checkpointer, tmp, path, token, records, saved_ns, earlier)
     if wait:
         _commit(*commit)
         return Saving(path)
     saving = Saving(path)
     saving._thread = threading.Thread(target=_commit_in_background, args=(saving, *commit),
                                       name=f"autoshard-save-{path.name}")
+    with _IN_FLIGHT_LOCK:
+        _LAST_ASYNC[path] = saving._thread
     saving._thread.start()
     return saving
 
@@ -105,6 +123,8 @@ def restore(path: str | os.PathLike, like: Any, *, verify: bool = True) -> Any:
     autoshard had manifests)."""
     path = Path(path).absolute()
     check_leaves(like, "like")
+    _check_not_saving(path)
+    warn_narrowed_likes(like)
     source, note = disk.find_source(path)
     if note:
         warnings.warn(note, stacklevel=2)
@@ -117,13 +137,22 @@ def restore(path: str | os.PathLike, like: Any, *, verify: bool = True) -> Any:
         if verify:
             disk.verify_files(source, manifest)
         abstract, casts, records = match_like(like, abstract, manifest["leaves"], source)
-    restored = _read(source, jax.tree.unflatten(jax.tree.structure(like), abstract), legacy=manifest is None)
-    leaves = jax.tree.leaves(restored)
+    leaves = _read_leaves(source, like, abstract, legacy=manifest is None)
     if verify and records is not None:
         verify_leaves(leaves, records, source)
     leaves = [x.astype(casts[i]) if i in casts else x for i, x in enumerate(leaves)]
     # orbax rebuilds `like`'s structure from its leaves; keep `like`'s own pytree types exactly
     return jax.tree.unflatten(jax.tree.structure(like), leaves)
+
+
+def _check_not_saving(path: Path) -> None:
+    """Restoring while this process still writes `path` would read the old checkpoint or a half-swapped one."""
+    with _IN_FLIGHT_LOCK:
+        busy = any(t.parent == path.parent and t.name.startswith(f"{path.name}.tmp-") for t in _IN_FLIGHT)
+    if busy:
+        raise CheckpointError(f"autoshard.restore: a save to {path} is still in progress in this process "
+                              "(autoshard.save(..., wait=False)). Fix: call .wait() on the result of that save "
+                              "before restoring it.")
 
 
 def _check_target(path: Path, overwrite: bool) -> None:
@@ -150,8 +179,10 @@ def _start_writing(tree: Any, plan: Plan | None, tmp: Path) -> Any:
     try:
         tmp.mkdir(parents=True, exist_ok=True)      # every process of a multi-process save makes it
         disk.crash_point("tmp_created")
-        checkpointer = ocp.StandardCheckpointer()
-        checkpointer.save(tmp / STATE, tree)
+        checkpointer = None
+        if any(np.size(x) for x in jax.tree.leaves(tree)):      # orbax refuses trees without values
+            checkpointer = ocp.StandardCheckpointer()
+            checkpointer.save(tmp / STATE, jax.tree.map(lambda x: None if np.size(x) == 0 else x, tree))
         if plan is not None and jax.process_index() == 0:
             (tmp / PLAN).write_text(plan.to_json())
             disk.crash_point("plan_written")
@@ -162,13 +193,16 @@ def _start_writing(tree: Any, plan: Plan | None, tmp: Path) -> Any:
     return checkpointer
 
 
-def _commit(checkpointer: Any, tmp: Path, path: Path, token: str, records: list, saved_ns: int) -> None:
-    """Finish the write, seal the new checkpoint with its manifest, swap it in, drop the leftovers."""
+def _commit(checkpointer: Any, tmp: Path, path: Path, token: str, records: list, saved_ns: int,
+            earlier: threading.Thread | None) -> None:
+    """Finish the write, seal the new checkpoint with its manifest, swap it in after the `earlier` save
+    to the same path (so the last save called is the one kept), drop the leftovers."""
     try:
-        try:
-            checkpointer.wait_until_finished()
-        finally:
-            checkpointer.close()
+        if checkpointer is not None:
+            try:
+                checkpointer.wait_until_finished()
+            finally:
+                checkpointer.close()
         disk.crash_point("state_written")
         if jax.process_index() == 0:
             disk.write_manifest(tmp, records, saved_ns)
@@ -179,6 +213,8 @@ def _commit(checkpointer: Any, tmp: Path, path: Path, token: str, records: list,
         raise CheckpointError(f"autoshard.save: writing the checkpoint {path} failed ({reason}); nothing was "
                               "replaced (a previous checkpoint there is intact). Fix: check the disk has room "
                               "and is writable, then save again.") from e
+    if earlier is not None:
+        earlier.join()            # its own error, if any, is raised by its `wait()`
     if jax.process_index() == 0:
         try:
             disk.swap_in(tmp, path, token)
@@ -202,6 +238,10 @@ def _commit_in_background(saving: Saving, *commit: Any) -> None:
     except Exception as e:          # raised again by `wait()`; said now too, in case nobody waits
         saving._error = e
         warnings.warn(str(e), RuntimeWarning, stacklevel=1)
+    finally:
+        with _IN_FLIGHT_LOCK:
+            if _LAST_ASYNC.get(commit[2]) is threading.current_thread():
+                del _LAST_ASYNC[commit[2]]
 
 
 def _forget(tmp: Path, *, discard: bool) -> None:
@@ -240,6 +280,19 @@ def _orbax_metadata(source: Path) -> Any:
                               "an earlier checkpoint.") from e
     finally:
         checkpointer.close()
+
+
+def _read_leaves(source: Path, like: Any, abstract: list[jax.ShapeDtypeStruct], *, legacy: bool) -> list[Any]:
+    """The arrays as `abstract` describes them: orbax reads those with values (zero-size ones were saved
+    as empty nodes, since orbax refuses them), the zero-size ones are made here."""
+    empty = [math.prod(x.shape) == 0 for x in abstract]
+    held: list[Any] = []
+    if not all(empty):
+        wanted = [None if e else x for e, x in zip(empty, abstract, strict=True)]
+        held = jax.tree.leaves(_read(source, jax.tree.unflatten(jax.tree.structure(like), wanted), legacy=legacy))
+    held_iter = iter(held)
+    return [jax.device_put(np.zeros(x.shape, x.dtype), x.sharding) if e else next(held_iter)
+            for e, x in zip(empty, abstract, strict=True)]
 
 
 def _read(source: Path, abstract: Any, *, legacy: bool) -> Any:

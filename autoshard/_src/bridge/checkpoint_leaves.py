@@ -1,5 +1,7 @@
 """A checkpoint's arrays against the caller's trees: which leaves may be saved, the per-array
-records of the manifest (path, shape, dtype, sha256), and how `like=` must match them on restore."""
+records of the manifest (path, shape, dtype, sha256), and how `like=` must match them on restore.
+Zero-size arrays have no values: the manifest alone holds them (orbax refuses them), and an empty
+tree is a checkpoint with no arrays."""
 
 from __future__ import annotations
 
@@ -10,12 +12,18 @@ from typing import Any
 
 import jax
 import numpy as np
+import orbax.checkpoint as ocp
 
 from ..core.errors import CheckpointError, ConfigError
 
 
 def check_leaves(tree: Any, what: str) -> None:
-    for kp, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    try:
+        flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+    except (ValueError, TypeError) as e:        # e.g. dict keys jax cannot sort ({1: x, "a": y})
+        raise ConfigError(f"autoshard checkpoint: {what} is not a pytree jax can flatten ({e}). Fix: use dict "
+                          "keys of one type (e.g. all str) and jax pytree containers.") from e
+    for kp, x in flat:
         ok = isinstance(x, (jax.Array, np.ndarray, np.generic, int, float, bool, jax.ShapeDtypeStruct))
         if not ok or not _numeric(getattr(x, "dtype", np.float32)):
             kind = type(x).__name__ + (f" of dtype {x.dtype}" if hasattr(x, "dtype") else "")
@@ -28,6 +36,25 @@ def check_leaves(tree: Any, what: str) -> None:
         if isinstance(x, jax.Array) and x.is_deleted():
             raise ConfigError(f"autoshard checkpoint: {what}{jax.tree_util.keystr(kp)} was deleted (donated to a "
                               "step); save the arrays the step returned.")
+    _check_unique_names(tree, what)
+
+
+def _check_unique_names(tree: Any, what: str) -> None:
+    """Orbax stores each leaf (and empty container) under its keys joined by '.', so two leaves such as
+    {"a.b": x, "a": {"b": y}}, or {"a": [x], "a.0": y}, share one name and one overwrites the other."""
+    try:
+        names = jax.tree_util.tree_flatten_with_path(ocp.tree.get_param_names(tree))[0]
+    except ValueError as e:            # a custom pytree node whose keys orbax cannot name
+        raise ConfigError(f"autoshard checkpoint: {what} holds a pytree node orbax cannot name ({e}). Fix: save "
+                          "its arrays in dicts, lists, tuples or dataclasses instead.") from e
+    seen: dict[str, str] = {}
+    for kp, name in names:
+        where = f"{what}{jax.tree_util.keystr(kp)}"
+        if name in seen:
+            raise ConfigError(f"autoshard checkpoint: {seen[name]} and {where} would both be stored under the name "
+                              f"{name!r} (orbax joins the keys of a path with '.'), so one would overwrite the other. "
+                              "Fix: rename one of these keys (e.g. without '.').")
+        seen[name] = where
 
 
 def _numeric(dtype: Any) -> bool:
@@ -44,14 +71,43 @@ def abstract_leaf(x: Any) -> jax.ShapeDtypeStruct:
 
 def leaf_records(tree: Any) -> list[dict[str, Any]]:
     """Path, shape, dtype (as restore gives it back) and sha256 of each leaf's bytes, hashed on the host
-    now, before the caller can change the arrays (None for arrays this process cannot see whole)."""
-    records = []
+    now, before the caller can change the arrays (None for arrays this process cannot see whole). Warns
+    when float64 arrays will come back as float32 (jax_enable_x64 off)."""
+    records, narrowed = [], []
     for kp, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        dtype = _restored_dtype(x, jax.tree_util.keystr(kp))
+        path = jax.tree_util.keystr(kp)
+        dtype = _restored_dtype(x, path)
+        if _narrowed_float(x, dtype):
+            narrowed.append(f"{path} ({np.dtype(x.dtype)} -> {dtype})")
         whole = getattr(x, "is_fully_addressable", True)
-        records.append({"path": jax.tree_util.keystr(kp), "shape": list(np.shape(x)), "dtype": str(dtype),
+        records.append({"path": path, "shape": list(np.shape(x)), "dtype": str(dtype),
                         "sha256": array_digest(x, dtype) if whole else None})
+    if narrowed:
+        warnings.warn(f"autoshard.save: {len(narrowed)} arrays are rounded to the narrower float dtype jax reads "
+                      f"them back as (jax_enable_x64 is off): {_some(narrowed)}. Fix: enable jax_enable_x64 to keep "
+                      "them exact, or cast them yourself before saving.", stacklevel=3)
     return records
+
+
+def warn_narrowed_likes(like: Any) -> None:
+    """`like` leaves of dtypes jax cannot hold (float64 with jax_enable_x64 off) come back narrower."""
+    narrowed = [f"{jax.tree_util.keystr(kp)} ({np.dtype(x.dtype)} -> {np.dtype(jax.numpy.result_type(x))})"
+                for kp, x in jax.tree_util.tree_flatten_with_path(like)[0]
+                if _narrowed_float(x, np.dtype(jax.numpy.result_type(x)))]
+    if narrowed:
+        warnings.warn(f"autoshard.restore: like= asks for float dtypes jax cannot hold with jax_enable_x64 off; "
+                      f"{len(narrowed)} arrays come back narrower: {_some(narrowed)}. Fix: enable jax_enable_x64, "
+                      "or pass like= in the narrower dtype.", stacklevel=3)
+
+
+def _narrowed_float(x: Any, dtype: np.dtype) -> bool:
+    """An array whose own float dtype is wider than the one jax gives it (float64 -> float32)."""
+    own = np.dtype(getattr(x, "dtype", dtype))
+    return own != dtype and bool(jax.numpy.issubdtype(own, jax.numpy.inexact))
+
+
+def _some(items: list[str]) -> str:
+    return ", ".join(items[:3]) + (" ..." if len(items) > 3 else "")
 
 
 def _restored_dtype(x: Any, path: str) -> np.dtype:
@@ -59,7 +115,7 @@ def _restored_dtype(x: Any, path: str) -> np.dtype:
     would change integer values, which the caller would only notice as wrong numbers later."""
     try:
         dtype = np.dtype(jax.numpy.result_type(x))
-        narrowed = isinstance(x, int) or (np.dtype(getattr(x, "dtype", dtype)) != dtype)
+        narrowed = isinstance(x, (int, float)) or (np.dtype(getattr(x, "dtype", dtype)) != dtype)
         if narrowed and jax.numpy.issubdtype(dtype, jax.numpy.integer):
             a = np.asarray(x)
             ok = a.size == 0 or (np.iinfo(dtype).min <= a.min() and a.max() <= np.iinfo(dtype).max)
@@ -71,7 +127,21 @@ def _restored_dtype(x: Any, path: str) -> np.dtype:
         raise ConfigError(f"autoshard.save: tree{path} holds integers that do not fit {dtype}, the dtype jax reads it "
                           "back as (jax_enable_x64 is off); restoring would wrap them around. Fix: enable "
                           "jax_enable_x64, or keep such values out of the checkpoint (or split them).")
+    if narrowed and jax.numpy.issubdtype(dtype, jax.numpy.inexact):
+        _check_float_range(np.asarray(x), dtype, path)
     return dtype
+
+
+def _check_float_range(a: np.ndarray, dtype: np.dtype, path: str) -> None:
+    """Finite float64 values beyond float32's range would come back as inf: refused like wrapped integers."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        lost = np.isfinite(a) & ~np.isfinite(a.astype(dtype))
+    if lost.any():
+        biggest = np.abs(a[lost]).max()
+        raise ConfigError(f"autoshard.save: tree{path} holds {a.dtype} values up to {biggest:.3g}, beyond {dtype}'s "
+                          f"largest ({np.finfo(dtype).max:.3g}), the dtype jax reads it back as (jax_enable_x64 is "
+                          f"off); restoring would give inf. Fix: enable jax_enable_x64, or rescale or cast the values "
+                          "yourself before saving.")
 
 
 def array_digest(x: Any, dtype: np.dtype) -> str:
