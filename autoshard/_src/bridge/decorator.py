@@ -100,6 +100,7 @@ class Autosharded:
                 f"{p.provenance.get('fingerprint')}, step {p.provenance.get('step')!r}; this step's "
                 f"fingerprint {fp}). Fix: re-plan with autoshard.plan(step, *args, mesh=...) or drop "
                 "the plan= argument.")
+        check_outputs(p, traced, "autoshard: plan=")
         p.check_runnable("autoshard: plan=")          # stages on unequal submeshes: planned, not runnable yet
         return bind(p, *args)
 
@@ -116,12 +117,13 @@ class Autosharded:
         if path is not None:        # a missing or unusable entry is (re)written; one found in memory too
             write = p is not None and not path.is_file()
             if p is None:
-                p = _cached_plan(path, key[0], args)
+                p = _cached_plan(path, key[0], args, traced)
                 write = p is None
         if p is None:
             # mesh="auto": tensor plans, the part of the 3-D space this runtime runs from a plain step
             p = plan_traced(self.fn, _abstract(args), traced.graph, config, trace_seconds, three_d=False)
         p = bind(p, *args)
+        check_outputs(p, traced, "autoshard: the new plan")      # the planner's own contract
         _PLAN_CACHE[key] = p
         if write and jax.process_index() == 0:      # one writer on a shared file system
             _write_cache(path, p)
@@ -308,7 +310,30 @@ def same_plan_everywhere(plan: Plan, args: tuple) -> Plan:
     return bind(Plan.from_json(ours.tobytes().decode()), *args)
 
 
-def _cached_plan(path: Path, fp: str, args: tuple) -> Plan | None:
+def check_outputs(plan: Plan, traced: Traced, where: str) -> None:
+    """PlanError unless the plan's outputs are the step's: the same keypaths, one spec per output that
+    fits its rank. The plan's out_shardings are unflattened into the step's output tree, so a plan of a
+    step returning other values (one more, say the gradients) would otherwise fail inside jax."""
+    graph = traced.graph
+    ranks = [len(graph.values[v].shape) for v in graph.outputs]
+    ok = tuple(plan.output_keypaths) == tuple(graph.output_keypaths) and len(plan.output_specs_flat) == len(ranks)
+    bad = [] if not ok else [kp for kp, spec, r in zip(plan.output_keypaths, plan.output_specs_flat, ranks,
+                                                         strict=True) if len(spec) > r]
+    if ok and not bad:
+        return
+    reason = (f"its output specs {bad[:3]} have more dimensions than those outputs" if ok else
+              f"it has {len(plan.output_keypaths)} output(s) {_few(plan.output_keypaths)} but the step returns "
+              f"{len(graph.output_keypaths)} {_few(graph.output_keypaths)}")
+    raise PlanError(f"{where} does not fit the step's outputs: {reason}. The plan was made for a step that returns "
+                    "something else. Fix: re-plan with autoshard.plan(step, *args, mesh=...) (or drop plan=).")
+
+
+def _few(keypaths: Any) -> str:
+    keypaths = list(keypaths)
+    return "(" + ", ".join(keypaths[:4]) + (", ..." if len(keypaths) > 4 else "") + ")"
+
+
+def _cached_plan(path: Path, fp: str, args: tuple, traced: Traced) -> Plan | None:
     """The plan cached at `path` for this step, or None. A cache entry is only a shortcut: one that cannot be
     read, parsed or bound to these arguments (truncated by a kill, edited, of another autoshard) is
     planned again and rewritten, with a warning, never an error."""
@@ -318,6 +343,7 @@ def _cached_plan(path: Path, fp: str, args: tuple) -> Plan | None:
         p = Plan.from_json(path.read_bytes())
         if p.provenance.get("fingerprint") != fp:
             raise PlanError(f"made for another step (fingerprint {p.provenance.get('fingerprint')}, this step {fp})")
+        check_outputs(p, traced, "the cached plan")
         return bind(p, *args)       # its specs against these arguments
     except (OSError, PlanError) as err:
         warnings.warn(f"autoshard: ignoring the unusable plan cache entry {str(path)!r} "
