@@ -12,6 +12,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from ..core.errors import MeshError, PlanError
 from ..core.graph import op_keys
+from ..core.mesh import check_distinct_devices
 from ..plan.plan import Plan
 from ..plan.specs import Spec
 from ..plan.validate import check_constraints_matched
@@ -66,7 +67,9 @@ def make_mesh(plan_or_axes: Plan | tuple, devices: list | None = None) -> Mesh:
 def auto_axes(mesh: Mesh) -> Mesh:
     """`mesh` (same devices, names and sizes) with every axis Auto: autoshard emits NamedShardings and
     sharding constraints for XLA to propagate, which jax accepts on Auto axes only, while jax.make_mesh
-    makes Explicit axes by default."""
+    makes Explicit axes by default. Every mesh a user passes (audit, pipelined, inference) comes through
+    here: one listing a device twice is a MeshError, not jax's bare assertion later."""
+    check_distinct_devices(mesh)
     if all(t == AxisType.Auto for t in mesh.axis_types):
         return mesh
     return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
