@@ -337,3 +337,26 @@ def test_the_cli_loads_plan_files_through_the_same_checks(damage, pattern, megat
     assert main(["explain", "--plan", str(bad)]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and pattern in err[0], err
+
+
+def _twice_mesh(names=("data",), shape=(2,)):
+    from jax.sharding import Mesh
+    return Mesh(np.array([jax.devices()[0]] * 2).reshape(shape), names)
+
+
+@pytest.mark.parametrize("entry", ["decorator", "plan", "audit", "pipelined", "inference"])
+def test_a_mesh_listing_a_device_twice_is_a_mesh_error(entry):
+    args = fresh()
+    mesh = _twice_mesh(("pipe", "data"), (2, 1)) if entry == "pipelined" else _twice_mesh()
+    run = {
+        "decorator": lambda: autoshard.autoshard(M.train_step, mesh=mesh, hardware="cpu-sim")(*args),
+        "plan": lambda: autoshard.plan(M.train_step, *args, mesh=mesh, hardware="cpu-sim"),
+        "audit": lambda: autoshard.audit(autoshard.plan(M.train_step, *args, mesh={"data": 2}, hardware="cpu-sim"),
+                                         M.train_step, *args, mesh=mesh),
+        "pipelined": lambda: autoshard.pipelined(M.loss, args[0], args[2], mesh=mesh, num_microbatches=2),
+        "inference": lambda: autoshard.autoshard(mode="inference", mesh=mesh, hardware="cpu-sim")(
+            lambda params, x: M.module.apply({"params": params}, x))(args[0], args[2]["x"]),
+    }[entry]
+    with pytest.raises(autoshard.MeshError, match=r"lists device cpu:0 2 times.*Fix: build it from distinct"):
+        run()
+    assert_intact(args)

@@ -6,6 +6,7 @@ typed error; the caller's arrays survive unless the step donated them by design.
 from __future__ import annotations
 
 import inspect
+import json
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +17,7 @@ import pytest
 import autoshard
 import models
 from autoshard import PlanError, StepFailedError, UntraceableArgumentError
+from autoshard._src.bridge import decorator
 
 M = models.get("mlp", "debug")
 
@@ -271,3 +273,123 @@ def test_inference_functions_take_keywords_too():
     with pytest.raises(PlanError, match=r"unknown keyword argument\(s\) \['imgs'\]"):
         fast(params, imgs=images)
     assert alive((params, images))
+
+
+# --- plan identity, argument dtypes, context meshes, empty steps, audit (red-team pass) -------------------
+
+def step_v1(params, opt_state, batch):
+    loss, grads = jax.value_and_grad(M.loss)(params, batch)
+    updates, opt_state = M.optimizer.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+
+def step_v2(params, opt_state, batch):        # the same ops, and it also returns the gradients
+    loss, grads = jax.value_and_grad(M.loss)(params, batch)
+    updates, opt_state = M.optimizer.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss, grads
+
+
+def test_steps_alike_but_in_their_outputs_never_share_a_plan(tmp_path, monkeypatch):
+    args = fresh()
+    for cache in (None, tmp_path):      # the in-process cache, then a shared cache_dir (a new process)
+        monkeypatch.setattr(decorator, "_PLAN_CACHE", {})
+        kw = {"mesh": {"data": 2, "model": 4}, "hardware": "cpu-sim", "donate": False, "cache_dir": cache}
+        autoshard.autoshard(step_v1, **kw)(*args)
+        if cache is not None:
+            monkeypatch.setattr(decorator, "_PLAN_CACHE", {})
+        assert_same(autoshard.autoshard(step_v2, **kw)(*args), jax.jit(step_v2)(*args))
+    assert alive(args)
+
+
+def test_a_plan_whose_outputs_are_not_the_steps_is_refused_or_replanned(tmp_path, monkeypatch):
+    args = fresh()
+    kw = {"mesh": {"data": 2, "model": 4}, "hardware": "cpu-sim", "donate": False}
+    fast = autoshard.autoshard(step_v2, cache_dir=tmp_path, **kw)
+    fast(*args)
+    d = json.loads(fast.plan.to_json())       # an edit that keeps the fingerprint: one output fewer
+    d["output_keypaths"], d["output_specs_flat"] = d["output_keypaths"][:-1], d["output_specs_flat"][:-1]
+    with pytest.raises(PlanError, match=r"does not fit the step's outputs.*re-plan"):
+        autoshard.autoshard(step_v2, plan=autoshard.Plan.from_json(json.dumps(d)), **kw)(*args)
+    (entry,) = tmp_path.glob("*.json")
+    entry.write_text(json.dumps(d))
+    monkeypatch.setattr(decorator, "_PLAN_CACHE", {})
+    with pytest.warns(UserWarning, match="unusable plan cache entry.*does not fit the step's outputs"):
+        got = autoshard.autoshard(step_v2, cache_dir=tmp_path, **kw)(*args)
+    assert_same(got, jax.jit(step_v2)(*args))
+    assert alive(args)
+
+
+def with_scale(params, opt_state, batch, scale):
+    params, opt_state, loss = M.train_step(params, opt_state, batch)
+    return params, opt_state, loss * scale
+
+
+@pytest.mark.parametrize("case", ["f64 batch", "f64 params", "int64 scalar", "f64 scalar", "lower", "rannc"])
+def test_numpy_64_bit_leaves_run_like_jax_jit(case):
+    params, opt, batch = fresh()
+    b64 = {k: np.asarray(v, np.float64) for k, v in batch.items()}
+    p64 = jax.tree.map(lambda x: np.asarray(x, np.float64), params)
+    args = {"f64 batch": (params, opt, b64), "f64 params": (p64, opt, batch), "lower": (params, opt, b64),
+            "int64 scalar": (params, opt, batch, np.int64(2)), "f64 scalar": (params, opt, batch, np.float64(2.0)),
+            "rannc": (params, opt, b64)}[case]
+    fn = want = with_scale if len(args) == 4 else M.train_step
+    kw = {"pipeline": "rannc", "mesh": {"pipe": 2, "data": 4}} if case == "rannc" else {"mesh": {"data": 8}}
+    if case == "rannc":
+        def fn(params, opt_state, batch):
+            loss, grads = autoshard.value_and_grad(M.loss)(params, batch)
+            updates, opt_state = M.optimizer.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state, loss
+    fast = autoshard.autoshard(fn, hardware="cpu-sim", donate=False, **kw)
+    if case == "lower":
+        assert "dot" in fast.lower(*args).as_text()
+        return
+    got = fast(*args)
+    assert_same(got, jax.jit(want)(*args))
+    assert_same(fast(*fresh()[:2], batch, *args[3:]), got)      # the 32-bit twin: the same program
+    assert alive(args)
+
+
+def test_the_plain_program_for_other_arguments_is_a_typed_error():
+    args = fresh()
+    fast = autoshard.autoshard(M.train_step, mesh={"data": 8}, hardware="cpu-sim", donate=False)
+    fast(*args)
+    half = {k: v[:4] for k, v in args[2].items()}
+    with pytest.raises(PlanError, match=r"planned for arguments .* call the decorated step itself"):
+        fast.jitted(args[0], args[1], half)
+    assert alive(args)
+
+
+@pytest.mark.parametrize("same", [True, False])
+def test_a_step_called_inside_a_context_mesh_runs(same):
+    args = fresh()
+    mesh = jax.make_mesh((2, 4), ("data", "model"))
+    with jax.set_mesh(mesh if same else jax.make_mesh((4, 2), ("a", "b"))):
+        fast = autoshard.autoshard(M.train_step, mesh=mesh if same else {"data": 2, "model": 4},
+                                   hardware="cpu-sim", donate=False)
+        got = fast(*args)
+        assert fast.lower(*args) is not None
+        assert jax.sharding.get_abstract_mesh().axis_names == (("data", "model") if same else ("a", "b"))
+    assert_same(got, jax.jit(M.train_step)(*args))
+    assert alive(args)
+
+
+@pytest.mark.parametrize("fn", [lambda p, o, b: p, lambda p, o, b: None, lambda p, o, b: jnp.zeros(())],
+                         ids=["identity", "none", "constant"])
+def test_a_step_with_nothing_to_shard_gets_a_trivial_plan(fn):
+    args = fresh()
+    assert autoshard.plan(fn, *args, mesh={"data": 8}, hardware="cpu-sim").stages[0].factors == ()
+    fast = autoshard.autoshard(fn, mesh={"data": 8}, hardware="cpu-sim")
+    assert_same(fast(*args), fn(*args))
+    assert alive(args[2])
+
+
+def test_audit_refuses_a_plan_of_another_step_or_other_shapes():
+    args = fresh()
+    plan = autoshard.plan(M.train_step, *args, mesh={"data": 8}, hardware="cpu-sim")
+    doubled = {k: jnp.concatenate([v, v]) for k, v in args[2].items()}     # divides: only the fingerprint sees it
+    with pytest.raises(PlanError, match="another model or step, or other argument shapes"):
+        autoshard.audit(plan, M.train_step, args[0], args[1], doubled)
+    with pytest.raises(PlanError, match="another model or step"):
+        autoshard.audit(plan, lambda p, o, b: M.train_step(p, o, {k: v * 2 for k, v in b.items()}), *args)
+    assert autoshard.audit(plan, M.train_step, *args).platform == "cpu"
+    assert alive(args)

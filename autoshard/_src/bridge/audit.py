@@ -25,6 +25,7 @@ from . import hlo as _hlo
 from .api import bind
 from .emit import auto_axes, jit_step, make_mesh
 from .pipelined_step import rematerialised
+from .plan_fit import check_fingerprint, check_outputs
 from .trace import trace_step
 
 BYTES_TOLERANCE = 0.10      # issue 4: predicted collective bytes within 10 % of the compiled program's
@@ -234,8 +235,11 @@ def audit(plan: Plan, step: Callable, *args: Any, mesh: Mesh | None = None) -> A
     compare the compiled program with the plan's prediction. `args` may be ShapeDtypeStructs."""
     _check_auditable(plan)
     abstract = _abstract(args)
-    if plan._args is None:
-        plan = bind(plan, *abstract)
+    traced = trace_step(step, *abstract)
+    # the decorator's checks: a plan of another step or other argument shapes audits nothing real
+    check_fingerprint(plan, traced.graph, "autoshard.audit: plan=")
+    check_outputs(plan, traced.graph, "autoshard.audit: plan=")
+    plan = bind(plan, *abstract)      # always: a plan bound to other arguments is checked against these
     if mesh is None:
         mesh = make_mesh(plan)
     elif not isinstance(mesh, Mesh):
@@ -249,7 +253,8 @@ def audit(plan: Plan, step: Callable, *args: Any, mesh: Mesh | None = None) -> A
     mesh = auto_axes(mesh)        # an Explicit-axis mesh (jax.make_mesh's default): same devices, Auto axes
     if plan.stages[0].remat != "none":     # as the decorator runs it: autoshard.value_and_grad rematerialises
         step, _ = rematerialised(step, plan, mesh)
-    compiled = jit_step(trace_step(step, *abstract), plan, mesh, abstract).lower(*abstract).compile()
+        traced = trace_step(step, *abstract)
+    compiled = jit_step(traced, plan, mesh, abstract).lower(*abstract).compile()
     platform = mesh.devices.flat[0].platform
     names = tuple(n for n, _ in plan.mesh)
     sizes = tuple(s for _, s in plan.mesh)

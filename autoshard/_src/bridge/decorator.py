@@ -28,6 +28,7 @@ from .call_args import check_leaves, failed, positional, unaliased
 from .emit import ShapesChanged, donated_argnums, jit_step, make_mesh, shape_guarded, shardings, signature
 from .infer_api import InferenceAutosharded
 from .pipelined_step import pipelined_step, rematerialised
+from .plan_fit import check_fingerprint, check_outputs
 from .trace import Traced, trace_step
 
 _PLAN_CACHE: dict[tuple, Plan] = {}
@@ -93,13 +94,8 @@ class Autosharded:
                 f"autoshard: plan= was made for mesh {dict(p.mesh)} but mesh={dict(asked.axes)} was also given; the "
                 "plan's shardings only fit its own mesh. Fix: drop mesh= to run the plan on its mesh, or drop plan= "
                 "to plan for the new mesh (autoshard.restore moves a checkpoint between the two).")
-        fp = fingerprint(traced.graph)
-        if p.provenance.get("fingerprint") != fp:
-            raise PlanError(
-                f"autoshard: the plan was made for another model or step (plan fingerprint "
-                f"{p.provenance.get('fingerprint')}, step {p.provenance.get('step')!r}; this step's "
-                f"fingerprint {fp}). Fix: re-plan with autoshard.plan(step, *args, mesh=...) or drop "
-                "the plan= argument.")
+        check_fingerprint(p, traced.graph, "autoshard: plan=")
+        check_outputs(p, traced.graph, "autoshard: plan=")
         p.check_runnable("autoshard: plan=")          # stages on unequal submeshes: planned, not runnable yet
         return bind(p, *args)
 
@@ -116,12 +112,13 @@ class Autosharded:
         if path is not None:        # a missing or unusable entry is (re)written; one found in memory too
             write = p is not None and not path.is_file()
             if p is None:
-                p = _cached_plan(path, key[0], args)
+                p = _cached_plan(path, key[0], args, traced)
                 write = p is None
         if p is None:
             # mesh="auto": tensor plans, the part of the 3-D space this runtime runs from a plain step
             p = plan_traced(self.fn, _abstract(args), traced.graph, config, trace_seconds, three_d=False)
         p = bind(p, *args)
+        check_outputs(p, traced.graph, "autoshard: the new plan")      # the planner's own contract
         _PLAN_CACHE[key] = p
         if write and jax.process_index() == 0:      # one writer on a shared file system
             _write_cache(path, p)
@@ -194,7 +191,11 @@ class Autosharded:
         a new program, planned once (never shardings planned for other arguments). A failure of the
         compiled program that jax reports at the call is a StepFailedError saying whether the donated
         inputs are gone; one it reports later (jax dispatches asynchronously) surfaces where the
-        results are read, as jax's own error."""
+        results are read, as jax's own error. A caller's `with jax.set_mesh(...)` does not reach the step."""
+        with _own_mesh_context():
+            return self._call(args, kwargs)
+
+    def _call(self, args: tuple, kwargs: dict) -> Any:
         args = positional(self.fn, args, kwargs)
         leaves, treedef = jax.tree_util.tree_flatten(args)
         check_leaves(args, leaves, self.plan_args, concrete=True)
@@ -223,7 +224,10 @@ class Autosharded:
         return self._plan
 
     def lower(self, *args, **kwargs):
-        args = positional(self.fn, args, kwargs)
+        with _own_mesh_context():
+            return self._lower(positional(self.fn, args, kwargs))
+
+    def _lower(self, args: tuple):
         check_leaves(args, jax.tree.leaves(args), self.plan_args, concrete=False)
         if self._treedef is None or jax.tree.structure(args) != self._treedef:
             self._select(args)
@@ -248,7 +252,8 @@ class Autosharded:
         """The NamedSharding pytree (shaped like `args`) the step expects its arguments in; plans on
         the first use, like a call. Give it to `jax.device_put`, or to `autoshard.restore` (via
         ShapeDtypeStructs) to load a checkpoint straight into the step's layout."""
-        self._select(positional(self.fn, args, kwargs))
+        with _own_mesh_context():
+            self._select(positional(self.fn, args, kwargs))
         return self._in_shardings
 
     @property
@@ -276,8 +281,9 @@ class Autosharded:
         """Put arguments on the mesh with the planned shardings (done on the first call)."""
         args = positional(self.fn, args, kwargs)
         check_leaves(args, jax.tree.leaves(args), self.plan_args, concrete=True)
-        self._select(args)
-        return self._placed(args)
+        with _own_mesh_context():
+            self._select(args)
+            return self._placed(args)
 
     def _placed(self, args: tuple) -> tuple:
         # the step donates its state arguments; a placement sharing a buffer with the caller's array
@@ -295,6 +301,16 @@ class Autosharded:
         return jax.tree.map(own, args, placed, self._in_shardings)
 
 
+def _own_mesh_context() -> contextlib.AbstractContextManager:
+    """The step runs on its own mesh: under a caller's `with jax.set_mesh(m)` (even of the same devices,
+    whose axes jax.make_mesh makes Explicit) jax would check every op of the step against m ("context
+    mesh ... should match the aval mesh"). Tracing and running with no context mesh is what jax.jit of
+    a step with explicit in/out shardings does; the caller's context is restored on exit."""
+    if jax.sharding.get_abstract_mesh().empty:
+        return contextlib.nullcontext()       # the usual case costs one check per call
+    return jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ()))
+
+
 def same_plan_everywhere(plan: Plan, args: tuple) -> Plan:
     """In a multi-process run every process plans the same step the same way, but timings in the plan
     differ; process 0's plan is broadcast so all run (and report) exactly one plan."""
@@ -308,7 +324,7 @@ def same_plan_everywhere(plan: Plan, args: tuple) -> Plan:
     return bind(Plan.from_json(ours.tobytes().decode()), *args)
 
 
-def _cached_plan(path: Path, fp: str, args: tuple) -> Plan | None:
+def _cached_plan(path: Path, fp: str, args: tuple, traced: Traced) -> Plan | None:
     """The plan cached at `path` for this step, or None. A cache entry is only a shortcut: one that cannot be
     read, parsed or bound to these arguments (truncated by a kill, edited, of another autoshard) is
     planned again and rewritten, with a warning, never an error."""
@@ -318,6 +334,7 @@ def _cached_plan(path: Path, fp: str, args: tuple) -> Plan | None:
         p = Plan.from_json(path.read_bytes())
         if p.provenance.get("fingerprint") != fp:
             raise PlanError(f"made for another step (fingerprint {p.provenance.get('fingerprint')}, this step {fp})")
+        check_outputs(p, traced.graph, "the cached plan")
         return bind(p, *args)       # its specs against these arguments
     except (OSError, PlanError) as err:
         warnings.warn(f"autoshard: ignoring the unusable plan cache entry {str(path)!r} "

@@ -12,6 +12,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from ..core.errors import MeshError, PlanError
 from ..core.graph import op_keys
+from ..core.mesh import check_distinct_devices
 from ..plan.plan import Plan
 from ..plan.specs import Spec
 from ..plan.validate import check_constraints_matched
@@ -66,7 +67,9 @@ def make_mesh(plan_or_axes: Plan | tuple, devices: list | None = None) -> Mesh:
 def auto_axes(mesh: Mesh) -> Mesh:
     """`mesh` (same devices, names and sizes) with every axis Auto: autoshard emits NamedShardings and
     sharding constraints for XLA to propagate, which jax accepts on Auto axes only, while jax.make_mesh
-    makes Explicit axes by default."""
+    makes Explicit axes by default. Every mesh a user passes (audit, pipelined, inference) comes through
+    here: one listing a device twice is a MeshError, not jax's bare assertion later."""
+    check_distinct_devices(mesh)
     if all(t == AxisType.Auto for t in mesh.axis_types):
         return mesh
     return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
@@ -126,24 +129,49 @@ def donated_argnums(plan: Plan, nargs: int) -> tuple[int, ...]:
     return tuple(i for i in range(nargs) if by_arg.get(i) and all(k in outs for k in by_arg[i]))
 
 
-class ShapesChanged(Exception):
+class ShapesChanged(PlanError):
     """Raised while jax traces a planned step for arguments of another structure, shape or dtype
-    than the plan's: jax re-traces only then, so the check costs nothing per call."""
+    than the plan's: jax re-traces only then, so the check costs nothing per call. The decorated step
+    catches it and plans the new arguments; it reaches the user only from the plain program
+    (`step.jitted`) called with other arguments, so it is a PlanError that says so."""
+
+    def __init__(self, planned: tuple, given: tuple):
+        super().__init__(
+            f"autoshard: the compiled step was planned for arguments {_describe(planned)} and is now traced for "
+            f"{_describe(given)}; its shardings fit only the planned ones. Fix: call the decorated step itself "
+            "(it plans each new structure, shape or dtype once), not its step.jitted program.")
 
 
 def signature(args: tuple) -> tuple:
-    """(structure, (shape, dtype) per leaf); Python scalars count as the 0-d arrays jax traces them as.
-    Dtypes are compared as they are (a typed PRNG key's `key<fry>` is no numpy dtype)."""
+    """(structure, (shape, dtype) per leaf) as jax traces them: Python scalars as 0-d arrays, dtypes
+    canonical (with 64-bit types disabled a numpy float64 / int64 leaf is traced as float32 / int32, as
+    jax.jit does); a typed PRNG key's extended dtype (`key<fry>`) as it is."""
     leaves, treedef = jax.tree_util.tree_flatten(args)
     return treedef, tuple(_leaf_signature(x) for x in leaves)
 
 
 def _leaf_signature(x: Any) -> tuple:
     if hasattr(x, "shape") and hasattr(x, "dtype"):
-        return tuple(x.shape), x.dtype
+        return tuple(x.shape), _canonical(x.dtype)
     if isinstance(x, bool | int | float | complex):
         return (), jax.numpy.result_type(x)
     return type(x), None       # no array: tracing it raises the typed error that names it
+
+
+def _canonical(dtype: Any) -> Any:
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+        return dtype
+    try:
+        return jax.dtypes.canonicalize_dtype(dtype)
+    except TypeError:        # no jax dtype (strings, objects): tracing it raises the typed error
+        return dtype
+
+
+def _describe(sig: tuple) -> str:
+    treedef, leaves = sig
+    shown = ", ".join(f"{d}{list(s)}" if isinstance(s, tuple) else getattr(s, "__name__", str(s))
+                      for s, d in leaves[:4])
+    return f"[{shown}{', ...' if len(leaves) > 4 else ''}] ({len(leaves)} leaves)"
 
 
 def shape_guarded(fn: Callable, args: tuple) -> Callable:
@@ -151,8 +179,9 @@ def shape_guarded(fn: Callable, args: tuple) -> Callable:
     planned = signature(args)
 
     def guarded(*call_args):
-        if signature(call_args) != planned:
-            raise ShapesChanged()
+        given = signature(call_args)
+        if given != planned:
+            raise ShapesChanged(planned, given)
         return fn(*call_args)
 
     guarded.__name__ = getattr(fn, "__name__", "step")

@@ -198,13 +198,21 @@ class OpGraph:
 
 
 def fingerprint(graph: OpGraph) -> str:
-    """Identity of a traced step: its inputs and the op sequence (shapes included)."""
+    """Identity of a traced step, covering everything a plan is bound to: its inputs and outputs
+    (keypaths, shapes, dtypes: the plan's in/out shardings) and the op sequence (shapes, dtypes and
+    the modules that name its activation constraints). Two steps alike in inputs and ops but not in
+    what they return (one also returns the gradients) must not share a plan."""
     h = hashlib.sha1()
     for v in graph.inputs:
         val = graph.values[v]
         h.update(f"{val.keypath}:{val.shape}:{val.dtype};".encode())
+    h.update(b"->")
+    for kp, v in zip(graph.output_keypaths, graph.outputs, strict=True):
+        val = graph.values[v]
+        h.update(f"{kp}:{val.shape}:{val.dtype};".encode())
+    h.update(b"|")
     for op in graph.ops:
-        h.update(f"{op.primitive}{op.in_shapes}{op.out_shapes};".encode())
+        h.update(f"{op.module}/{op.primitive}{op.in_shapes}{op.in_dtypes}{op.out_shapes}{op.out_dtypes};".encode())
     return h.hexdigest()[:16]
 
 

@@ -83,12 +83,32 @@ def mesh_spec(mesh: Any) -> MeshSpec:
         return MeshSpec(tuple(mesh.items()))
     names, shape = getattr(mesh, "axis_names", None), getattr(mesh, "shape", None)
     if names is not None and isinstance(shape, Mapping):
+        check_distinct_devices(mesh)
         missing = [n for n in names if n not in shape]
         if missing:
             raise MeshError(f"autoshard: mesh {mesh!r} names axes {missing} that its .shape {dict(shape)!r} lacks.")
         return MeshSpec(tuple((n, shape[n]) for n in names))
     raise MeshError(f"autoshard: mesh={mesh!r} (type {type(mesh).__name__}) is not a mesh; pass a dict such as "
                     "{'data': 2, 'model': 4}, a MeshSpec or a jax.sharding.Mesh.")
+
+
+def check_distinct_devices(mesh: Any, where: str = "autoshard") -> None:
+    """MeshError if a concrete mesh (one with a `.devices` array, a `jax.sharding.Mesh`) lists a device
+    more than once: jax builds such a Mesh but fails with a bare assertion when an array is placed on it."""
+    devices = getattr(mesh, "devices", None)
+    flat = list(getattr(devices, "flat", ()))
+    keys = [(getattr(d, "platform", ""), getattr(d, "id", id(d))) for d in flat]
+    counts = {k: keys.count(k) for k in set(keys)} if len(set(keys)) < len(keys) else {}
+    twice = [(d, counts[k]) for d, k in zip(flat, keys, strict=True) if counts.get(k, 0) > 1]
+    if twice:
+        d, n = twice[0]
+        seen = set(keys)
+        shape = dict(zip(getattr(mesh, "axis_names", ()), getattr(devices, "shape", ()), strict=False))
+        raise MeshError(
+            f"{where}: the jax Mesh {shape} lists device {d} {n} times ({len(flat)} slots, "
+            f"{len(seen)} distinct devices); each mesh position needs its own device. Fix: build it from distinct "
+            "devices, e.g. jax.make_mesh(sizes, names) or Mesh(np.array(jax.devices()[:n]).reshape(sizes), names), "
+            "or pass the axis sizes as a dict and let autoshard pick the devices.")
 
 
 def candidate_meshes(devices: int, max_axes: int = 3) -> list[MeshSpec]:

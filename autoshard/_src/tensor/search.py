@@ -323,8 +323,9 @@ def _candidate_factors(graph: OpGraph, fg: FactorGraph, weights: dict[int, float
 
 def _enumerate_plans(fg: FactorGraph, cands_t: tuple[int, ...], masks_of: dict[int, list[int]]) -> np.ndarray:
     """Every assignment of axis masks to the candidate factors, plans[C, K], in canonical order."""
-    plans = np.array(list(itertools.product(*(masks_of[f] for f in cands_t))) or [()],
-                     dtype=np.int64).reshape(-1, len(cands_t))
+    combos = list(itertools.product(*(masks_of[f] for f in cands_t))) or [()]
+    # an explicit row count: with no candidate factors (a step with nothing to split) there is one plan, ()
+    plans = np.array(combos, dtype=np.int64).reshape(len(combos), len(cands_t))
     # factors that share a tensor cannot share an axis
     ok = np.ones(plans.shape[0], dtype=bool)
     for a, b in itertools.combinations(range(len(cands_t)), 2):
