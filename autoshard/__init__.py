@@ -1,7 +1,8 @@
 """autoshard: automatic tensor and pipeline parallelism for JAX train steps.
 
 The public face: every name below is defined in `autoshard/_src` (layers: core, tensor, pipeline,
-plan, bridge). Names from the jax bridge load on first use, so `import autoshard` itself needs no jax.
+plan, bridge). Names from the jax bridge and the planners load on first use, so `import autoshard`
+itself needs no jax, numpy or scipy.
 """
 
 from typing import TYPE_CHECKING
@@ -20,16 +21,8 @@ from ._src.core.errors import ScheduleError as ScheduleError
 from ._src.core.errors import StepFailedError as StepFailedError
 from ._src.core.errors import TraceFailedError as TraceFailedError
 from ._src.core.errors import UntraceableArgumentError as UntraceableArgumentError
-from ._src.core.graph import OpGraph as OpGraph
-from ._src.core.grouping import Grouping as Grouping
-from ._src.core.grouping import group as group
-from ._src.core.hardware import HardwareSpec as HardwareSpec
-from ._src.core.hardware import get_hardware as get_hardware
 from ._src.core.version import VERSION
 from ._src.lazy import lazy_attributes
-from ._src.plan.config import Config as Config
-from ._src.plan.plan import Plan as Plan
-from ._src.tensor.experts import EXPERTS as EXPERTS
 
 if TYPE_CHECKING:   # the lazy names below, for type checkers and IDEs
     from ._src.bridge.api import bind as bind
@@ -43,6 +36,14 @@ if TYPE_CHECKING:   # the lazy names below, for type checkers and IDEs
     from ._src.bridge.decorator import autoshard as autoshard
     from ._src.bridge.pipelined_step import value_and_grad as value_and_grad
     from ._src.bridge.trace import trace as trace
+    from ._src.core.graph import OpGraph as OpGraph
+    from ._src.core.grouping import Grouping as Grouping
+    from ._src.core.grouping import group as group
+    from ._src.core.hardware import HardwareSpec as HardwareSpec
+    from ._src.core.hardware import get_hardware as get_hardware
+    from ._src.plan.config import Config as Config
+    from ._src.plan.plan import Plan as Plan
+    from ._src.tensor.experts import EXPERTS as EXPERTS
 
 __getattr__, __dir__ = lazy_attributes(__name__, {
     "autoshard": "autoshard._src.bridge.decorator",
@@ -56,6 +57,16 @@ __getattr__, __dir__ = lazy_attributes(__name__, {
     "pipelined": "autoshard._src.bridge.cut",
     "save": "autoshard._src.bridge.checkpoint",
     "restore": "autoshard._src.bridge.checkpoint",
+    # pure, but they load numpy, scipy and networkx (0.5 s): lazy too, so the CLI's Ctrl-C handler
+    # (autoshard._src.cli, imported after this package) is in place within milliseconds of start
+    "OpGraph": "autoshard._src.core.graph",
+    "Grouping": "autoshard._src.core.grouping",
+    "group": "autoshard._src.core.grouping",
+    "HardwareSpec": "autoshard._src.core.hardware",
+    "get_hardware": "autoshard._src.core.hardware",
+    "Config": "autoshard._src.plan.config",
+    "Plan": "autoshard._src.plan.plan",
+    "EXPERTS": "autoshard._src.tensor.experts",
 }, eager=[n for n in dir() if not n.startswith("_") and n not in ("TYPE_CHECKING", "lazy_attributes", "VERSION")])
 
 __version__ = VERSION

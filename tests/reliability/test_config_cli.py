@@ -181,3 +181,144 @@ def test_sigint_in_every_phase_is_one_line_and_130():
             continue
         assert proc.returncode == 130, (delay, proc.returncode, err[-2000:])
         assert err.splitlines()[-1] == "autoshard run: interrupted" and "Traceback" not in err, err[-2000:]
+
+
+B4 = {"pipe": 2, "data": 4}
+
+
+def exit_code(argv: list[str]) -> int:
+    """main's code, or argparse's exit code for a flag refused while parsing."""
+    try:
+        return main(argv)
+    except SystemExit as exit_:
+        return exit_.code
+SPLITS = [
+    # (id, batch size, autoshard() keywords, message pattern)
+    ("8 micro-batches of a batch of 4", 4, dict(mesh=B4, pipeline="rannc", num_microbatches=8),
+     r"batch size 4 does not split into 8 micro-batches x 4 data-parallel replicas .*num_microbatches among \[1\]"),
+    ("batch 6 over 4 replicas", 6, dict(mesh=B4, pipeline="rannc", num_microbatches=4),
+     r"num_microbatches=4: batch size 6 cannot be split over the 4 data-parallel replicas \(data\)"),
+    ("batch 6 over 4 replicas, count chosen", 6, dict(mesh=B4, pipeline="rannc"),
+     r"batch size 6 cannot be split over the 4 data-parallel replicas"),
+    ("3-D: 4 micro-batches x data=2 of a batch of 4", 4, dict(mesh=PIPE3D, pipeline="auto", num_microbatches=4),
+     r"batch size 4 does not split into 4 micro-batches x 2 .*\(num_microbatches=4; data of mesh pipe=2 x data=2 x "
+     r"model=2\).*among \[1, 2\]"),
+]
+
+
+@pytest.mark.parametrize("case", SPLITS, ids=[c[0] for c in SPLITS])
+def test_a_batch_the_micro_batches_cannot_cut_is_refused_up_front(case):
+    """It was 'no stage split fits the memory budget of 2.9 GB' although the smallest peak is 34 kB."""
+    _, size, kw, pattern = case
+    params, opt_state, batch = fresh()
+    batch = {k: v[:size] for k, v in batch.items()}
+    before = jax.tree.map(np.asarray, (params, opt_state, batch))
+    t0 = time.perf_counter()
+    with pytest.raises(PipelineError, match=pattern):
+        autoshard.autoshard(M.train_step, hardware="cpu-sim", **kw)(params, opt_state, batch)
+    with pytest.raises(PipelineError, match=pattern):       # planning alone, abstractly: the same refusal
+        autoshard.plan(M.train_step, *jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+                                                   (params, opt_state, batch)), hardware="cpu-sim", **kw)
+    assert time.perf_counter() - t0 < 10
+    after = (params, opt_state, batch)
+    assert not [x for x in jax.tree.leaves(after) if x.is_deleted()]
+    jax.tree.map(np.testing.assert_array_equal, before, jax.tree.map(np.asarray, after))
+
+
+def test_pipelined_names_the_counts_that_split_the_batch():
+    params, _, batch = fresh()
+    batch = {k: v[:4] for k, v in batch.items()}
+    with pytest.raises(PipelineError, match=r"batch size 4 does not split into 8 micro-batches x 4 .*among \[1\]"):
+        autoshard.pipelined(M.loss, params, batch, mesh=B4, num_microbatches=8)
+    assert not [x for x in jax.tree.leaves((params, batch)) if x.is_deleted()]
+
+
+def test_out_that_cannot_be_created_is_refused_before_planning(tmp_path, capsys):
+    """/proc passes a permission check (and root passes every one): the file itself is opened."""
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    for out, why in (("/proc/nope.json", "No such file or directory"), (str(blocker / "x.json"), "is a file"),
+                     (str(tmp_path) + "/", "is a directory")):
+        for command in (["plan", "mlp", "--config", "debug"], ["audit", "mlp"]):
+            t0 = time.perf_counter()
+            assert exit_code([*command, "--out", out]) == 2
+            captured = capsys.readouterr()
+            err = captured.err.splitlines()
+            assert len(err) == 1 and "argument --out" in err[0] and why in err[0], err
+            assert captured.out == "" and time.perf_counter() - t0 < 2          # nothing planned
+    kept = tmp_path / "plan.json"
+    kept.write_text("the user's file")
+    new = tmp_path / "new.json"
+    from autoshard._src.cli.args import output_path
+    assert output_path(str(kept)) == str(kept) and output_path(str(new)) == str(new)
+    assert kept.read_text() == "the user's file" and not new.exists()       # probed, never clobbered or left
+
+
+def test_out_that_fails_when_written_is_one_line(capsys):
+    """Writable at parsing, full when written (/dev/full): one line naming --out, the plan printed above."""
+    assert main(["plan", "mlp", "--config", "debug", "--hardware", "cpu-sim", "--out", "/dev/full"]) == 2
+    captured = capsys.readouterr()
+    err = captured.err.splitlines()
+    assert "tensor plan on mesh" in captured.out
+    assert "argument --out: could not write '/dev/full'" in err[-1], err       # after the phase timings
+    assert not [line for line in err[:-1] if "Traceback" in line or "Error" in line], err
+
+
+BAD_SETS = [
+    ("learning_rate=nan", "must be a finite number"),
+    ("learning_rate=inf", "must be a finite number"),
+    ("learning_rate=-0.001", "must be >= 0"),
+    ("d_model=0", "must be a whole number >= 1"),
+    ("num_layers=-2", "must be a whole number >= 1"),
+    ("d_model=1099511627776", "must be <= 2147483647"),
+    ("seq_len=1e3", "seq_len is int"),
+    ("num_heads=3", "cannot be built with num_heads=3: ValueError: d_model=32 not divisible by num_heads=3"),
+    ("dtype=float8", "cannot be built with dtype=float8: ValueError: unsupported dtype"),
+]
+
+
+@pytest.mark.parametrize("item, why", BAD_SETS, ids=[s for s, _ in BAD_SETS])
+def test_set_values_are_checked_against_the_config_field(item, why, capsys):
+    t0 = time.perf_counter()
+    assert exit_code(["plan", "gpt", "--config", "debug", "--set", item]) == 2
+    captured = capsys.readouterr()
+    err = captured.err.splitlines()
+    assert len(err) == 1 and "argument --set" in err[0] and why in err[0], err
+    assert captured.out == "" and time.perf_counter() - t0 < 5
+
+
+def test_set_takes_tuples_and_paddings_of_zero(capsys):
+    assert main(["group", "convnet_toy", "--config", "debug", "--set", "channels=4,8", "--set", "paddings=(0, 0)",
+                 "--json"]) == 0
+    assert '"channels=4,8"' not in capsys.readouterr().out         # parsed as a tuple, not taken as text
+    assert exit_code(["group", "convnet_toy", "--config", "debug", "--set", "channels=4"]) == 2
+    assert "channels is tuple[int, int] (now (4, 4)); e.g. --set channels=4,4" in capsys.readouterr().err
+
+
+def _numpy_loaded(pid: int) -> bool:
+    try:
+        return "numpy" in Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return False
+
+
+def test_sigint_while_python_imports_the_package_is_one_line_and_130():
+    """Ctrl-C in the first half second (imports, before the command's handler) printed Python's
+    KeyboardInterrupt traceback. Once at fixed delays, once as soon as numpy's library is mapped (mid-import,
+    certainly past Python's own start-up, which no package code can cover: a signal there is skipped)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    for delay in (0.05, 0.1, 0.2, 0.3, "numpy"):
+        proc = subprocess.Popen([sys.executable, "-m", "autoshard", "run"], cwd=ROOT, env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        if delay == "numpy":
+            t0 = time.perf_counter()
+            while not _numpy_loaded(proc.pid) and time.perf_counter() - t0 < 20:
+                time.sleep(0.001)
+        else:
+            time.sleep(delay)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+        if proc.returncode != 130 and "autoshard/_src" not in err and delay != "numpy":
+            continue          # interrupted in Python's start-up or the package's first lines: not reachable
+        assert proc.returncode == 130, (delay, proc.returncode, err[-2000:])
+        assert err.splitlines() == ["autoshard run: interrupted"], (delay, err[-2000:])

@@ -33,6 +33,7 @@ from jax.sharding import AxisType, Mesh
 from ..core.attribution import parse_scope
 from ..core.errors import PipelineError
 from ..core.hardware import get_hardware
+from ..pipeline.partition import microbatch_split_error
 from . import compat as jc
 from .cut_3d import ActivationSpecs, dict_path, guard_gathers, plan_batch_axes, runnable_here, stage_specs
 from .cut_dag import assign as dag_assign
@@ -258,10 +259,10 @@ def _split_batch(mesh: Mesh, batch: Any, num_microbatches: Any, pipe_axis: str,
         raise PipelineError(
             f"autoshard.pipelined: every batch leaf needs the same leading (batch) dimension; got {sorted(sizes)}.")
     B = sizes.pop()
-    if B % (num_microbatches * dp):
-        raise PipelineError(
-            f"autoshard.pipelined: batch size {B} does not split into {num_microbatches} micro-batches x {dp} "
-            f"data-parallel replicas (mesh {dict(mesh.shape)}); use a multiple of {num_microbatches * dp}.")
+    why = microbatch_split_error("autoshard.pipelined", B, dp, num_microbatches, str(dict(mesh.shape)),
+                                 " x ".join(a for a in axes if a in mesh.shape) or "no data axis")
+    if why:
+        raise PipelineError(why)
     return S, axes, B, B // (num_microbatches * dp)
 
 

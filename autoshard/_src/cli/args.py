@@ -84,17 +84,27 @@ def memory_budget(text: str) -> float:
 
 
 def output_path(text: str) -> str:
-    """A file the command can write: checked now, before minutes of planning."""
+    """A file the command can write: checked now, before minutes of planning, by opening it (created
+    and removed again when new; opened for append, never truncated, when it exists): permission bits
+    say nothing to root or on /proc, a read-only mount or a full quota."""
     path = os.path.abspath(text)
     parent = os.path.dirname(path)
-    if os.path.isdir(path):
+    if os.path.isdir(path) or text.endswith(os.sep):
         raise argparse.ArgumentTypeError(f"{text!r} is a directory; give a file name, e.g. "
                                          f"{os.path.join(text, 'plan.json')}")
     if not os.path.isdir(parent):
-        raise argparse.ArgumentTypeError(f"cannot write {text!r}: the directory {parent} does not exist; create it "
+        what = "is a file, not a directory" if os.path.exists(parent) else "does not exist"
+        raise argparse.ArgumentTypeError(f"cannot write {text!r}: the directory {parent} {what}; create it "
                                          "or write elsewhere")
-    if not os.access(parent, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
-        raise argparse.ArgumentTypeError(f"cannot write {text!r}: permission denied; write elsewhere")
+    existed = os.path.lexists(path)
+    try:
+        fd = os.open(path, os.O_WRONLY | (os.O_APPEND if existed else os.O_CREAT | os.O_EXCL), 0o644)
+    except OSError as err:
+        raise argparse.ArgumentTypeError(f"cannot write {text!r}: {err.strerror or err} (in {parent}); write "
+                                         "elsewhere, e.g. --out ./plan.json") from None
+    os.close(fd)
+    if not existed:
+        os.remove(path)          # the probe: the command writes the file when it has the result
     return text
 
 

@@ -99,9 +99,15 @@ def load_plan(path: str) -> Any:
 
 
 def write_out(path: str | None, text: str, out: Any) -> None:
-    if path:
+    """--out FILE (checked writable at parsing); a failure now (disk full, removed meanwhile) is one line."""
+    if not path:
+        return
+    try:
         Path(path).write_text(text)
-        out(f"\nwrote {path}")
+    except OSError as err:
+        raise UsageError("--out", f"could not write {path!r}: {err.strerror or err}; the results are printed "
+                                  "above; write elsewhere") from None
+    out(f"\nwrote {path}")
 
 
 def cmd_plan(args: argparse.Namespace, progress: Progress, out: Any) -> int:

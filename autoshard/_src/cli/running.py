@@ -13,12 +13,11 @@ import json
 import math
 import warnings
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 from ..core.errors import MeshError
 from .args import UsageError
-from .commands import load_plan, model_line
+from .commands import load_plan, model_line, write_out
 from .progress import NativeStderr, Progress
 from .report import summary
 from .tables import mesh_text, table
@@ -200,9 +199,7 @@ def cmd_audit(args: argparse.Namespace, progress: Progress, out: Any) -> int:
         f"storage {plan.storage}")
     for line in audit_lines(audit):
         out(line)
-    if args.out:
-        Path(args.out).write_text(json.dumps(audit.to_dict(), indent=1, sort_keys=True))
-        out(f"\nwrote {args.out}")
+    write_out(args.out, json.dumps(audit.to_dict(), indent=1, sort_keys=True), out)
     progress.after(captured_lines(native, records, plan))
     return 0 if audit.fidelity_ok else 1
 

@@ -21,6 +21,7 @@ import autoshard
 
 from ..core.hardware import presets
 from .args import UsageError
+from .commands import write_out
 from .progress import Progress
 from .running import setup_devices
 from .tables import mesh_text, table
@@ -112,9 +113,7 @@ def cmd_sweep(args: argparse.Namespace, progress: Progress, out: Any) -> int:
                      "hardware": hw, "section": section, **row})
     for line in sweep_table(rows):
         out(line)
-    if args.out:
-        Path(args.out).write_text(json.dumps(rows, indent=1, default=float))
-        out(f"\nwrote {args.out}")
+    write_out(args.out, json.dumps(rows, indent=1, default=float), out)
     # exit 1 when a plan is predicted slower than an expert, or an audit misses beyond tolerance
     slower = [r for r in rows if r.get("best_expert_step_time")
               and r["step_time"] > r["best_expert_step_time"] * 1.0005]

@@ -10,6 +10,7 @@ candidate with the same event simulator, so partitioners are interchangeable.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
@@ -126,3 +127,38 @@ def max_over_mean(forward: Sequence[float], backward: Sequence[float]) -> float:
     """Balance of stage times: the slowest stage's forward + backward over the mean."""
     t = [f + b for f, b in zip(forward, backward, strict=True)]
     return max(t) / (sum(t) / len(t)) if t and sum(t) > 0 else 1.0
+
+
+def microbatch_counts_for(batch: int, replicas: int) -> list[int]:
+    """The micro-batch counts M that cut `batch` into M micro-batches of whole samples per replica
+    (M x replicas divides the batch): the divisors of batch / replicas, none if replicas does not divide it."""
+    if batch < 1 or replicas < 1 or batch % replicas:
+        return []
+    per = batch // replicas
+    small = [m for m in range(1, math.isqrt(per) + 1) if per % m == 0]
+    return sorted({*small, *(per // m for m in small)})
+
+
+def microbatch_split_error(who: str, batch: int, replicas: int, num_microbatches: int | None, mesh: str,
+                           axes: str) -> str | None:
+    """Why `batch` samples cannot run as `num_microbatches` (None: any count) micro-batches on the
+    `replicas` data-parallel devices (mesh axes `axes`) of `mesh` (text), with the counts that can;
+    None when they can. The runtime gives every replica whole samples of every micro-batch, so
+    M x replicas must divide the batch: checked where the batch is first known, before any search."""
+    valid = microbatch_counts_for(batch, replicas)
+    if num_microbatches in valid or num_microbatches is None and valid:
+        return None
+    asked = "" if num_microbatches is None else f"num_microbatches={num_microbatches}: "
+    if not valid:
+        return (f"{who}: {asked}batch size {batch} cannot be split over the {replicas} data-parallel replicas "
+                f"({axes}) of mesh {mesh}: each replica needs whole samples of every micro-batch, so no micro-batch "
+                f"count fits. Fix: a batch that is a multiple of {replicas}, or a mesh whose {axes} "
+                f"size divides {batch}.")
+    need = num_microbatches * replicas
+    shown = ", ".join(map(str, valid[:12])) + (", ..." if len(valid) > 12 else "")
+    return (f"{who}: batch size {batch} does not split into {num_microbatches} micro-batches x {replicas} "
+            f"data-parallel replicas (num_microbatches={num_microbatches}; {axes} of mesh {mesh}): each replica "
+            f"computes whole samples of every micro-batch, so the batch must be a multiple of {num_microbatches} x "
+            f"{replicas} = {need}. Fix: "
+            f"num_microbatches among [{shown}] (the counts that split batch {batch} on this mesh), or a batch that "
+            f"is a multiple of {need}.")

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 
-from ..core.errors import ConfigError, InfeasiblePlanError
+from ..core.errors import ConfigError, InfeasiblePlanError, PipelineError
 from ..core.graph import OpGraph
 from ..core.grouping import group
 from ..core.hardware import HardwareSpec
 from ..core.mesh import MeshSpec
-from ..pipeline.partition import Profiler
+from ..pipeline.costs import traced_batch
+from ..pipeline.partition import Profiler, microbatch_split_error
 from .config import Config
 from .joint_planner import auto_mesh_options, fixed_shape_options, joint_plan
 from .pipeline_planner import pipeline_plan
@@ -28,6 +30,7 @@ def make_plan(graph: OpGraph, config: Config, hardware: HardwareSpec, *, profile
     if config.mesh is None:
         raise ConfigError("autoshard: no mesh given; pass mesh={'data': 2, 'model': 4} (axis name -> size), a jax "
                           "Mesh, or 'auto' with devices=<count>, or a config file with [mesh].")
+    _check_batch_split(graph, config)
     t0 = time.perf_counter()
     if config.pipeline is None and config.mesh == "auto" and three_d:
         grouping = group(graph)
@@ -58,6 +61,26 @@ def make_plan(graph: OpGraph, config: Config, hardware: HardwareSpec, *, profile
               "search_seconds": plan.predicted["search_seconds"],
               "total_seconds": trace_seconds + time.perf_counter() - t0}
     return dataclasses.replace(plan, predicted={**plan.predicted, "timing": timing})
+
+
+def _check_batch_split(graph: OpGraph, config: Config) -> None:
+    """A pipeline plan on a mesh with a 'pipe' axis runs every micro-batch on the data-parallel devices
+    (all non-pipe axes; in 3-D, the 'data' axis, the model axis splitting tensors): refused up front
+    when the traced batch cannot be cut that way, instead of a search that finds no plan and blames memory."""
+    mesh = config.mesh
+    if config.pipeline is None or not isinstance(mesh, MeshSpec) or "pipe" not in mesh.names:
+        return
+    if not any(graph.values[v].role == "data" and graph.values[v].shape for v in graph.inputs):
+        return          # no batch argument: nothing to cut
+    if config.pipeline == "auto":       # 3-D: the stages split the batch over 'data' (at least)
+        axes = [n for n in mesh.names if n == "data"]
+    else:
+        axes = [n for n in mesh.names if n != "pipe"]
+    replicas = math.prod(mesh.axis_size(n) for n in axes)
+    why = microbatch_split_error(f"autoshard (pipeline={config.pipeline!r})", traced_batch(graph), replicas,
+                                 config.num_microbatches, str(mesh), " x ".join(axes) or "no data axis")
+    if why:
+        raise PipelineError(why)
 
 
 def _with_sequence_parallel_tensor_plan(plan: Plan, graph: OpGraph, config: Config, hardware: HardwareSpec,
