@@ -365,6 +365,8 @@ def idle_axes(mesh: MeshSpec, res: SearchResult, specs: list[Spec]) -> tuple[str
         if size == 1 or name in used or any(res.factors.divides(f, size) for f in res.candidates):
             continue
         dims = sorted({res.factors.factor_size(f) for f in res.candidates})[:6]
+        if not dims:           # a step with no array work (identity, constants): nothing is wasted
+            continue
         out.append(f"{IDLE_AXIS} {name!r} (size {size}) splits nothing: no dimension of the step divides by {size} "
                    f"(candidate dims {dims}), so the {size} devices along it repeat the same work. Fix: a mesh whose "
                    "axis sizes divide the batch and model dims, or fewer devices on that axis.")
