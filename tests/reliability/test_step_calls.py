@@ -393,3 +393,23 @@ def test_audit_refuses_a_plan_of_another_step_or_other_shapes():
         autoshard.audit(plan, lambda p, o, b: M.train_step(p, o, {k: v * 2 for k, v in b.items()}), *args)
     assert autoshard.audit(plan, M.train_step, *args).platform == "cpu"
     assert alive(args)
+
+
+def pipelined_step(params, opt_state, batch):
+    loss, grads = autoshard.value_and_grad(M.loss)(params, batch)
+    updates, opt_state = M.optimizer.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+
+@pytest.mark.filterwarnings("ignore:.*the plan gives its stages")
+@pytest.mark.parametrize("pipeline", [None, "rannc"])
+def test_arrays_committed_to_another_device_are_moved_on_every_call(pipeline):
+    """jax.device_put(x, device) or a restore without shardings commits arrays to one device; jit with
+    explicit in_shardings refuses them, so the step moves them (the first call always did)."""
+    mesh = {"pipe": 2, "data": 4} if pipeline else {"data": 2, "model": 4}
+    step = autoshard.autoshard(pipelined_step, mesh=mesh, hardware="cpu-sim", pipeline=pipeline)
+    args = fresh()
+    want = jax.jit(pipelined_step)(*args)
+    step(*jax.tree.map(lambda x: x + 0, args))
+    committed = jax.device_put(args, jax.devices()[1])
+    assert_same(step(*committed), want)

@@ -210,7 +210,13 @@ class Autosharded:
 
     def _run(self, given: tuple, args: tuple, leaves: list | None = None) -> Any:
         """The compiled step on `args` (`given` as the caller passed them, for the failure message)."""
-        args = unaliased(args, jax.tree.leaves(args) if leaves is None else leaves, self._donated)
+        leaves = jax.tree.leaves(args) if leaves is None else leaves
+        if _misplaced(leaves, self._in_shardings):
+            # committed elsewhere (jax.device_put(x, device), a restore without shardings): jit refuses
+            # such arrays with explicit in_shardings, so they are moved first, as on the first call
+            args = self._placed(args)
+            leaves = jax.tree.leaves(args)
+        args = unaliased(args, leaves, self._donated)
         try:
             return self._jitted(*args)
         except jax.errors.JaxRuntimeError as err:
@@ -299,6 +305,17 @@ class Autosharded:
             return new
 
         return jax.tree.map(own, args, placed, self._in_shardings)
+
+
+def _misplaced(leaves: list, in_shardings: Any) -> bool:
+    """Whether an argument array is committed to other devices than its planned sharding's (one set
+    comparison per leaf: the per-call cost of a device-set check)."""
+    if in_shardings is None:
+        return False
+    wanted = jax.tree.leaves(in_shardings)
+    return len(wanted) == len(leaves) and any(
+        isinstance(x, jax.Array) and getattr(x, "committed", False) and x.sharding.device_set != s.device_set
+        for x, s in zip(leaves, wanted, strict=True))
 
 
 def _own_mesh_context() -> contextlib.AbstractContextManager:
