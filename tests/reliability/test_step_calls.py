@@ -413,3 +413,19 @@ def test_arrays_committed_to_another_device_are_moved_on_every_call(pipeline):
     step(*jax.tree.map(lambda x: x + 0, args))
     committed = jax.device_put(args, jax.devices()[1])
     assert_same(step(*committed), want)
+
+
+def test_inference_functions_that_cannot_trace_are_typed_errors():
+    """Train mode's argument checks and trace wrapping hold in inference mode too (raw flax / Python
+    errors before): a string image, an image of the wrong layout, parameters of None."""
+    toy = models.get("convnet_toy", "debug")
+    params, images = toy.init(jax.random.key(0)), toy.batch()["images"]
+    run = autoshard.autoshard(mode="inference", mesh={"x": 2}, hardware="cpu-sim")(toy.apply)
+    with pytest.raises(UntraceableArgumentError, match=r"args\[1\] is a builtins.str"):
+        run(params, "images")
+    with pytest.raises(autoshard.TraceFailedError, match="ScopeParamShapeError"):
+        run(params, jnp.moveaxis(images, -1, 1))          # NCHW into an NHWC network
+    with pytest.raises(autoshard.TraceFailedError, match="ApplyScopeInvalidVariablesTypeError"):
+        run(None, images)
+    assert alive((params, images))
+    np.testing.assert_allclose(run(params, images), toy.apply(params, images), rtol=1e-5, atol=1e-6)

@@ -28,9 +28,11 @@ from .devices import local_hardware
 from .emit import auto_axes
 from .infer_emit import constrained_program, explicit_program, layer_of_op
 from .infer_trace import TracedInference, trace_inference
+from .trace import check_args
 
 
 def _signature(args: tuple) -> str:
+    check_args(args)                 # strings and other non-arrays: a typed error naming the leaf
     leaves, tree = jax.tree.flatten(args)
     shapes = [f"{jax.numpy.result_type(x).name}{list(np.shape(x))}" for x in leaves]
     return f"{tree} {' '.join(shapes)}"

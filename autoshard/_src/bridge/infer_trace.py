@@ -32,6 +32,7 @@ from ..core.errors import ConfigError, PlanError
 from ..core.layers import Layer
 from ..core.shapemap import Window
 from . import compat as jc
+from .trace import check_args, make_jaxpr
 
 _POOLS = ("reduce_window_max", "reduce_window_sum", "reduce_window_min", "reduce_window")
 _REDUCES = ("reduce_sum", "reduce_max", "reduce_min", "argmax", "argmin")
@@ -66,8 +67,9 @@ def trace_inference(fn: Callable, *args: Any, data_argnums: Sequence[int] = (1,)
     if bad or not data_argnums:
         raise ConfigError(f"autoshard (inference): data_argnums={tuple(data_argnums)!r} must name at least one of "
                           f"the {len(args)} positional arguments (0-based); the images are usually argument 1.")
+    check_args(args)                 # the train mode's argument checks: a typed error naming the leaf
     structs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jax.numpy.result_type(x)), args)
-    closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*structs)
+    closed, out_shape = make_jaxpr(fn, structs, getattr(fn, "__qualname__", type(fn).__qualname__))
     prog = jc.flatten_calls(closed)
     leaves_per_arg = [len(jax.tree.leaves(a)) for a in args]
     starts = np.cumsum([0, *leaves_per_arg])

@@ -33,7 +33,7 @@ _TRANSPARENT = {
 }
 
 
-def _check_args(args: tuple) -> None:
+def check_args(args: tuple) -> None:
     leaves = jax.tree_util.tree_flatten_with_path(args)[0]
     for path, leaf in leaves:
         where = "args" + jc.keystr(path)
@@ -298,10 +298,10 @@ def trace_step(fn: Callable, *args: Any, name: str | None = None,
             f"autoshard.trace: the step function must be callable, got a "
             f"{type(fn).__qualname__} ({_short(fn)}). Pass the function itself, e.g. "
             "autoshard.trace(train_step, params, opt_state, batch).")
-    _check_args(args)
+    check_args(args)
     fn_name = name or getattr(fn, "__qualname__", None) or type(fn).__qualname__
     with _gc_paused():
-        closed, out_shape = _make_jaxpr(fn, args, fn_name)
+        closed, out_shape = make_jaxpr(fn, args, fn_name)
         graph = _build_graph(closed, out_shape, args, fn_name, keep_eqns)
         infer_phases(graph, optimizer_scopes)
         attribute_modules(graph)
@@ -329,7 +329,7 @@ def _gc_paused() -> Iterator[None]:
                 gc.collect()
 
 
-def _make_jaxpr(fn: Callable, args: tuple, fn_name: str) -> tuple[Any, Any]:
+def make_jaxpr(fn: Callable, args: tuple, fn_name: str) -> tuple[Any, Any]:
     try:
         return jax.make_jaxpr(fn, return_shape=True)(*args)
     except Exception as err:  # the user's error, chained below
