@@ -322,3 +322,14 @@ def test_sigint_while_python_imports_the_package_is_one_line_and_130():
             continue          # interrupted in Python's start-up or the package's first lines: not reachable
         assert proc.returncode == 130, (delay, proc.returncode, err[-2000:])
         assert err.splitlines() == ["autoshard run: interrupted"], (delay, err[-2000:])
+
+
+@pytest.mark.parametrize("options", [{"pipeline": "rannc"}, {"num_microbatches": 4},
+                                     {"pipeline_options": {"k": 2}}, {"mesh": "auto"}])
+def test_expert_plans_refuse_options_they_would_ignore(options):
+    """Expert plans are tensor plans on a fixed mesh: a pipeline option given to one was dropped."""
+    args = fresh()
+    kw = {"mesh": {"data": 8}, "hardware": "cpu-sim", **options}
+    with pytest.raises(ConfigError, match="would be ignored: expert plans are tensor plans|pipeline plans only"):
+        autoshard.expert_plan("fsdp", M.train_step, *args, **kw)
+    assert not any(x.is_deleted() for x in jax.tree.leaves(args))

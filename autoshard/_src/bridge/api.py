@@ -94,5 +94,12 @@ def expert_plan(name: str, step: Callable, *args: Any, config: Any = None, **kwa
     megatron, data-megatron, megatron-sp) for `step` on the config's mesh, priced by the same model as
     automatic plans."""
     cfg = Config.make(config, **kwargs)
+    ignored = {k: getattr(cfg, k) for k in ("pipeline", "num_microbatches") if getattr(cfg, k) is not None}
+    if ignored or cfg.pipeline_options or cfg.mesh == "auto":
+        given = {**ignored, **({"pipeline_options": dict(cfg.pipeline_options)} if cfg.pipeline_options else {}),
+                 **({"mesh": "auto"} if cfg.mesh == "auto" else {})}
+        raise ConfigError(f"autoshard.expert_plan({name!r}): {given} would be ignored: expert plans are tensor plans "
+                          "on a fixed mesh. Fix: drop those options, or call autoshard.plan(step, *args, ...) for "
+                          "pipeline and 3-D plans (pipeline_options={'expert': 'megatron'} picks Megatron-LM's grid).")
     graph = trace(step, *args)
     return bind(expert_tensor_plan(name, graph, mesh=cfg.mesh, hw=hardware_of(cfg), options=cfg.search), *args)
