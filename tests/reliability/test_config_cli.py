@@ -333,3 +333,11 @@ def test_expert_plans_refuse_options_they_would_ignore(options):
     with pytest.raises(ConfigError, match="would be ignored: expert plans are tensor plans|pipeline plans only"):
         autoshard.expert_plan("fsdp", M.train_step, *args, **kw)
     assert not any(x.is_deleted() for x in jax.tree.leaves(args))
+
+
+def test_pipelined_on_one_stage_says_there_is_nothing_to_pipeline():
+    """A pipe axis of 1 crashed in numpy (a reduction over no cuts)."""
+    params, _, batch = fresh()
+    with pytest.raises(PipelineError, match="pipe=1: one stage, nothing to pipeline"):
+        autoshard.pipelined(M.loss, params, batch, mesh={"pipe": 1, "data": 8}, num_microbatches=1)
+    assert not any(x.is_deleted() for x in jax.tree.leaves((params, batch)))

@@ -249,6 +249,11 @@ def _split_batch(mesh: Mesh, batch: Any, num_microbatches: Any, pipe_axis: str,
         raise PipelineError(
             f"autoshard.pipelined: the mesh {dict(mesh.shape)} has no {pipe_axis!r} axis; its size is the stage count.")
     S = mesh.shape[pipe_axis]
+    if S < 2:
+        raise PipelineError(
+            f"autoshard.pipelined: the mesh {dict(mesh.shape)} has {pipe_axis}={S}: one stage, nothing to pipeline. "
+            f"Fix: a {pipe_axis!r} axis of 2 or more, or run the loss without stages (jax.value_and_grad; "
+            "@autoshard.autoshard plans tensor sharding over the other axes).")
     axes = tuple(a for a in mesh.axis_names if a != pipe_axis) if data_axes is None else tuple(data_axes)
     dp = math.prod(mesh.shape[a] for a in axes if a in mesh.shape)
     if isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int) or num_microbatches < 1:
