@@ -341,3 +341,13 @@ def test_pipelined_on_one_stage_says_there_is_nothing_to_pipeline():
     with pytest.raises(PipelineError, match="pipe=1: one stage, nothing to pipeline"):
         autoshard.pipelined(M.loss, params, batch, mesh={"pipe": 1, "data": 8}, num_microbatches=1)
     assert not any(x.is_deleted() for x in jax.tree.leaves((params, batch)))
+
+
+def test_sweep_entries_are_typed(tmp_path, capsys):
+    """quick = "yes" was taken as true; every entry key has its TOML type now."""
+    path = tmp_path / "sweep.toml"
+    path.write_text('hardware = "cpu-sim"\n[meshes.compiled]\n"8" = { data = 8 }\n'
+                    '[[compiled]]\nname = "mlp"\nconfig = "debug"\nquick = "yes"\n')
+    assert main(["sweep", str(path), "--quick"]) != 0
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and "quick = 'yes' must be a TOML bool (true or false)" in err[0], err

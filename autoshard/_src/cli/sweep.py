@@ -55,6 +55,11 @@ def read_config(path: str) -> dict[str, Any]:
             if bad or "name" not in entry:
                 raise UsageError("CONFIG", f"{path}: a [[{section}]] entry needs name (and config, overrides, quick); "
                                            f"unknown keys {bad}")
+            for key, kind in (("name", str), ("config", str), ("overrides", dict), ("quick", bool)):
+                if key in entry and not isinstance(entry[key], kind):
+                    raise UsageError("CONFIG", f"{path}: [[{section}]] {entry.get('name', '?')!r}: {key} = "
+                                               f"{entry[key]!r} must be a TOML {kind.__name__} "
+                                               f"({'true or false' if kind is bool else 'value of that type'})")
         for name, mesh in meshes.get(section, {}).items():
             if not mesh or not all(isinstance(s, int) and s >= 1 for s in mesh.values()):
                 raise UsageError("CONFIG", f"{path}: mesh {section}.{name} = {mesh!r}; give axis = size >= 1")
