@@ -351,3 +351,17 @@ def test_sweep_entries_are_typed(tmp_path, capsys):
     assert main(["sweep", str(path), "--quick"]) != 0
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 1 and "quick = 'yes' must be a TOML bool (true or false)" in err[0], err
+
+
+@pytest.mark.parametrize("extra", [["--mesh", "data=8"], ["--hardware", "v100-sxm"], ["gpt_nnx"]],
+                         ids=["mesh", "hardware", "model"])
+def test_explain_of_a_saved_plan_refuses_planning_flags(tmp_path, capsys, extra):
+    """explain/plan --plan FILE shows the file's plan: a mesh, hardware or model given beside it was dropped."""
+    path = tmp_path / "plan.json"
+    assert main(["plan", "mlp", "--config", "debug", "--mesh", "data=8", "--hardware", "cpu-sim",
+                 "--out", str(path)]) == 0
+    capsys.readouterr()
+    assert main(["explain", *extra, "--plan", str(path)]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and "argument --plan" in err[0] and "would be ignored" in err[0], err
+    assert main(["explain", "--plan", str(path)]) == 0

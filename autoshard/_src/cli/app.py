@@ -140,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     debug = "--debug" in argv
     args = build_parser().parse_args(argv)
     args.debug = debug
+    args.given = {a.split("=", 1)[0] for a in argv if a.startswith("--")}    # flags typed, not defaulted
     prog = f"autoshard {args.command}"
     progress = Progress()
     module, func = COMMANDS[args.command]

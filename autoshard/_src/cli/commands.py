@@ -65,6 +65,21 @@ def _check_flag_scope(args: argparse.Namespace) -> None:
                                       f"({args.mesh or 'the --plan file'}); add --mesh auto, or drop --devices")
 
 
+# what `plan` / `explain` plan with: a saved --plan is shown as it is, so these would be ignored
+_PLANNING_FLAGS = ("--config", "--layers", "--set", "--mesh", "--hardware", "--memory-budget", "--devices",
+                   "--pipeline", "--schedule", "--blocks", "--recompute", "--microbatches", "--profile")
+
+
+def _refuse_planning_flags(args: argparse.Namespace) -> None:
+    """--plan FILE shows the saved plan (its own mesh, hardware and model): planning flags, or a model
+    other than the default, would be silently dropped."""
+    typed = [f for f in _PLANNING_FLAGS if f in getattr(args, "given", set())]
+    if typed or args.model != "gpt":
+        what = ", ".join(typed + ([f"MODEL {args.model!r}"] if args.model != "gpt" else []))
+        raise UsageError("--plan", f"shows the saved plan as it is (its own model, mesh and hardware), so {what} "
+                                   "would be ignored; drop them, or drop --plan to plan anew")
+
+
 def plan_config(args: argparse.Namespace) -> Config:
     """The Config the flags describe (mesh 'auto' takes --devices)."""
     _check_flag_scope(args)
@@ -114,6 +129,7 @@ def cmd_plan(args: argparse.Namespace, progress: Progress, out: Any) -> int:
     """`plan` prints what was chosen; `explain` (same flags) prints why."""
     why = args.command == "explain"
     if args.plan:
+        _refuse_planning_flags(args)
         plan = load_plan(args.plan)
         out(f"plan file {args.plan} (step {plan.provenance.get('step', '?')})")
     else:
