@@ -34,7 +34,8 @@ from .trace import Traced, trace_step
 _PLAN_CACHE: dict[tuple, Plan] = {}
 # what one argument signature (structure, shapes, dtypes) prepares: kept per signature, so a step
 # called with alternating structures or batch shapes plans and compiles each once
-_PROGRAM = ("_plan", "plan_args", "_mesh", "_jitted", "_in_shardings", "_pipelined", "_treedef", "_donated")
+_PROGRAM = ("_plan", "plan_args", "_mesh", "_jitted", "_in_shardings", "_in_devices", "_pipelined", "_treedef",
+            "_donated")
 
 
 def _abstract(args: tuple) -> tuple:
@@ -67,6 +68,7 @@ class Autosharded:
         self._mesh = None
         self._pipelined = None
         self._in_shardings = None
+        self._in_devices: list = []          # per argument leaf: its planned sharding's device set
         self._treedef = None
         self._donated: tuple[int, ...] = ()
         self._programs: dict[tuple, tuple] = {}
@@ -112,7 +114,7 @@ class Autosharded:
         if path is not None:        # a missing or unusable entry is (re)written; one found in memory too
             write = p is not None and not path.is_file()
             if p is None:
-                p = _cached_plan(path, key[0], args, traced)
+                p = _cached_plan(path, args, traced)
                 write = p is None
         if p is None:
             # mesh="auto": tensor plans, the part of the 3-D space this runtime runs from a plain step
@@ -154,6 +156,7 @@ class Autosharded:
             current = tuple(getattr(self, name) for name in _PROGRAM)
             try:
                 self._prepare(args)
+                self._in_devices = [s.device_set for s in jax.tree.leaves(self._in_shardings)]
             except BaseException:       # a failed plan leaves the step as it was (no half-made program)
                 for name, value in zip(_PROGRAM, current, strict=True):
                     setattr(self, name, value)
@@ -211,7 +214,7 @@ class Autosharded:
     def _run(self, given: tuple, args: tuple, leaves: list | None = None) -> Any:
         """The compiled step on `args` (`given` as the caller passed them, for the failure message)."""
         leaves = jax.tree.leaves(args) if leaves is None else leaves
-        if _misplaced(leaves, self._in_shardings):
+        if _misplaced(leaves, self._in_devices):
             # committed elsewhere (jax.device_put(x, device), a restore without shardings): jit refuses
             # such arrays with explicit in_shardings, so they are moved first, as on the first call
             args = self._placed(args)
@@ -307,15 +310,12 @@ class Autosharded:
         return jax.tree.map(own, args, placed, self._in_shardings)
 
 
-def _misplaced(leaves: list, in_shardings: Any) -> bool:
-    """Whether an argument array is committed to other devices than its planned sharding's (one set
-    comparison per leaf: the per-call cost of a device-set check)."""
-    if in_shardings is None:
-        return False
-    wanted = jax.tree.leaves(in_shardings)
+def _misplaced(leaves: list, wanted: list) -> bool:
+    """Whether an argument array is committed to other devices than its planned sharding's (`wanted`:
+    their device sets, kept per program; one set comparison per leaf and call)."""
     return len(wanted) == len(leaves) and any(
-        isinstance(x, jax.Array) and getattr(x, "committed", False) and x.sharding.device_set != s.device_set
-        for x, s in zip(leaves, wanted, strict=True))
+        isinstance(x, jax.Array) and getattr(x, "committed", False) and x.sharding.device_set != devices
+        for x, devices in zip(leaves, wanted, strict=True))
 
 
 def _own_mesh_context() -> contextlib.AbstractContextManager:
@@ -341,7 +341,7 @@ def same_plan_everywhere(plan: Plan, args: tuple) -> Plan:
     return bind(Plan.from_json(ours.tobytes().decode()), *args)
 
 
-def _cached_plan(path: Path, fp: str, args: tuple, traced: Traced) -> Plan | None:
+def _cached_plan(path: Path, args: tuple, traced: Traced) -> Plan | None:
     """The plan cached at `path` for this step, or None. A cache entry is only a shortcut: one that cannot be
     read, parsed or bound to these arguments (truncated by a kill, edited, of another autoshard) is
     planned again and rewritten, with a warning, never an error."""
@@ -349,8 +349,7 @@ def _cached_plan(path: Path, fp: str, args: tuple, traced: Traced) -> Plan | Non
         if not path.is_file():
             return None
         p = Plan.from_json(path.read_bytes())
-        if p.provenance.get("fingerprint") != fp:
-            raise PlanError(f"made for another step (fingerprint {p.provenance.get('fingerprint')}, this step {fp})")
+        check_fingerprint(p, traced.graph, "the cached plan")
         check_outputs(p, traced.graph, "the cached plan")
         return bind(p, *args)       # its specs against these arguments
     except (OSError, PlanError) as err:
