@@ -120,6 +120,8 @@ class OpGraph:
     output_keypath_parts: list[tuple[str | int, ...]]
     name: str = ""
     eqns: dict | None = None             # op index -> jaxpr eqn, with trace(keep_eqns=True) only
+    # analyses derived from the ops (fusion, liveness), computed once: a traced graph is not changed
+    cache: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __len__(self) -> int:
         return len(self.ops)

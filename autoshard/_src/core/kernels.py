@@ -141,13 +141,15 @@ KERNEL_OPS = frozenset({"dot_general", "conv_general_dilated", "reduce_sum", "re
 
 
 def op_seconds(km: KernelModel, primitive: str, params: Mapping[str, Any], in_shapes: Sequence[Sequence[int]],
-               out_shape: Sequence[int], flops: float, nbytes: float, flop_rate: float, bandwidth: float) -> float:
-    """One op: the larger of its (tile- and wave-quantized) compute and its memory traffic, plus a
-    launch when it is a kernel of its own (KERNEL_OPS). Ops that are not matmuls or convolutions are
-    priced at their flops' roofline rate."""
+               out_shape: Sequence[int], flops: float, nbytes: float, flop_rate: float, bandwidth: float,
+               launches: float | None = None) -> float:
+    """One op: the larger of its (tile- and wave-quantized) compute and its memory traffic, plus
+    `launches` kernel launches (None: one when it is a kernel of its own, KERNEL_OPS; pass the count
+    of `core.fusion` with its fused `nbytes`). Ops that are not matmuls or convolutions are priced at
+    their flops' roofline rate."""
     dims = gemm_dims(primitive, params, in_shapes, out_shape)
     compute = matmul_seconds(km, *dims, flop_rate) if dims is not None and all(dims) else flops / flop_rate
-    launch = km.launch if primitive in KERNEL_OPS else 0.0
+    launch = km.launch * (launches if launches is not None else float(primitive in KERNEL_OPS))
     return launch + max(compute, memory_seconds(km, nbytes, bandwidth))
 
 

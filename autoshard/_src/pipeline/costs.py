@@ -37,6 +37,7 @@ import numpy as np
 
 from ..core.cost import AnalyticalCostModel, CostModel, alpha_beta
 from ..core.errors import PipelineError
+from ..core.fusion import fusion
 from ..core.hardware import HardwareSpec, get_hardware
 from ..core.kernels import op_seconds
 from .atomic import AtomicPartition, non_constant_ops
@@ -82,16 +83,17 @@ class PipelineCosts:
                                     f"of {len(ops)} ops; give one time per op (seconds per execution).")
             self.op_time = np.array([float(t) * op.repeat for t, op in zip(op_time, ops, strict=True)])
         elif self.hardware.kernels is not None and cost_model is None:    # tiles, waves, launches
-            hw, km = self.hardware, self.hardware.kernels
+            hw, km, fz = self.hardware, self.hardware.kernels, fusion(graph)
             self.op_time = np.array([op.repeat * op_seconds(
                 km, op.primitive, op.params, op.in_shapes, op.out_shapes[0] if op.out_shapes else (), op.flops,
-                op.bytes, hw.peak_flops(op.out_dtypes[0] if op.out_dtypes else "float32") * hw.compute_efficiency,
-                hw.memory_bandwidth) for op in ops])
-        else:
+                fz.bytes[i], hw.peak_flops(op.out_dtypes[0] if op.out_dtypes else "float32") * hw.compute_efficiency,
+                hw.memory_bandwidth, fz.launches[i]) for i, op in enumerate(ops)])
+        else:       # bytes after XLA's fusion (core.fusion): what the compiled program moves
+            fz = fusion(graph)
             self.op_time = np.array([
-                cm.compute(op.flops * op.repeat, op.bytes * op.repeat,
+                cm.compute(op.flops * op.repeat, fz.bytes[i] * op.repeat,
                            op.out_dtypes[0] if op.out_dtypes else "float32")
-                for op in ops])
+                for i, op in enumerate(ops)])
         dep = non_constant_ops(graph)
         n = len(atomic)
         # items: category -> {key: (weight, components)}

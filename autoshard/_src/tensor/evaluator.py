@@ -19,6 +19,7 @@ import numpy as np
 
 from ..core.collectives import KINDS
 from ..core.cost import CostModel
+from ..core.fusion import fusion
 from ..core.graph import OpGraph, nbytes
 from ..core.hardware import HardwareSpec
 from ..core.mesh import MeshSpec
@@ -173,6 +174,7 @@ class _Evaluator:
         self.gemm_costs = GemmCosts(hw.kernels, self.cidx) if hw.kernels is not None else None
         bandwidth = hw.memory_bandwidth * (hw.kernels.bandwidth_efficiency if hw.kernels is not None else 1.0)
         self.phase_work: dict[str, float] = defaultdict(float)     # roofline seconds by phase
+        fused = fusion(self.graph)       # HBM bytes and kernels after XLA's fusion, per op
         for i, w in weights.items():
             if w <= 0:
                 continue
@@ -180,13 +182,13 @@ class _Evaluator:
             op = self.graph.ops[i]
             dtype = op.out_dtypes[0] if op.out_dtypes else "float32"
             rate = hw.peak_flops(dtype) * hw.compute_efficiency
-            t = max(op.flops / rate, op.bytes / bandwidth)
+            t = max(op.flops / rate, fused.bytes[i] / bandwidth)
             kind = "grad" if i in grad_ops else op.phase
             self.phase_work[kind] += w * t
             key = (self._cmask(of.loop), self._cmask(of.reduced), kind)
             g = groups[key]
             if self.gemm_costs is None or not self.gemm_costs.add(op, of, self.fg, w, rate, hw.memory_bandwidth,
-                                                                  key[0]):
+                                                                  key[0], fused.launches[i]):
                 g[0] += w * t
             after = cut_after.get(op.outputs[0]) if op.outputs else None
             if of.reduced and after is not None and op.primitive in REDUCE_SCATTERED:

@@ -14,7 +14,7 @@ import dataclasses
 import numpy as np
 
 from ..core.graph import Op
-from ..core.kernels import KERNEL_OPS, KernelModel, _tile_choices, gemm_roles
+from ..core.kernels import KernelModel, _tile_choices, gemm_roles
 from .factors import FactorGraph, OpFactors
 
 
@@ -36,10 +36,10 @@ class GemmCosts:
         self.launches = 0.0                    # seconds of kernel launches per step (plan-independent)
 
     def add(self, op: Op, of: OpFactors, fg: FactorGraph, weight: float, rate: float, bandwidth: float,
-            loop: tuple[int, ...]) -> bool:
-        """Record `op` (True) if it is a matmul or convolution; count its launch if it is a kernel."""
-        if op.primitive in KERNEL_OPS:
-            self.launches += weight * self.km.launch
+            loop: tuple[int, ...], launches: float = 1.0) -> bool:
+        """Record `op` (True) if it is a matmul or convolution; count the kernels it starts
+        (`launches`: from `core.fusion`, one per fusion and per library call)."""
+        self.launches += weight * self.km.launch * launches
         dims = self._dims(op, fg)
         if dims is None:
             return False

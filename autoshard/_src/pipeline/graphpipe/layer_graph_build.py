@@ -64,9 +64,10 @@ import numpy as np
 
 from ...core.cost import CostModel
 from ...core.errors import PipelineError
+from ...core.fusion import fusion
 from ...core.graph import OpGraph
 from ...core.hardware import get_hardware
-from ...core.kernels import KERNEL_OPS, op_seconds
+from ...core.kernels import op_seconds
 from ...tensor.regions import analyze
 from ..atomic import atomic_partition
 from ..costs import PipelineCosts
@@ -89,7 +90,8 @@ def layer_graph(graph: OpGraph, hardware: Any, *, batch_size: int | None = None,
     the data inputs). `depth`: cut the module tree at this many path components instead of the
     automatic layer level. `kernel_overhead`: seconds each kernel costs per launch beyond the
     roofline (e.g. ~5e-6 for a CUDA launch), added to the curves once per micro-batch for each op
-    in KERNEL_OPS. With the default 0 the curves follow the hardware's kernel model when it has one
+    that starts a kernel after fusion (`core.fusion`). With the default 0 the curves follow the
+    hardware's kernel model when it has one
     (`HardwareSpec.kernels`: tile and wave quantization, launches, achievable bandwidth; GPU presets
     do) and a custom `cost_model` is not given; otherwise the pure roofline
     (`{"base": ..., "kernels": None}` keeps the roofline for comparison).
@@ -188,17 +190,16 @@ def _op_curves(graph: OpGraph, costs: PipelineCosts, kernel_overhead: float = 0.
         return _kernel_curves(graph, costs, sizes, lambda v, r: [f in batch_factors for f in fg.value_factors(v, r)],
                               scales)
     cm = costs.cost_model
+    fz = fusion(graph)
     out = np.repeat(costs.op_time[:, None], K, axis=1)     # ops without batch-carrying values
     for op in graph.ops:
-        vals = [v for v in (*op.inputs, *op.outputs) if graph.values[v].kind != "literal"]
-        var = sum(graph.values[v].nbytes for v in vals if scales(v))
+        fixed, var = _fused_split(graph, op, fz.bytes[op.index], scales)
         if not var:
             continue
         dtype = op.out_dtypes[0] if op.out_dtypes else "float32"
-        fixed = max(op.bytes - var, 0)
         out[op.index] = [op.repeat * cm.compute(op.flops * s / B, fixed + var * s / B, dtype) for s in sizes]
     if kernel_overhead:
-        launches = np.array([op.repeat if op.primitive in KERNEL_OPS else 0 for op in graph.ops], dtype=float)
+        launches = fz.launches * np.array([op.repeat for op in graph.ops], dtype=float)
         out += kernel_overhead * launches[:, None]
     return out
 
@@ -206,22 +207,21 @@ def _op_curves(graph: OpGraph, costs: PipelineCosts, kernel_overhead: float = 0.
 def _kernel_curves(graph: OpGraph, costs: PipelineCosts, sizes: np.ndarray, batch_dims, scales) -> np.ndarray:
     """`_op_curves` on the hardware's kernel model (core/kernels.py): each op's shapes at each
     micro-batch (its batch-carrying dims scaled), matmuls and convolutions in whole tiles and waves,
-    memory at the achievable bandwidth, a launch per kernel (KERNEL_OPS; elementwise ops fuse)."""
+    memory at the achievable bandwidth, a launch per kernel after fusion (`core.fusion`)."""
     hw, km, B = costs.hardware, costs.hardware.kernels, costs.batch
+    fz = fusion(graph)
     out = np.zeros((len(graph.ops), len(sizes)))
     for op in graph.ops:
         dtype = op.out_dtypes[0] if op.out_dtypes else "float32"
         rate = hw.peak_flops(dtype) * hw.compute_efficiency
-        vals = [v for v in (*op.inputs, *op.outputs) if graph.values[v].kind != "literal"]
-        var = sum(graph.values[v].nbytes for v in vals if scales(v))
-        fixed = max(op.bytes - var, 0)
+        fixed, var = _fused_split(graph, op, fz.bytes[op.index], scales)
         for j, size in enumerate(sizes):
             f = size / B if var else 1.0
             ins = [_at_batch(s, batch_dims(v, len(s)), f) for v, s in zip(op.inputs, op.in_shapes, strict=True)]
             res = _at_batch(op.out_shapes[0], batch_dims(op.outputs[0], len(op.out_shapes[0])), f) \
                 if op.outputs else ()
             t = op_seconds(km, op.primitive, op.params, ins, res, op.flops * f, fixed + var * f, rate,
-                           hw.memory_bandwidth)
+                           hw.memory_bandwidth, fz.launches[op.index])
             out[op.index, j] = op.repeat * t
     return out
 
@@ -485,3 +485,12 @@ def _unique(nodes: list[LayerNode]) -> list[LayerNode]:
             nd = dataclasses.replace(nd, name=f"{nd.name}#{seen[nd.name]}")
         out.append(nd)
     return out
+
+
+def _fused_split(graph: OpGraph, op, fused_bytes: float, scales) -> tuple[float, float]:
+    """(bytes that stay, bytes that scale with the micro-batch) of an op's fused HBM traffic
+    (`core.fusion`): its unfused operands' split, applied to the bytes it is priced for."""
+    vals = [v for v in (*op.inputs, *op.outputs) if graph.values[v].kind != "literal"]
+    var = sum(graph.values[v].nbytes for v in vals if scales(v))
+    share = fused_bytes / op.bytes if op.bytes else 0.0
+    return max(op.bytes - var, 0) * share, var * share

@@ -1,0 +1,309 @@
+"""Which ops XLA fuses into one GPU kernel, and the HBM bytes each op is priced for (pure: no jax import).
+
+Pricing every jaxpr equation as a full read of its operands and a write of its result makes a
+LayerNorm, a softmax or an Adam update 10-30 HBM passes; XLA runs each as one to three kernels
+(XLA's GPU fusion passes: `GpuInstructionFusion` fuses producers into consumers, reductions take
+their producers as an input fusion (also producers others read: multi-output), `FusionMerger` and `GpuMultiOutputFusion` merge what is left;
+the cuBLAS rewriter folds a bias add and an output convert into the GEMM's epilogue). The model
+here follows those rules closely enough to count bytes and kernels:
+
+* *alias* ops (reshape, squeeze, expand_dims, stop_gradient) are bitcasts: no kernel, no bytes;
+  their consumers read the aliased value itself;
+* *kernel* ops (matmuls, convolutions, gathers, scatters, sorts, scans, windows) are kernels of
+  their own; a matmul also takes a single-consumer bias add or output convert as its epilogue;
+* every other op is fusible: it joins the fusion of a consumer that is its only reader (in the
+  same phase and loop), so a chain of elementwise ops, and the elementwise ops feeding a reduction,
+  become one kernel; a reduction's result ends its fusion (its readers start a new one);
+* broadcasts, iotas, and elementwise ops on values smaller than their readers' results (a row's
+  mean / n) are recomputed inside each fusion that reads them (XLA duplicates them rather than
+  writing them): they cost their readers their (small) inputs only.
+
+A fusion reads each value produced outside it once and writes each of its results that something
+outside it reads (or the program returns): those bytes are priced on the member op that reads or
+writes them, so a plan that splits an op divides its bytes with it. Each fusion starts one kernel,
+counted on its last op.
+
+What GPU fusion does beyond this (documented, not modelled): sibling multi-output fusion of two
+reductions of one input (a LayerNorm backward's two sums read their input once on a GPU, twice
+here), Triton softmax / GEMM fusions of newer XLA, and fusions XLA splits because they would be too
+large. XLA:CPU fuses loops the same way but keeps some reductions unfused; the tests compare the
+bytes with XLA:CPU's `cost_analysis()`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterable
+
+import numpy as np
+
+from .graph import Op, OpGraph
+
+ALIAS_OPS = frozenset({"reshape", "squeeze", "expand_dims", "stop_gradient", "bitcast"})
+KERNEL_OPS = frozenset({
+    "dot_general", "conv_general_dilated", "gather", "scatter", "scatter-add", "scatter_add",
+    "scatter-mul", "scatter-min", "scatter-max", "sort", "argsort", "top_k", "cumsum", "cumprod",
+    "cummax", "cummin", "cumlogsumexp", "reduce_window_sum", "reduce_window_max", "reduce_window_min",
+    "reduce_window", "select_and_scatter_add", "select_and_gather_add", "dynamic_update_slice",
+    "rng_bit_generator", "fft", "triangular_solve", "cholesky", "lu", "qr", "eigh", "svd",
+    "custom_call", "psum", "all_gather", "all_to_all", "reduce_scatter", "ppermute", "pmax", "pmin",
+})
+REDUCE_OPS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or",
+                        "reduce_xor", "argmax", "argmin"})
+RECOMPUTED_OPS = frozenset({"broadcast_in_dim", "iota"})
+GEMM_OPS = frozenset({"dot_general", "conv_general_dilated"})
+EPILOGUE_OPS = frozenset({"add", "convert_element_type"})
+
+
+@dataclasses.dataclass(frozen=True)
+class Fusion:
+    """Per op: `group` (the fusion it belongs to: the index of its last op; -1 for alias ops and
+    recomputed broadcasts, which run inside their readers), `bytes` (HBM bytes priced on it) and
+    `launches` (kernels it starts: 1 on the last op of each fusion)."""
+
+    group: np.ndarray
+    bytes: np.ndarray
+    launches: np.ndarray
+
+    def kernels(self) -> int:
+        return int(self.launches.sum())
+
+
+def fusion(graph: OpGraph) -> Fusion:
+    """The fusion of `graph`'s ops (cached on the graph: graphs are not changed after tracing)."""
+    hit = graph.cache.get("fusion")
+    if hit is None:
+        hit = graph.cache["fusion"] = _Fuser(graph).run()
+    return hit
+
+
+def op_class(op: Op) -> str:
+    """"alias", "kernel", "reduce", "recomputed" or "loop" (fusible elementwise / data movement)."""
+    p = op.primitive
+    if p in ALIAS_OPS and len(op.inputs) == 1 and len(op.outputs) == 1:
+        return "alias"
+    if p in KERNEL_OPS or p.startswith(("custom", "all_", "reduce_scatter")):
+        return "kernel"
+    if p in REDUCE_OPS:
+        return "reduce"
+    if p in RECOMPUTED_OPS:
+        return "recomputed"
+    return "loop"
+
+
+class _Fuser:
+    def __init__(self, graph: OpGraph) -> None:
+        self.g = graph
+        self.cls = [op_class(op) for op in graph.ops]
+        n = len(graph.ops)
+        self.parent = list(range(n))
+        self.has_gemm = [op.primitive in GEMM_OPS for op in graph.ops]
+        self.outputs = set(graph.outputs)
+
+    # --- aliases -----------------------------------------------------------------------------
+    def source(self, v: int) -> int:
+        """The value `v` is a view of (through alias ops)."""
+        while True:
+            p = self.g.values[v].producer
+            if p is None or self.cls[p] != "alias":
+                return v
+            v = self.g.ops[p].inputs[0]
+
+    def producers(self, v: int) -> set[int]:
+        """The ops whose results a read of `v` touches: its producer, or, through a broadcast that
+        runs inside its reader, that broadcast's producers."""
+        p = self.g.values[self.source(v)].producer
+        if p is None:
+            return set()
+        if self.inline[p]:
+            return set().union(*(self.producers(w) for w in self.g.ops[p].inputs))
+        return {p}
+
+    def readers(self, v: int) -> set[int]:
+        """Ops reading `v`, looking through alias ops and through the broadcasts and iotas that run
+        inside their readers (`inline`)."""
+        out: set[int] = set()
+        stack = [v]
+        while stack:
+            for c in self.g.values[stack.pop()].consumers:
+                if self.cls[c] == "alias" or self.inline[c]:
+                    stack.extend(self.g.ops[c].outputs)
+                else:
+                    out.add(c)
+        return out
+
+    def returned(self, v: int) -> bool:
+        """Is `v` (or a view of it) a program output?"""
+        stack = [v]
+        while stack:
+            w = stack.pop()
+            if w in self.outputs:
+                return True
+            stack.extend(o for c in self.g.values[w].consumers if self.cls[c] == "alias"
+                         for o in self.g.ops[c].outputs)
+        return False
+
+    def find_inline(self) -> list[bool]:
+        """Broadcasts and iotas every reader of which is a fusion in their place (or another such
+        broadcast): they run inside their readers. Decided last op first, so chains resolve."""
+        ops = self.g.ops
+        self.inline = [False] * len(ops)
+        for op in reversed(ops):
+            kind = self.cls[op.index]
+            if kind not in ("recomputed", "loop") or any(self.returned(v) for v in op.outputs):
+                continue
+            readers = set().union(*(self.readers(v) for v in op.outputs))
+            if kind == "loop" and not self._smaller_than_readers(op, readers):
+                continue
+            self.inline[op.index] = bool(readers) and all(
+                self.cls[r] in ("loop", "reduce") and self.same_place(ops[r], op) for r in readers)
+        return self.inline
+
+    def _smaller_than_readers(self, op: Op, readers: set[int]) -> bool:
+        """An elementwise op on values smaller than what reads it (a LayerNorm's mean / n, a softmax's
+        row max): XLA computes it again inside each reader's fusion rather than writing it."""
+        if len(op.outputs) != 1:
+            return False
+        size = math.prod(op.out_shapes[0])
+        return all(math.prod(s) <= size for s in op.in_shapes) and all(
+            math.prod(s) > size for r in readers for s in self.g.ops[r].out_shapes)
+
+    # --- grouping ----------------------------------------------------------------------------
+    def find(self, i: int) -> int:
+        while self.parent[i] != i:
+            self.parent[i] = self.parent[self.parent[i]]
+            i = self.parent[i]
+        return i
+
+    def union_into(self, producer: int, consumer: int) -> None:
+        a, b = self.find(producer), self.find(consumer)
+        if a != b:
+            self.parent[a] = b
+            self.has_gemm[b] = self.has_gemm[b] or self.has_gemm[a]
+
+    def same_place(self, a: Op, b: Op) -> bool:
+        """XLA fuses within one computation: same phase (a backward op runs long after the forward
+        one) and the same loop body."""
+        return a.phase == b.phase and a.loops == b.loops
+
+    def sole_reader(self, p: int) -> int | None:
+        """The one op reading all of `p`'s outputs, if there is one (a returned output is also
+        written by the fusion, as a second result)."""
+        readers: set[int] = set()
+        for v in self.g.ops[p].outputs:
+            readers |= self.readers(v)
+        return next(iter(readers)) if len(readers) == 1 else None
+
+    def group(self) -> None:
+        ops = self.g.ops
+        for op in ops:
+            c = op.index
+            kind = self.cls[c]
+            if kind in ("loop", "reduce", "recomputed"):
+                # an epilogue: a GEMM's single-consumer bias add or output convert
+                if op.primitive in EPILOGUE_OPS:
+                    self._epilogue(op)
+                continue
+        for op in ops:
+            c = op.index
+            if self.cls[c] not in ("loop", "reduce"):
+                continue
+            for p in set().union(*(self.producers(v) for v in op.inputs)):
+                if self.cls[p] != "loop" or not self.same_place(ops[p], op):
+                    continue
+                if self.has_gemm[self.find(p)] and self.find(p) != self.find(c):
+                    continue          # a GEMM's epilogue ends with the GEMM's kernel
+                if self.sole_reader(p) == c:
+                    self.union_into(p, c)
+        for op in ops:
+            if self.cls[op.index] == "reduce":
+                self._multi_output(op)
+
+    def _multi_output(self, r: Op) -> None:
+        """A reduction takes in a producer that others read too (XLA's multi-output fusion: the
+        softmax's exp feeds its sum and its division): the producer's result is written once, for
+        the others, and not read back by the reduction. Not when another reader of the producer
+        leads to the reduction (the fusion would wait on itself)."""
+        for p in set().union(*(self.producers(v) for v in r.inputs)):
+            if self.cls[p] != "loop" or self.find(p) != p or self.find(p) == self.find(r.index) \
+                    or self.has_gemm[p] or not self.same_place(self.g.ops[p], r):
+                continue
+            others = set().union(*(self.readers(w) for w in self.g.ops[p].outputs)) - {r.index}
+            if not others & self.ancestors(r.index, p):
+                self.union_into(p, r.index)
+
+    def ancestors(self, r: int, floor: int) -> set[int]:
+        """Ops after `floor` (in program order) that `r` depends on."""
+        seen: set[int] = set()
+        stack = [r]
+        while stack:
+            for v in self.g.ops[stack.pop()].inputs:
+                q = self.g.values[v].producer
+                if q is not None and q > floor and q not in seen:
+                    seen.add(q)
+                    stack.append(q)
+        return seen
+
+    def _epilogue(self, op: Op) -> None:
+        for v in op.inputs:
+            p = self.g.values[self.source(v)].producer
+            if p is None or self.g.ops[p].primitive not in GEMM_OPS or not self.same_place(self.g.ops[p], op):
+                continue
+            if op.primitive == "add" and not self._bias(op, v):
+                continue
+            if self.sole_reader(p) == op.index:
+                self.union_into(p, op.index)
+            return
+
+    def _bias(self, op: Op, gemm_out: int) -> bool:
+        """Is `op`'s other operand a vector broadcast over the GEMM's output (cuBLASLt's BIAS epilogue)?"""
+        others = [w for w in op.inputs if w != gemm_out]
+        if len(others) != 1:
+            return False
+        src = self.g.values[self.source(others[0])]
+        p = src.producer
+        if p is not None and self.g.ops[p].primitive == "broadcast_in_dim":
+            src = self.g.values[self.source(self.g.ops[p].inputs[0])]
+        return sum(d > 1 for d in src.shape) <= 1
+
+    # --- bytes -------------------------------------------------------------------------------
+    def reads(self, v: int) -> Iterable[int]:
+        """The materialised values a read of `v` touches (a broadcast run in place reads its input;
+        literals are immediates)."""
+        v = self.source(v)
+        p = self.g.values[v].producer
+        if p is not None and self.inline[p]:
+            for w in self.g.ops[p].inputs:
+                yield from self.reads(w)
+        elif self.g.values[v].kind != "literal":
+            yield v
+
+    def run(self) -> Fusion:
+        inline = self.find_inline()
+        self.group()
+        ops, n = self.g.ops, len(self.g.ops)
+        group = np.array([-1 if self.cls[i] == "alias" or inline[i] else self.find(i) for i in range(n)])
+        nbytes = np.zeros(n)
+        seen: set[tuple[int, int]] = set()        # (fusion, value) reads already priced
+        for op in ops:
+            i = op.index
+            gi = group[i]
+            if gi < 0:
+                continue
+            for v in op.inputs:
+                for w in self.reads(v):
+                    p = self.g.values[w].producer
+                    if (p is None or group[p] != gi) and (gi, w) not in seen:
+                        seen.add((gi, w))
+                        nbytes[i] += self.g.values[w].nbytes
+            for v in op.outputs:
+                if self.returned(v) or any(group[r] != gi for r in self.readers(v)):
+                    nbytes[i] += self.g.values[v].nbytes
+        last: dict[int, int] = {}
+        for i in range(n):
+            if group[i] >= 0:
+                last[int(group[i])] = i
+        launches = np.zeros(n)
+        launches[list(last.values())] = 1.0
+        return Fusion(group, nbytes, launches)
