@@ -3,7 +3,8 @@
 Pricing every jaxpr equation as a full read of its operands and a write of its result makes a
 LayerNorm, a softmax or an Adam update 10-30 HBM passes; XLA runs each as one to three kernels
 (XLA's GPU fusion passes: `GpuInstructionFusion` fuses producers into consumers, reductions take
-their producers as an input fusion (also producers others read: multi-output), `FusionMerger` and `GpuMultiOutputFusion` merge what is left;
+their producers as an input fusion (also producers others read: multi-output), `FusionMerger`
+and `GpuMultiOutputFusion` merge what is left;
 the cuBLAS rewriter folds a bias add and an output convert into the GEMM's epilogue). The model
 here follows those rules closely enough to count bytes and kernels:
 
@@ -65,6 +66,7 @@ class Fusion:
     group: np.ndarray
     bytes: np.ndarray
     launches: np.ndarray
+    moved: tuple[tuple[int, ...], ...]      # per op: the values whose bytes it is priced for
 
     def kernels(self) -> int:
         return int(self.launches.sum())
@@ -284,7 +286,7 @@ class _Fuser:
         self.group()
         ops, n = self.g.ops, len(self.g.ops)
         group = np.array([-1 if self.cls[i] == "alias" or inline[i] else self.find(i) for i in range(n)])
-        nbytes = np.zeros(n)
+        moved: list[list[int]] = [[] for _ in range(n)]
         seen: set[tuple[int, int]] = set()        # (fusion, value) reads already priced
         for op in ops:
             i = op.index
@@ -296,14 +298,15 @@ class _Fuser:
                     p = self.g.values[w].producer
                     if (p is None or group[p] != gi) and (gi, w) not in seen:
                         seen.add((gi, w))
-                        nbytes[i] += self.g.values[w].nbytes
+                        moved[i].append(w)
             for v in op.outputs:
                 if self.returned(v) or any(group[r] != gi for r in self.readers(v)):
-                    nbytes[i] += self.g.values[v].nbytes
+                    moved[i].append(v)
+        nbytes = np.array([float(sum(self.g.values[v].nbytes for v in vs)) for vs in moved])
         last: dict[int, int] = {}
         for i in range(n):
             if group[i] >= 0:
                 last[int(group[i])] = i
         launches = np.zeros(n)
         launches[list(last.values())] = 1.0
-        return Fusion(group, nbytes, launches)
+        return Fusion(group, nbytes, launches, tuple(tuple(vs) for vs in moved))

@@ -12,6 +12,7 @@ import autoshard
 import models
 from autoshard import PipelineError
 from autoshard._src.core.cost import AnalyticalCostModel
+from autoshard._src.core.fusion import fusion
 from autoshard._src.pipeline.graphpipe.layer_graph_build import layer_graph
 
 
@@ -83,7 +84,8 @@ def test_costs_and_bytes_add_up(traced):
     roofline = {"base": "v100-sxm", "kernels": None}     # per-op roofline costs add up exactly
     lg = layer_graph(graph, roofline)
     cm = AnalyticalCostModel({"stage": 1}, roofline)
-    total = {ph: sum(cm.compute(op.flops * op.repeat, op.bytes * op.repeat,
+    fused = fusion(graph).bytes          # the HBM bytes each op is priced for after XLA's fusion
+    total = {ph: sum(cm.compute(op.flops * op.repeat, fused[op.index] * op.repeat,
                                 op.out_dtypes[0] if op.out_dtypes else "float32")
                      for op in graph.ops if op.phase == ph) for ph in ("forward", "backward", "optimizer")}
     nodes_fb = lg.batch_size * sum(n.forward + n.backward for n in lg.nodes)
@@ -171,8 +173,9 @@ def test_curves_match_the_step_traced_at_smaller_batches(name, kw, hw):
         small = layer_graph(_trace(name, batch_size=b, **kw)[2], hw)
         assert [n.name for n in small.nodes] == [n.name for n in full.nodes]
         for nf, ns in zip(full.nodes, small.nodes, strict=True):
-            assert nf.forward_curve[i] == pytest.approx(ns.forward * b, rel=1e-6), nf.name
-            assert nf.backward_curve[i] == pytest.approx(ns.backward * b, rel=1e-6), nf.name
+            # 1e-5: a fused op moves a few bytes whose size is not linked to the batch
+            assert nf.forward_curve[i] == pytest.approx(ns.forward * b, rel=1e-5), nf.name
+            assert nf.backward_curve[i] == pytest.approx(ns.backward * b, rel=1e-5), nf.name
     for nf in full.nodes:                                          # at the traced batch: the totals
         assert nf.forward_curve[-1] == pytest.approx(nf.forward * 8, rel=1e-9)
 

@@ -92,15 +92,15 @@ def test_rebalancing_keeps_the_least_communication_among_balanced_cuts():
 
 
 def test_rebalancing_spends_no_block_on_a_cheap_cut():
-    """200 equal ops, then a scalar loss: a cut before the loss crosses 4 bytes, so with only a cap
+    """200 equal kernels, then a scalar loss: a cut before the loss crosses 4 bytes, so with only a cap
     the fewest-bytes cut made the loss a block of its own (0.0x the mean) and the layers 31 blocks;
     the lower bound of the balance band keeps every block near the mean."""
     from ...core._synthetic import GraphBuilder
 
     g = GraphBuilder()
     h = g.input((8, 64), (2, "x"), role="data")
-    for i in range(200):
-        h = g.op("tanh", [h], [(8, 64)], module=f"M/l{i}")
+    for i in range(200):     # kernels of their own (a chain of tanh would fuse into one kernel)
+        h = g.op("cumsum", [h], [(8, 64)], module=f"M/l{i}")
     h = g.op("reduce_sum", [h], [()], params={"axes": (0, 1)})
     for _ in range(3):
         h = g.op("tanh", [h], [()], module="M/loss")

@@ -193,7 +193,7 @@ def _op_curves(graph: OpGraph, costs: PipelineCosts, kernel_overhead: float = 0.
     fz = fusion(graph)
     out = np.repeat(costs.op_time[:, None], K, axis=1)     # ops without batch-carrying values
     for op in graph.ops:
-        fixed, var = _fused_split(graph, op, fz.bytes[op.index], scales)
+        fixed, var = _fused_split(graph, fz.moved[op.index], scales)
         if not var:
             continue
         dtype = op.out_dtypes[0] if op.out_dtypes else "float32"
@@ -214,7 +214,7 @@ def _kernel_curves(graph: OpGraph, costs: PipelineCosts, sizes: np.ndarray, batc
     for op in graph.ops:
         dtype = op.out_dtypes[0] if op.out_dtypes else "float32"
         rate = hw.peak_flops(dtype) * hw.compute_efficiency
-        fixed, var = _fused_split(graph, op, fz.bytes[op.index], scales)
+        fixed, var = _fused_split(graph, fz.moved[op.index], scales)
         for j, size in enumerate(sizes):
             f = size / B if var else 1.0
             ins = [_at_batch(s, batch_dims(v, len(s)), f) for v, s in zip(op.inputs, op.in_shapes, strict=True)]
@@ -487,10 +487,8 @@ def _unique(nodes: list[LayerNode]) -> list[LayerNode]:
     return out
 
 
-def _fused_split(graph: OpGraph, op, fused_bytes: float, scales) -> tuple[float, float]:
-    """(bytes that stay, bytes that scale with the micro-batch) of an op's fused HBM traffic
-    (`core.fusion`): its unfused operands' split, applied to the bytes it is priced for."""
-    vals = [v for v in (*op.inputs, *op.outputs) if graph.values[v].kind != "literal"]
-    var = sum(graph.values[v].nbytes for v in vals if scales(v))
-    share = fused_bytes / op.bytes if op.bytes else 0.0
-    return max(op.bytes - var, 0) * share, var * share
+def _fused_split(graph: OpGraph, moved, scales) -> tuple[float, float]:
+    """(bytes that stay, bytes that scale with the micro-batch) of the values an op moves to and
+    from HBM after fusion (`core.fusion`)."""
+    var = sum(graph.values[v].nbytes for v in moved if scales(v))
+    return float(sum(graph.values[v].nbytes for v in moved) - var), float(var)
