@@ -116,7 +116,7 @@ def model_price(fn, args, hw) -> dict:
         rate = hw.peak_flops(dtype) * hw.compute_efficiency
         if km is not None:
             t = op_seconds(km, op.primitive, op.params, op.in_shapes, op.out_shapes[0] if op.out_shapes else (),
-                           op.flops, op.bytes, rate, hw.memory_bandwidth)
+                           op.flops, op.bytes, rate, hw.memory_bandwidth, peak=hw.peak_flops(dtype))
         else:
             t = max(op.flops / rate, op.bytes / hw.memory_bandwidth)
         t *= op.repeat
@@ -138,7 +138,7 @@ def gemm_predicted(hw, m: int, n: int, k: int, dtype: str) -> float:
     if km is None:
         return max(2 * m * n * k / rate, nbytes / hw.memory_bandwidth)
     return op_seconds(km, "dot_general", _DOT, [(m, k), (k, n)], (m, n), 2.0 * m * n * k, nbytes, rate,
-                      hw.memory_bandwidth)
+                      hw.memory_bandwidth, peak=hw.peak_flops(dtype))
 
 
 class Recorder:

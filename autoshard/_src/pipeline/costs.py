@@ -83,10 +83,11 @@ class PipelineCosts:
             self.op_time = np.array([float(t) * op.repeat for t, op in zip(op_time, ops, strict=True)])
         elif self.hardware.kernels is not None and cost_model is None:    # tiles, waves, launches
             hw, km = self.hardware, self.hardware.kernels
+            peaks = [hw.peak_flops(op.out_dtypes[0] if op.out_dtypes else "float32") for op in ops]
             self.op_time = np.array([op.repeat * op_seconds(
                 km, op.primitive, op.params, op.in_shapes, op.out_shapes[0] if op.out_shapes else (), op.flops,
-                op.bytes, hw.peak_flops(op.out_dtypes[0] if op.out_dtypes else "float32") * hw.compute_efficiency,
-                hw.memory_bandwidth) for op in ops])
+                op.bytes, peak * hw.compute_efficiency, hw.memory_bandwidth, peak=peak)
+                for op, peak in zip(ops, peaks, strict=True)])
         else:
             self.op_time = np.array([
                 cm.compute(op.flops * op.repeat, op.bytes * op.repeat,

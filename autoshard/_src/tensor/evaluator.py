@@ -185,8 +185,8 @@ class _Evaluator:
             self.phase_work[kind] += w * t
             key = (self._cmask(of.loop), self._cmask(of.reduced), kind)
             g = groups[key]
-            if self.gemm_costs is None or not self.gemm_costs.add(op, of, self.fg, w, rate, hw.memory_bandwidth,
-                                                                  key[0]):
+            if self.gemm_costs is None or not self.gemm_costs.add(op, of, self.fg, w, hw.peak_flops(dtype),
+                                                                  hw.memory_bandwidth, key[0]):
                 g[0] += w * t
             after = cut_after.get(op.outputs[0]) if op.outputs else None
             if of.reduced and after is not None and op.primitive in REDUCE_SCATTERED:
