@@ -204,9 +204,9 @@ def op_seconds(km: KernelModel, primitive: str, params: Mapping[str, Any], in_sh
 # A100: mma_efficiency 0.81 = the same table's A100 SXM bf16 MAMF, 271.2 of 312 TFLOP/s (0.869), times the
 #   H100's ratio of our sustained rate to its MAMF (0.75 / 0.803 = 0.93); k_overhead 384 as the H100's (a
 #   tile's prologue and epilogue are a fixed number of its own K steps, to first order the same on
-#   Ampere's 256 x 128 cp.async pipelines; an assumption, not a measurement). launch 4 us and bandwidth 0.9 stay the order-of-magnitude
-#   defaults: no published per-kernel or copy measurement found for A100 SXM 80GB; the H100's 0.77
-#   suggests 0.9 is optimistic.
+#   Ampere's 256 x 128 cp.async pipelines; an assumption, not a measurement). launch 4 us and
+#   bandwidth 0.9 stay the order-of-magnitude defaults: no published per-kernel or copy measurement
+#   found for A100 SXM 80GB; the H100's 0.77 suggests 0.9 is optimistic.
 # V100: no published cuBLAS large-GEMM efficiency found; mma_efficiency 0.6 (the old compute_efficiency),
 #   k_overhead 384 by the A100's argument (without it a tiny float32 GEMM on a V100 would price below
 #   the same on an A100), launch and bandwidth the defaults.
