@@ -41,6 +41,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -48,6 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import machine  # noqa: E402
 
 import autoshard  # noqa: E402
+from autoshard._src.core.fusion import fusion  # noqa: E402
 from autoshard._src.core.hardware import get_hardware  # noqa: E402
 from autoshard._src.core.kernels import op_seconds  # noqa: E402
 
@@ -109,16 +111,18 @@ def model_price(fn, args, hw) -> dict:
     """The current model's price of `fn(*args)` on one device: every traced op by `op_seconds` (the
     pipeline partitioners' and 3-D tables' per-op cost), plus the roofline of its matmul flops."""
     graph = autoshard.trace(fn, *args)
-    km = hw.kernels
+    km, fz = hw.kernels, fusion(graph)       # ops priced for the bytes and kernels left after fusion
     total = launches = gemm = other = 0.0
     for op in graph.ops:
         dtype = op.out_dtypes[0] if op.out_dtypes else "float32"
         rate = hw.peak_flops(dtype) * hw.compute_efficiency
+        nbytes = fz.bytes[op.index]
         if km is not None:
             t = op_seconds(km, op.primitive, op.params, op.in_shapes, op.out_shapes[0] if op.out_shapes else (),
-                           op.flops, op.bytes, rate, hw.memory_bandwidth)
+                           op.flops, nbytes, rate, hw.memory_bandwidth, peak=hw.peak_flops(dtype),
+                           launches=fz.launches[op.index])
         else:
-            t = max(op.flops / rate, op.bytes / hw.memory_bandwidth)
+            t = max(op.flops / rate, nbytes / hw.memory_bandwidth)
         t *= op.repeat
         total += t
         if op.primitive in ("dot_general", "conv_general_dilated"):
@@ -126,7 +130,10 @@ def model_price(fn, args, hw) -> dict:
         else:
             other += t
         launches += op.repeat
+    rep = np.array([op.repeat for op in graph.ops], dtype=float)
     return {"predicted": total, "predicted_gemm": gemm, "predicted_other": other, "traced_ops": int(launches),
+            "predicted_kernels": float((fz.launches * rep).sum()),
+            "predicted_bytes": float((fz.bytes * rep).sum()),
             "traced_bytes": float(sum(op.bytes * op.repeat for op in graph.ops)),
             "traced_flops": float(sum(op.flops * op.repeat for op in graph.ops))}
 
@@ -138,7 +145,7 @@ def gemm_predicted(hw, m: int, n: int, k: int, dtype: str) -> float:
     if km is None:
         return max(2 * m * n * k / rate, nbytes / hw.memory_bandwidth)
     return op_seconds(km, "dot_general", _DOT, [(m, k), (k, n)], (m, n), 2.0 * m * n * k, nbytes, rate,
-                      hw.memory_bandwidth)
+                      hw.memory_bandwidth, peak=hw.peak_flops(dtype))
 
 
 class Recorder:

@@ -167,6 +167,15 @@ def test_hardware_dict_round_trip_is_lossless(name, speeds):
     assert hardware_dict(again) == data
 
 
+def test_hardware_dict_round_trip_keeps_the_gemm_constants():
+    import json
+
+    hw = get_hardware({"base": "a100-sxm", "kernels": {"sms": 108, "mma_efficiency": 0.7, "k_overhead": 256}})
+    again = get_hardware(json.loads(json.dumps(hardware_dict(hw))))
+    assert again.kernels == hw.kernels and (again.kernels.mma_efficiency, again.kernels.k_overhead) == (0.7, 256)
+    assert hardware_dict(get_hardware("h100-sxm"))["kernels"]["mma_efficiency"] == 0.75
+
+
 @pytest.mark.parametrize(("speeds", "match"), [
     ((1.0, 0.0), r"node_speeds\[1\]=0\.0 must be a finite number > 0"),
     ((1.0, -2.0), r"node_speeds\[1\]=-2\.0"),

@@ -289,3 +289,24 @@ def test_kernel_model_prices_narrow_shards_above_their_share():
         ratios[name] = split / whole
     assert ratios["kernels"] > 1.5 * ratios["roofline"], ratios
     assert ratios["roofline"] < 0.5
+
+
+def test_gradient_buckets_count_per_device_bytes():
+    """Issue 30 item 4: gradients travel in buckets of `bucket_bytes` of the per-device buffer. Two
+    2048 x 2048 float32 weights (16 MiB each) split 8 ways over "t" leave 2 MiB per device each: at
+    1 MiB buckets, two all-reduces over "d" each, not the sixteen their unsharded bytes would fill."""
+    dims = [2048, 2048, 2048]
+    graph = mlp_step(64, dims, adam=False)
+    mesh = mesh_spec({"d": 2, "t": 8})
+    res = run(graph, mesh=mesh, bucket_bytes=2**20)
+    hidden = res.factors.value_factors(by_role(graph, "parameter")[0])[1]
+    plan = res.evaluate({batch_factor(graph, res): ("d",), hidden: ("t",)}, "replicated")
+    cost = AnalyticalCostModel(mesh, H100)
+    per_device = nbytes((2048, 2048), "float32") / 8
+    latency = cost.collective("all-reduce", 0.0, ("d",))
+    one_weight = cost.collective("all-reduce", per_device, ("d",)) + latency     # 2 buckets: 2 latencies
+    assert plan.breakdown["grad_sync"] == pytest.approx(2 * one_weight, rel=1e-9)
+    # unsplit over "t", each weight fills sixteen buckets
+    whole = res.evaluate({batch_factor(graph, res): ("d",)}, "replicated")
+    full = cost.collective("all-reduce", 8 * per_device, ("d",)) + 15 * latency
+    assert whole.breakdown["grad_sync"] == pytest.approx(2 * full, rel=1e-9)

@@ -8,6 +8,14 @@ Background User's Guide", sections on tile and wave quantization):
   kernels): a 257-row output costs two tile rows (*tile quantization*);
 * tiles run in waves of one tile per streaming multiprocessor: 109 tiles on a 108-SM A100 take two
   waves, the second nearly empty (*wave quantization*), so time grows in steps of whole waves;
+* a tile's main loop runs the tensor cores below their datasheet peak (clocks sag under the power
+  limit; operand loads and synchronisation take issue slots): `mma_efficiency`;
+* each tile also pays a fixed prologue (filling the operand pipeline before the first MMA) and
+  epilogue (converting and storing its outputs): `k_overhead`, as extra K steps, so a K = 128 product
+  runs far below peak however well its tiles fill the SMs;
+* a tile smaller than the kernel's largest reuses each loaded operand over fewer outputs: its
+  flops per operand byte, tm * tn / (tm + tn), fall, and with the operand feed of an SM sized for the
+  largest tile it runs at that ratio of the largest tile's rate (128 x 128: 0.75, 64 x 64: 0.375);
 * each kernel pays a launch, and memory-bound kernels reach only part of the peak bandwidth.
 
 `KernelModel` holds those facts per GPU; `matmul_seconds` and `memory_seconds` apply them. A
@@ -28,12 +36,18 @@ from .errors import HardwareError
 @dataclasses.dataclass(frozen=True)
 class KernelModel:
     """Per-GPU kernel facts: streaming multiprocessors, the matmul output tile, the launch cost per
-    kernel and the achievable fraction of peak memory bandwidth."""
+    kernel, the achievable fraction of peak memory bandwidth, and a matmul tile's sustained tensor-core
+    rate and fixed per-tile cost. The presets' values and their sources: `GPU_KERNELS` below."""
 
     sms: int                          # streaming multiprocessors (one tile each per wave)
     tile: tuple[int, int] = (256, 128)  # the largest matmul output tile (rows, columns)
-    launch: float = 4e-6              # seconds per kernel launch (host and device overhead)
+    launch: float = 4e-6              # seconds per kernel inside a compiled program (launch + tail)
     bandwidth_efficiency: float = 0.9  # achievable fraction of peak HBM bandwidth (STREAM-like copy)
+    # fraction of the dtype's dense peak a largest-tile main loop sustains (the whole-GPU rate of a
+    # large GEMM in whole waves, before per-tile overheads); 0.6: the old single compute_efficiency
+    mma_efficiency: float = 0.6
+    # each tile's prologue and epilogue, in K steps of its main loop: a tile costs K + k_overhead
+    k_overhead: int = 0
 
     def __post_init__(self) -> None:
         if not (isinstance(self.sms, int) and self.sms >= 1):
@@ -44,10 +58,15 @@ class KernelModel:
             raise HardwareError(f"KernelModel: launch={self.launch!r} must be seconds per kernel in [0, 1).")
         if not (0 < self.bandwidth_efficiency <= 1):
             raise HardwareError(f"KernelModel: bandwidth_efficiency={self.bandwidth_efficiency!r} must be in (0, 1].")
+        if not (isinstance(self.mma_efficiency, (int, float)) and 0 < self.mma_efficiency <= 1):
+            raise HardwareError(f"KernelModel: mma_efficiency={self.mma_efficiency!r} must be in (0, 1] (the "
+                                "fraction of the dense peak a large tile's main loop sustains).")
+        if not (isinstance(self.k_overhead, int) and not isinstance(self.k_overhead, bool) and self.k_overhead >= 0):
+            raise HardwareError(f"KernelModel: k_overhead={self.k_overhead!r} must be an int >= 0 (K steps a tile "
+                                "spends in its prologue and epilogue).")
 
 
-# per GPU: SM counts from NVIDIA's datasheets (V100 SXM2 80, A100 SXM4 108, H100 SXM5 132); tiles, launch
-# and achievable bandwidth are the KernelModel defaults (order-of-magnitude, see its fields)
+# per GPU (filled at the end of this module, with the sources of every number)
 GPU_KERNELS: dict[str, KernelModel] = {}
 
 
@@ -77,15 +96,32 @@ def waves(km: KernelModel, batch: int, m: int, n: int) -> int:
     return math.ceil(tiles(km, batch, m, n) / km.sms)
 
 
-def matmul_seconds(km: KernelModel, batch: int, m: int, n: int, k: int, flop_rate: float) -> float:
-    """Compute time of `batch` m x k by k x n products at `flop_rate` (the achievable rate of the whole
-    GPU): whole waves of whole tiles, each tile at the rate of one SM. Large products approach
-    2*batch*m*n*k / flop_rate; a product smaller than one wave costs a whole one. Like cuBLAS's
-    heuristics, the fastest of the model's tile and its halvings (down to 64 x 64) is used: small
-    products run in small tiles over more SMs."""
-    return min(waves(t, batch, m, n) * 2.0 * t.tile[0] * t.tile[1] * k / (flop_rate / km.sms)
-               for t in _tile_choices(km))
+def matmul_seconds(km: KernelModel, batch: int, m: int, n: int, k: int, peak: float) -> float:
+    """Compute time of `batch` m x k by k x n products on a GPU whose dense peak for their dtype is
+    `peak` flop/s: whole waves of whole tiles, each tile at one SM's share of the sustained MMA rate,
+    paying K + k_overhead steps and running slower when smaller than the largest tile (tile_seconds).
+    Like cuBLAS's heuristics, the fastest of the model's tile and its halvings (down to 64 x 64) is
+    used: small products run in small tiles over more SMs."""
+    return min(waves(t, batch, m, n) * tile_seconds(km, t.tile, k, peak) for t in _tile_choices(km))
 
+
+def tile_seconds(km: KernelModel, tile: tuple[int, int], k: Any, peak: float) -> Any:
+    """One SM's time for one tm x tn output tile over `k` (a number or a numpy array): its main loop
+    plus prologue and epilogue (k + k_overhead steps) at the SM's share of the sustained MMA rate,
+    scaled by the tile's operand reuse against the largest tile's (tile_feed)."""
+    tm, tn = tile
+    rate = peak * km.mma_efficiency * tile_feed(km, tile) / km.sms
+    return 2.0 * tm * tn * (k + km.k_overhead) / rate
+
+
+def tile_feed(km: KernelModel, tile: tuple[int, int]) -> float:
+    """A tile's rate relative to the largest tile's: flops per operand element loaded, tm*tn/(tm+tn),
+    over the largest tile's, at most 1. An SM's operand feed (shared-memory and L2 bandwidth) is built to
+    keep the largest tile's tensor cores busy, so a tile reusing each operand over fewer outputs waits
+    on its loads (NVIDIA's matrix multiplication guide: smaller tiles have lower data reuse)."""
+    def reuse(t: tuple[int, int]) -> float:
+        return t[0] * t[1] / (t[0] + t[1])
+    return min(1.0, reuse(tile) / reuse(km.tile))
 
 def _tile_choices(km: KernelModel) -> list[KernelModel]:
     out, (tm, tn) = [km], km.tile
@@ -141,16 +177,41 @@ KERNEL_OPS = frozenset({"dot_general", "conv_general_dilated", "reduce_sum", "re
 
 
 def op_seconds(km: KernelModel, primitive: str, params: Mapping[str, Any], in_shapes: Sequence[Sequence[int]],
-               out_shape: Sequence[int], flops: float, nbytes: float, flop_rate: float, bandwidth: float,
-               launches: float | None = None) -> float:
-    """One op: the larger of its (tile- and wave-quantized) compute and its memory traffic, plus
-    `launches` kernel launches (None: one when it is a kernel of its own, KERNEL_OPS; pass the count
-    of `core.fusion` with its fused `nbytes`). Ops that are not matmuls or convolutions are priced at
-    their flops' roofline rate."""
+               out_shape: Sequence[int], flops: float, nbytes: float, flop_rate: float, bandwidth: float, *,
+               peak: float, launches: float | None = None) -> float:
+    """One op: the larger of its compute and its memory traffic, plus `launches` kernel launches
+    (None: one when it is a kernel of its own, KERNEL_OPS; pass the count of `core.fusion` with its
+    fused `nbytes`). Matmuls and convolutions run in tiles and waves at the kernel model's MMA rate
+    of `peak` (the dtype's dense peak, matmul_seconds); other ops at `flop_rate` (the roofline's
+    achievable rate, peak x compute_efficiency)."""
     dims = gemm_dims(primitive, params, in_shapes, out_shape)
-    compute = matmul_seconds(km, *dims, flop_rate) if dims is not None and all(dims) else flops / flop_rate
+    compute = matmul_seconds(km, *dims, peak) if dims is not None and all(dims) else flops / flop_rate
     launch = km.launch * (launches if launches is not None else float(primitive in KERNEL_OPS))
     return launch + max(compute, memory_seconds(km, nbytes, bandwidth))
 
 
-GPU_KERNELS.update(v100=KernelModel(sms=80), a100=KernelModel(sms=108), h100=KernelModel(sms=132))
+# SM counts: NVIDIA's datasheets (V100 SXM2 80, A100 SXM4 108, H100 SXM5 132).
+# H100: measured on one H100 SXM 80GB, jax 0.11.2 (bench/results/gpu_calibrate_h100.{md,json}):
+#   launch 2.4 us = the mean of the 2.01 and 2.83 us one more kernel costs inside a compiled program
+#     (its "per kernel" section);
+#   bandwidth_efficiency 0.77 = the mean copy bandwidth of 256 MiB - 2 GiB (2631, 2509, 2634 GB/s) over
+#     the 3.35 TB/s peak (0.79, 0.75, 0.79);
+#   mma_efficiency 0.75 and k_overhead 384: the grid search of `python bench/gemm_validate.py --fit` on the
+#     large bf16 GEMMs (tensor-parallel 1, hidden >= 4096; 0.46-0.76 of peak, median 0.68) and the tile /
+#     wave sweep, with launch and bandwidth as above; checked on the tensor-parallel 8, small and TF32 ones.
+#     0.75 of 989 TFLOP/s = 742 TFLOP/s, below the 794.5 (0.803) of Bekman's Maximum Achievable Matmul
+#     FLOPS table (github.com/stas00/ml-engineering compute/accelerator, H100 SXM bf16, torch 2.7 cuBLAS,
+#     the best of a shape search) as a sustained rate should be.
+# A100: mma_efficiency 0.81 = the same table's A100 SXM bf16 MAMF, 271.2 of 312 TFLOP/s (0.869), times the
+#   H100's ratio of our sustained rate to its MAMF (0.75 / 0.803 = 0.93); k_overhead 384 as the H100's (a
+#   tile's prologue and epilogue are a fixed number of its own K steps, to first order the same on
+#   Ampere's 256 x 128 cp.async pipelines; an assumption, not a measurement). launch 4 us and
+#   bandwidth 0.9 stay the order-of-magnitude defaults: no published per-kernel or copy measurement
+#   found for A100 SXM 80GB; the H100's 0.77 suggests 0.9 is optimistic.
+# V100: no published cuBLAS large-GEMM efficiency found; mma_efficiency 0.6 (the old compute_efficiency),
+#   k_overhead 384 by the A100's argument (without it a tiny float32 GEMM on a V100 would price below
+#   the same on an A100), launch and bandwidth the defaults.
+GPU_KERNELS.update(
+    v100=KernelModel(sms=80, k_overhead=384),
+    a100=KernelModel(sms=108, mma_efficiency=0.81, k_overhead=384),
+    h100=KernelModel(sms=132, launch=2.4e-6, bandwidth_efficiency=0.77, mma_efficiency=0.75, k_overhead=384))

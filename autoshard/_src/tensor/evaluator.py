@@ -35,8 +35,12 @@ class SearchOptions:
     memory_budget: float | None = None       # bytes per device; None: 90 % of the hardware's
     storage_modes: tuple[str, ...] = STORAGE_MODES
     max_plans: int = 2_000_000               # enumeration cap (factors beyond it stay unsplit)
-    overlap: float = 1.0                     # share of backward compute grad sync can hide behind
-    bucket_bytes: int = 25 * 2**20           # TAP §4.7.1 gradient packing threshold
+    # share of the last micro-batch's backward compute the gradient sync can hide behind: as Megatron's
+    # --overlap-grad-reduce, a bucket's reduction starts once the last micro-batch's backward has
+    # produced it (tensor plans: one micro-batch, its whole backward; joint/stage_choice.py: a stage's
+    # backward / M)
+    overlap: float = 1.0
+    bucket_bytes: int = 25 * 2**20           # TAP §4.7.1 gradient packing threshold, per device
     # sequence parallelism (Megatron-SP, see regions.py): "auto" searches the space with the residual
     # stream cut from the tensor-parallel regions when no plan without it fits the memory budget;
     # "on" always searches it (it holds every plan without it too); "off" never
@@ -187,8 +191,8 @@ class _Evaluator:
             self.phase_work[kind] += w * t
             key = (self._cmask(of.loop), self._cmask(of.reduced), kind)
             g = groups[key]
-            if self.gemm_costs is None or not self.gemm_costs.add(op, of, self.fg, w, rate, hw.memory_bandwidth,
-                                                                  key[0], fused.launches[i]):
+            if self.gemm_costs is None or not self.gemm_costs.add(op, of, self.fg, w, hw.peak_flops(dtype),
+                                                                  hw.memory_bandwidth, key[0], fused.launches[i]):
                 g[0] += w * t
             after = cut_after.get(op.outputs[0]) if op.outputs else None
             if of.reduced and after is not None and op.primitive in REDUCE_SCATTERED:
@@ -204,10 +208,8 @@ class _Evaluator:
                 g[2] += w          # collectives issued (each op, each instance, each iteration)
             for b, fs in of.gathered:
                 unknown_gather[(self._cmask([f for f in fs if f is not None]), op.phase)] += w * b
-        # gradient sync is packed into buckets (TAP §4.7.1): a few large messages, not one per op
-        for key, v in groups.items():
-            if key[2] == "grad" and v[2]:
-                v[2] = float(max(1, math.ceil(v[1] / self.options.bucket_bytes)))
+        # gradient sync is packed into buckets (TAP §4.7.1), counted per plan from the per-device
+        # bytes (_sync_count)
         self.groups = [(k, v[0], v[1], v[2]) for k, v in sorted(groups.items())]
         self.gathers = sorted(unknown_gather.items())
 
@@ -262,8 +264,8 @@ class _Evaluator:
             r_mask = self._or(plans, red)
             buf = out_bytes * self.msize[r_mask] / self.msize[self._or(plans, loop)]
             rs = r_mask & self._or(plans, tuple(i for i in a_idx if i >= 0))
-            # gradients travel in buckets (TAP §4.7.1): each pays its share of a bucket's latency
-            count = w * min(1.0, out_bytes / self.options.bucket_bytes) if phase == "grad" else w
+            # gradients travel in buckets (TAP §4.7.1): each pays its per-device share of a bucket's latency
+            count = w * np.minimum(1.0, buf / self.options.bucket_bytes) if phase == "grad" else w
             for part in parts or (red,):
                 yield "all-reduce", buf, self._or(plans, part) & ~rs, w, count, phase
             yield "reduce-scatter", buf, rs, w, count, phase
@@ -338,6 +340,14 @@ class _Evaluator:
             out |= plans[:, i]
         return out
 
+    def _sync_count(self, kind: str, count: float, per_device: np.ndarray) -> np.ndarray | float:
+        """Collectives a group issues: gradients go in buckets of `bucket_bytes` of the per-device
+        buffer (TAP §4.7.1, as DDP and Megatron pack them): a 32B layer's gradients at tensor-parallel 8
+        fill an eighth of the buckets they fill unsharded. Other groups: one per op execution."""
+        if kind != "grad":
+            return count
+        return np.maximum(1.0, np.ceil(per_device / self.options.bucket_bytes))
+
     def _coll(self, kind: str, nbytes_: np.ndarray, mask: np.ndarray, count: float = 1.0) -> np.ndarray:
         """Time of `count` collectives moving `nbytes_` in total over the axes in `mask`."""
         alpha, beta = self.coll[kind]
@@ -356,7 +366,8 @@ class _Evaluator:
             out["compute"] += work / n
             if red and ar_bytes:
                 r_mask = self._or(plans, red)
-                t = self._coll("all-reduce", ar_bytes * self.msize[r_mask] / n, r_mask, count)
+                per_device = ar_bytes * self.msize[r_mask] / n
+                t = self._coll("all-reduce", per_device, r_mask, self._sync_count(kind, count, per_device))
                 out[_BUCKET[kind]] += t
         if self.gemm_costs is not None:
             out["compute"] += self.gemm_costs.seconds(plans, self.msize, self._or)
@@ -373,6 +384,7 @@ class _Evaluator:
         self._add_memory(out, plans, storage)
         for fs, b in self.data:
             out["data"] += b / self.msize[self._or(plans, fs)]
+        # the sync hides behind the backward (one micro-batch here; SearchOptions.overlap)
         bwd_compute = out["compute"] * self.bwd_share
         sync_exposed = np.maximum(0.0, out["grad_sync"] - self.options.overlap * bwd_compute)
         out["step_time"] = (out["compute"] + out["fwd_comm"] + out["bwd_comm"] + out["opt_comm"]
@@ -560,7 +572,8 @@ class _Evaluator:
             if red and ar_bytes:
                 r_mask = int(self._or(plans, red)[0])
                 n = self.msize[int(self._or(plans, loop)[0])]
-                add("all-reduce", r_mask, kind, ar_bytes * self.msize[r_mask] / n, count)
+                per_device = ar_bytes * self.msize[r_mask] / n
+                add("all-reduce", r_mask, kind, per_device, float(self._sync_count(kind, count, per_device)))
         for (fs, phase), b in self.gathers:
             add("all-gather", int(self._or(plans, fs)[0]), phase, b, 1.0)
         for kind, mask, per_dev, w, phase, moves in self._reshard_moves(plans):

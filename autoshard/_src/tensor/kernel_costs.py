@@ -14,14 +14,14 @@ import dataclasses
 import numpy as np
 
 from ..core.graph import Op
-from ..core.kernels import KernelModel, _tile_choices, gemm_roles
+from ..core.kernels import KernelModel, _tile_choices, gemm_roles, tile_seconds
 from .factors import FactorGraph, OpFactors
 
 
 @dataclasses.dataclass(frozen=True)
 class _Gemm:
     weight: float                              # executions (instances x iterations)
-    rate: float                                # achievable flop/s of the whole device
+    peak: float                                # dense peak flop/s of the device for the op's dtype
     dims: tuple[tuple[tuple[int, int], ...], ...]   # (batch, m, n, k): ((size, candidate index or -1), ...)
     memory: float                              # seconds to move the whole op's bytes
     loop: tuple[int, ...]                      # candidates splitting the op (its bytes divide by them)
@@ -35,15 +35,16 @@ class GemmCosts:
         self.gemms: list[_Gemm] = []
         self.launches = 0.0                    # seconds of kernel launches per step (plan-independent)
 
-    def add(self, op: Op, of: OpFactors, fg: FactorGraph, weight: float, rate: float, bandwidth: float,
+    def add(self, op: Op, of: OpFactors, fg: FactorGraph, weight: float, peak: float, bandwidth: float,
             loop: tuple[int, ...], launches: float = 1.0) -> bool:
-        """Record `op` (True) if it is a matmul or convolution; count the kernels it starts
-        (`launches`: from `core.fusion`, one per fusion and per library call)."""
+        """Record `op` (True) if it is a matmul or convolution, priced at the kernel model's MMA rate of
+        `peak` (its dtype's dense flop/s); count the kernels it starts (`launches`: from `core.fusion`,
+        one per fusion and per library call)."""
         self.launches += weight * self.km.launch * launches
         dims = self._dims(op, fg)
         if dims is None:
             return False
-        self.gemms.append(_Gemm(weight, rate, dims, op.bytes / (bandwidth * self.km.bandwidth_efficiency), loop))
+        self.gemms.append(_Gemm(weight, peak, dims, op.bytes / (bandwidth * self.km.bandwidth_efficiency), loop))
         return True
 
     def _dims(self, op: Op, fg: FactorGraph):
@@ -70,7 +71,7 @@ class GemmCosts:
             for t in tiles:
                 tm, tn = t.tile
                 waves = np.ceil(b * np.ceil(m / tm) * np.ceil(n / tn) / km.sms)
-                secs = waves * 2.0 * tm * tn * k / (g.rate / km.sms)
+                secs = waves * tile_seconds(km, t.tile, k, g.peak)
                 compute = secs if compute is None else np.minimum(compute, secs)
             memory = g.memory / msize[or_masks(plans, g.loop)]
             out += g.weight * np.maximum(compute, memory)

@@ -221,7 +221,7 @@ def _kernel_curves(graph: OpGraph, costs: PipelineCosts, sizes: np.ndarray, batc
             res = _at_batch(op.out_shapes[0], batch_dims(op.outputs[0], len(op.out_shapes[0])), f) \
                 if op.outputs else ()
             t = op_seconds(km, op.primitive, op.params, ins, res, op.flops * f, fixed + var * f, rate,
-                           hw.memory_bandwidth, fz.launches[op.index])
+                           hw.memory_bandwidth, peak=hw.peak_flops(dtype), launches=fz.launches[op.index])
             out[op.index, j] = op.repeat * t
     return out
 
