@@ -45,7 +45,8 @@ def test_traced_model_partitions_into_valid_stages(traced):
     assert len(blocks) == 8 and all(convex(dag, b) for b in blocks.blocks)
 
     total = costs.totals(range(len(atomic)))
-    budget = (2 * total["params"] + total["state"] + total["act_const"]) / 2     # no stage may hold half
+    # no stage may hold 60 %: blocks balance time, not memory (after fusion the embeddings weigh more)
+    budget = 0.6 * (2 * total["params"] + total["state"] + total["act_const"])
     plan = plan_stages(graph, 8, "v100-sxm", k=8, memory_budget=budget, atomic=atomic, blocks=blocks)
     check_plan(plan, atomic, budget)
     assert len(plan.stages) >= 3
