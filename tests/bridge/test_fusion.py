@@ -15,9 +15,9 @@ from autoshard._src.core.fusion import fusion
 F32 = 4
 
 
-def _fused(fn, *args):
+def _fused(fn, *args, gpu=False):
     g = trace(fn, *args)
-    f = fusion(g)
+    f = fusion(g, gpu=gpu)
     rep = np.array([op.repeat for op in g.ops])
     return g, f, float((f.bytes * rep).sum())
 
@@ -37,6 +37,9 @@ def test_layernorm_is_few_kernels_and_few_passes():
     assert f.kernels() == 3
     assert 4 * x_bytes <= b <= 4.2 * x_bytes
     assert raw > 3 * b, "unfused pricing is many more passes"
+    # XLA:GPU's normalisation fusion: one kernel reads the row once and writes the result
+    _, f, b = _fused(layernorm, x, v, v, gpu=True)
+    assert f.kernels() == 1 and 2 * x_bytes <= b <= 2.1 * x_bytes
 
 
 def test_matmul_takes_its_bias_add_as_epilogue():
@@ -49,13 +52,16 @@ def test_matmul_takes_its_bias_add_as_epilogue():
     assert b == (128 * 64 + 64 * 32 + 32 + 128 * 32) * F32
 
 
-def test_softmax_exp_is_written_once_and_shared_by_sum_and_division():
+def test_softmax_recomputes_exp_rather_than_writing_it():
     x = jax.ShapeDtypeStruct((32, 512), jnp.float32)
     g, f, b = _fused(lambda x: jax.nn.softmax(x, axis=-1), x)
     xb = 32 * 512 * F32
-    # max (reads x); exp + sum, multi-output (reads x, writes exp); divide (reads exp, writes y)
+    # max (reads x); exp + sum (reads x); exp again + divide (reads x, writes y): reading x twice
+    # more is cheaper than writing exp(x - max) and reading it back twice
     assert f.kernels() == 3
-    assert 5 * xb <= b <= 5.1 * xb
+    assert 4 * xb <= b <= 4.1 * xb
+    _, f, b = _fused(lambda x: jax.nn.softmax(x, axis=-1), x, gpu=True)       # one kernel on a GPU
+    assert f.kernels() == 1 and b == 2 * xb
 
 
 def test_reshapes_are_free_and_broadcasts_run_inside_their_readers():
@@ -81,15 +87,15 @@ def test_returned_intermediates_are_written_once_by_the_fusion():
 
 @pytest.mark.parametrize("name", ["gpt_nnx", "t5", "resnet"])
 def test_fused_bytes_follow_xla_cpu_compiled_bytes(name):
-    """The whole train step: fused bytes within 0.75-1.3x of what XLA:CPU's compiled program
-    accesses (`cost_analysis()`); the unfused per-equation count is 2-3x. The model follows GPU
-    fusion, which writes an optimizer update's several results from one fusion; XLA:CPU writes
-    and reads some of them apart (ResNet's many small parameters: 0.79)."""
+    """The whole train step without XLA:GPU's normalisation fusion: fused bytes within 0.7-1.3x of
+    what XLA:CPU's compiled program accesses (`cost_analysis()`); the unfused per-equation count is
+    2-3x. Multi-output fusion writes an optimizer update's several results from one fusion, where
+    XLA:CPU writes and reads some of them apart (ResNet's many small parameters: 0.75)."""
     m = models.get(name, "debug")
     args = m.abstract_state()
     g, f, fused = _fused(m.train_step, *args)
     raw = float(sum(op.bytes * op.repeat for op in g.ops))
     ca = jax.jit(m.train_step).lower(*args).compile().cost_analysis()
     xla = (ca[0] if isinstance(ca, list) else ca)["bytes accessed"]
-    assert 0.75 <= fused / xla <= 1.3, (fused / xla, raw / xla)
+    assert 0.7 <= fused / xla <= 1.3, (fused / xla, raw / xla)
     assert raw / xla >= 1.6

@@ -15,9 +15,9 @@ here follows those rules closely enough to count bytes and kernels:
 * every other op is fusible: it joins the fusion of a consumer that is its only reader (in the
   same phase and loop), so a chain of elementwise ops, and the elementwise ops feeding a reduction,
   become one kernel; a reduction's result ends its fusion (its readers start a new one);
-* broadcasts, iotas, and elementwise ops on values smaller than their readers' results (a row's
-  mean / n) are recomputed inside each fusion that reads them (XLA duplicates them rather than
-  writing them): they cost their readers their (small) inputs only.
+* broadcasts and iotas are recomputed inside each fusion that reads them, and so is an elementwise
+  op whose inputs cost its readers fewer bytes than writing and re-reading its result (a convert
+  read twice, a row's mean / n): XLA duplicates such producers into every consumer.
 
 A fusion reads each value produced outside it once and writes each of its results that something
 outside it reads (or the program returns): those bytes are priced on the member op that reads or
@@ -34,7 +34,6 @@ bytes with XLA:CPU's `cost_analysis()`.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Iterable
 
 import numpy as np
@@ -72,11 +71,14 @@ class Fusion:
         return int(self.launches.sum())
 
 
-def fusion(graph: OpGraph) -> Fusion:
-    """The fusion of `graph`'s ops (cached on the graph: graphs are not changed after tracing)."""
-    hit = graph.cache.get("fusion")
+def fusion(graph: OpGraph, gpu: bool = True) -> Fusion:
+    """The fusion of `graph`'s ops (cached on the graph: graphs are not changed after tracing).
+    `gpu`: XLA:GPU's normalisation fusion too (a row's reductions and the elementwise ops that use
+    them in one kernel: softmax, LayerNorm), which XLA:CPU does not do."""
+    key = ("fusion", gpu)
+    hit = graph.cache.get(key)
     if hit is None:
-        hit = graph.cache["fusion"] = _Fuser(graph).run()
+        hit = graph.cache[key] = _Fuser(graph, gpu).run()
     return hit
 
 
@@ -95,8 +97,8 @@ def op_class(op: Op) -> str:
 
 
 class _Fuser:
-    def __init__(self, graph: OpGraph) -> None:
-        self.g = graph
+    def __init__(self, graph: OpGraph, gpu: bool) -> None:
+        self.g, self.gpu = graph, gpu
         self.cls = [op_class(op) for op in graph.ops]
         n = len(graph.ops)
         self.parent = list(range(n))
@@ -156,20 +158,33 @@ class _Fuser:
             if kind not in ("recomputed", "loop") or any(self.returned(v) for v in op.outputs):
                 continue
             readers = set().union(*(self.readers(v) for v in op.outputs))
-            if kind == "loop" and not self._smaller_than_readers(op, readers):
+            if kind == "loop" and not self._cheaper_to_recompute(op, readers):
                 continue
             self.inline[op.index] = bool(readers) and all(
                 self.cls[r] in ("loop", "reduce") and self.same_place(ops[r], op) for r in readers)
         return self.inline
 
-    def _smaller_than_readers(self, op: Op, readers: set[int]) -> bool:
-        """An elementwise op on values smaller than what reads it (a LayerNorm's mean / n, a softmax's
-        row max): XLA computes it again inside each reader's fusion rather than writing it."""
+    def _cheaper_to_recompute(self, op: Op, readers: set[int]) -> bool:
+        """Would recomputing `op` inside each of its readers' fusions move fewer bytes than writing
+        its result once and reading it back in each? (XLA's priority fusion duplicates a producer
+        into all its consumers when that lowers the estimated run time; for memory-bound code, the
+        bytes.) A convert feeding two readers, a row's mean / n: yes; a residual add: no."""
         if len(op.outputs) != 1:
             return False
-        size = math.prod(op.out_shapes[0])
-        return all(math.prod(s) <= size for s in op.in_shapes) and all(
-            math.prod(s) > size for r in readers for s in self.g.ops[r].out_shapes)
+        out = self.g.values[op.outputs[0]].nbytes
+        return len(readers) * self._input_bytes(op) <= (1 + len(readers)) * out
+
+    def _input_bytes(self, op: Op) -> float:
+        """Bytes `op` reads, a broadcast counted as what it broadcasts (it is recomputed in place)."""
+        total = 0.0
+        for v in op.inputs:
+            val = self.g.values[self.source(v)]
+            p = val.producer
+            if p is not None and self.cls[p] == "recomputed":
+                total += self._input_bytes(self.g.ops[p])
+            elif val.kind != "literal":
+                total += val.nbytes
+        return total
 
     # --- grouping ----------------------------------------------------------------------------
     def find(self, i: int) -> int:
@@ -185,9 +200,10 @@ class _Fuser:
             self.has_gemm[b] = self.has_gemm[b] or self.has_gemm[a]
 
     def same_place(self, a: Op, b: Op) -> bool:
-        """XLA fuses within one computation: same phase (a backward op runs long after the forward
-        one) and the same loop body."""
-        return a.phase == b.phase and a.loops == b.loops
+        """XLA fuses within one loop body, across the forward and backward passes (a cheap forward
+        op is recomputed in the backward's fusion rather than saved), but not into the optimizer
+        (a gradient reaches it through a reduction once the batch is split)."""
+        return a.loops == b.loops and (a.phase == b.phase or {a.phase, b.phase} <= {"forward", "backward"})
 
     def sole_reader(self, p: int) -> int | None:
         """The one op reading all of `p`'s outputs, if there is one (a returned output is also
@@ -281,9 +297,50 @@ class _Fuser:
         elif self.g.values[v].kind != "literal":
             yield v
 
+    def normalisation_diamonds(self) -> None:
+        """XLA:GPU's normalisation fusion (Triton softmax rewriter): a reduction of a row and the
+        fusion that combines its result with the same row again (softmax's max, sum and divide;
+        LayerNorm's mean, variance and scaling) run as one kernel that reads the row once. Not when
+        the reduction's result also feeds, through other ops, the fusion itself."""
+        ops = self.g.ops
+        self.member_lists: dict[int, list[int]] = {}
+        for i in range(len(ops)):
+            self.member_lists.setdefault(self.find(i), []).append(i)
+        for op in ops:
+            r = op.index
+            if self.cls[r] != "reduce" or self.find(r) != r:
+                continue
+            reads_r = self.group_reads(r)
+            for c in sorted(set().union(*(self.readers(v) for v in op.outputs))):
+                root = self.find(c)
+                if self.cls[c] not in ("loop", "reduce") or root == r or self.has_gemm[root] \
+                        or not self.same_place(ops[c], op) or not reads_r & self.group_reads(root):
+                    continue
+                others = set().union(*(self.readers(v) for v in op.outputs)) - set(self.members(root))
+                if not others & self.ancestors(root, r):
+                    self.union_into(r, root)
+                    self.member_lists[root] += self.member_lists.pop(r)
+                    break
+
+    def members(self, root: int) -> list[int]:
+        return self.member_lists[root]
+
+    def group_reads(self, root: int) -> set[int]:
+        """The materialised values the fusion rooted at `root` reads from outside."""
+        mine = set(self.members(root))
+        out: set[int] = set()
+        for i in mine:
+            for v in self.g.ops[i].inputs:
+                for w in self.reads(v):
+                    if self.g.values[w].producer not in mine and self.g.values[w].nbytes > 64:
+                        out.add(w)
+        return out
+
     def run(self) -> Fusion:
         inline = self.find_inline()
         self.group()
+        if self.gpu:
+            self.normalisation_diamonds()
         ops, n = self.g.ops, len(self.g.ops)
         group = np.array([-1 if self.cls[i] == "alias" or inline[i] else self.find(i) for i in range(n)])
         moved: list[list[int]] = [[] for _ in range(n)]
