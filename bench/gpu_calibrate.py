@@ -111,7 +111,8 @@ def model_price(fn, args, hw) -> dict:
     """The current model's price of `fn(*args)` on one device: every traced op by `op_seconds` (the
     pipeline partitioners' and 3-D tables' per-op cost), plus the roofline of its matmul flops."""
     graph = autoshard.trace(fn, *args)
-    km, fz = hw.kernels, fusion(graph)       # ops priced for the bytes and kernels left after fusion
+    # ops priced for the bytes and kernels left after fusion
+    km, fz = hw.kernels, fusion(graph, gpu=hw.kernels is not None)
     total = launches = gemm = other = 0.0
     for op in graph.ops:
         dtype = op.out_dtypes[0] if op.out_dtypes else "float32"

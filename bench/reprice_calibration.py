@@ -22,10 +22,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import gpu_calibrate as gc  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-import gpu_calibrate as gc  # noqa: E402
 from autoshard._src.core.hardware import get_hardware  # noqa: E402
 
 _FUSED = {"softmax": gc._softmax, "layernorm": gc._layernorm, "gelu_tanh": gc._gelu,
@@ -122,7 +122,8 @@ def markdown(rows: list[dict], results: dict) -> str:
     lines += ["", "| case | measured ms | then | now |", "|---|---|---|---|"]
     for r in rows:
         if "now" in r:
-            lines.append(f"| {r['section']}: {r['case']} | {r['measured'] * 1e3:.3g} | {r['then']:.2f} | {r['now']:.2f} |")
+            lines.append(f"| {r['section']}: {r['case']} | {r['measured'] * 1e3:.3g} | {r['then']:.2f} "
+                         f"| {r['now']:.2f} |")
         else:
             lines.append(f"| {r['section']}: {r['case']} | - | - | not priced here ({r['error']}) |")
     return "\n".join(lines) + "\n"

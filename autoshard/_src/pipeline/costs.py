@@ -83,14 +83,14 @@ class PipelineCosts:
                                     f"of {len(ops)} ops; give one time per op (seconds per execution).")
             self.op_time = np.array([float(t) * op.repeat for t, op in zip(op_time, ops, strict=True)])
         elif self.hardware.kernels is not None and cost_model is None:    # tiles, waves, launches
-            hw, km, fz = self.hardware, self.hardware.kernels, fusion(graph)
+            hw, km, fz = self.hardware, self.hardware.kernels, fusion(graph, gpu=True)
             peaks = [hw.peak_flops(op.out_dtypes[0] if op.out_dtypes else "float32") for op in ops]
             self.op_time = np.array([op.repeat * op_seconds(
                 km, op.primitive, op.params, op.in_shapes, op.out_shapes[0] if op.out_shapes else (), op.flops,
                 fz.bytes[i], peak * hw.compute_efficiency, hw.memory_bandwidth, peak=peak, launches=fz.launches[i])
                 for i, (op, peak) in enumerate(zip(ops, peaks, strict=True))])
         else:       # bytes after XLA's fusion (core.fusion): what the compiled program moves
-            fz = fusion(graph)
+            fz = fusion(graph, gpu=self.hardware.kernels is not None)
             self.op_time = np.array([
                 cm.compute(op.flops * op.repeat, fz.bytes[i] * op.repeat,
                            op.out_dtypes[0] if op.out_dtypes else "float32")

@@ -178,7 +178,7 @@ class _Evaluator:
         self.gemm_costs = GemmCosts(hw.kernels, self.cidx) if hw.kernels is not None else None
         bandwidth = hw.memory_bandwidth * (hw.kernels.bandwidth_efficiency if hw.kernels is not None else 1.0)
         self.phase_work: dict[str, float] = defaultdict(float)     # roofline seconds by phase
-        fused = fusion(self.graph)       # HBM bytes and kernels after XLA's fusion, per op
+        fused = fusion(self.graph, gpu=hw.kernels is not None)     # HBM bytes and kernels after XLA's fusion
         for i, w in weights.items():
             if w <= 0:
                 continue

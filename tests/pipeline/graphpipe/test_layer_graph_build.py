@@ -84,7 +84,7 @@ def test_costs_and_bytes_add_up(traced):
     roofline = {"base": "v100-sxm", "kernels": None}     # per-op roofline costs add up exactly
     lg = layer_graph(graph, roofline)
     cm = AnalyticalCostModel({"stage": 1}, roofline)
-    fused = fusion(graph).bytes          # the HBM bytes each op is priced for after XLA's fusion
+    fused = fusion(graph, gpu=False).bytes          # the HBM bytes each op is priced for after XLA's fusion
     total = {ph: sum(cm.compute(op.flops * op.repeat, fused[op.index] * op.repeat,
                                 op.out_dtypes[0] if op.out_dtypes else "float32")
                      for op in graph.ops if op.phase == ph) for ph in ("forward", "backward", "optimizer")}

@@ -190,7 +190,7 @@ def _op_curves(graph: OpGraph, costs: PipelineCosts, kernel_overhead: float = 0.
         return _kernel_curves(graph, costs, sizes, lambda v, r: [f in batch_factors for f in fg.value_factors(v, r)],
                               scales)
     cm = costs.cost_model
-    fz = fusion(graph)
+    fz = fusion(graph, gpu=costs.hardware.kernels is not None)
     out = np.repeat(costs.op_time[:, None], K, axis=1)     # ops without batch-carrying values
     for op in graph.ops:
         fixed, var = _fused_split(graph, fz.moved[op.index], scales)
@@ -209,7 +209,7 @@ def _kernel_curves(graph: OpGraph, costs: PipelineCosts, sizes: np.ndarray, batc
     micro-batch (its batch-carrying dims scaled), matmuls and convolutions in whole tiles and waves,
     memory at the achievable bandwidth, a launch per kernel after fusion (`core.fusion`)."""
     hw, km, B = costs.hardware, costs.hardware.kernels, costs.batch
-    fz = fusion(graph)
+    fz = fusion(graph, gpu=costs.hardware.kernels is not None)
     out = np.zeros((len(graph.ops), len(sizes)))
     for op in graph.ops:
         dtype = op.out_dtypes[0] if op.out_dtypes else "float32"
