@@ -158,6 +158,9 @@ class _Fuser:
             if kind not in ("recomputed", "loop") or any(self.returned(v) for v in op.outputs):
                 continue
             readers = set().union(*(self.readers(v) for v in op.outputs))
+            if op.primitive == "transpose" and readers and all(ops[r].primitive in GEMM_OPS for r in readers):
+                self.cls[op.index] = "alias"       # a matmul reads its operand in either layout
+                continue
             if kind == "loop" and not self._cheaper_to_recompute(op, readers):
                 continue
             self.inline[op.index] = bool(readers) and all(
