@@ -174,9 +174,10 @@ def _kind_costs(srch, tables, row, storage: str) -> list[dict[str, float]]:
     for kind in srch.units.kinds:
         evs = _evaluators(tables.space, srch.hw, srch.cost(tables.mesh), srch.options, kind)
         r = {n: {k: float(v[0]) for k, v in evs[n].evaluate(row[None], storage).items() if v.ndim == 1}
-             for n in ("fwd", "bwd", "const", "step", "held")}
+             for n in ("fwd", "fwd_dots", "bwd", "const", "step", "held")}
         comm = lambda d: d["fwd_comm"] + d["bwd_comm"]  # noqa: E731
-        out.append({"fwd_compute": r["fwd"]["compute"], "fwd_comm": comm(r["fwd"]),
+        out.append({"fwd_compute": r["fwd"]["compute"], "fwd_dots": r["fwd_dots"]["compute"],
+                    "fwd_comm": comm(r["fwd"]),
                     "bwd_compute": r["bwd"]["compute"], "bwd_comm": comm(r["bwd"]),
                     "const_compute": r["const"]["compute"], "const_comm": comm(r["const"]),
                     "const_sync": r["const"]["grad_sync"], "sync": r["bwd"]["grad_sync"],
@@ -200,7 +201,9 @@ def _stage_terms(srch, kinds: list[dict], start: int, stop: int, M: int, send_f,
     exposed = max(0.0, tot["sync"] - srch.options.overlap * bwd)
     return {"compute": compute, "tp_comm": tp, "p2p": p2p, "mb_sync": tot["const_sync"],
             "gather": tot["gather"], "exposed_sync": exposed, "optimizer": tot["step"],
-            "per_microbatch": compute + tp + p2p + tot["const_sync"] + tot["gather"]}
+            "per_microbatch": compute + tp + p2p + tot["const_sync"] + tot["gather"],
+            "fwd_matmul_share": tot["fwd_dots"] / tot["fwd_compute"] if tot["fwd_compute"] else 0.0,
+            "bwd_over_fwd": tot["bwd_compute"] / tot["fwd_compute"] if tot["fwd_compute"] else 0.0}
 
 
 def step_terms(model: models.Model, run: Run, plan) -> dict:
@@ -239,7 +242,9 @@ def step_terms(model: models.Model, run: Run, plan) -> dict:
              "grad sync": M * slow["mb_sync"] + tail["exposed_sync"], "zero-3 gather": M * slow["gather"],
              "optimizer": tail["optimizer"]}
     terms["bubble"] = step - M * slow["per_microbatch"] - tail["exposed_sync"] - tail["optimizer"]
-    return {"terms": terms, "consistency": mismatch, "stages": len(stages)}
+    # how much of the slowest stage's forward compute is matmuls (the rest: elementwise, softmax, norms)
+    return {"terms": terms, "consistency": mismatch, "stages": len(stages),
+            "fwd_matmul_share": slow["fwd_matmul_share"], "bwd_over_fwd_compute": slow["bwd_over_fwd"]}
 
 
 # --- rows, table, files ------------------------------------------------------------------------------
@@ -281,6 +286,8 @@ def dominant(r: dict, n: int = 3) -> str:
         return r["breakdown"].get("error", "-")
     top = sorted(terms.items(), key=lambda kv: -kv[1])[:n]
     text = ", ".join(f"{k} {v:.3g} s ({v / r['predicted_s']:.0%})" for k, v in top if v > 0)
+    bd = r["breakdown"]
+    text += f"; fwd {bd['fwd_matmul_share']:.0%} matmul, bwd/fwd compute {bd['bwd_over_fwd_compute']:.1f}"
     off = r["breakdown"]["consistency"]
     return text + (f" (terms off the plan's stage times by {off:.1%})" if off > 0.01 else "")
 
