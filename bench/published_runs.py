@@ -35,7 +35,8 @@ neither is priced. Hidden dropout runs in Megatron's fused bias-dropout-add kern
 2021 is a separate kernel over the [B, a, s, s] probabilities: about 15 bytes per element per step
 (fp16 read + write and a 1-byte mask, backward the same, forward twice under full recompute). Its
 share of a layer falls with h^2 / (a s): the `attn dropout` column estimates it at the A100's HBM
-bandwidth as a share of the measured step (a few % on the small-h rows, well under 1 % on the large ones).
+bandwidth as a share of the measured step: 8 % for SC'21 1.7B, 6 % for 3.6B, 2-4 % from 7.5B to KORT 22B,
+under 1.1 % from 310B on. So leaving dropout out understates the small rows' measured step by up to ~8 %.
 
     python bench/published_runs.py [--rows "SC21 1.7B,KORT 22B full"] [--model gpu|zoo|both] [--quick]
                                    [--out-dir bench/results]
