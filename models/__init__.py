@@ -6,6 +6,7 @@ from . import candle_uno as candle_uno  # noqa: E402
 from . import convnet_toy as convnet_toy  # noqa: E402
 from . import dlrm as dlrm  # noqa: E402
 from . import gpt as gpt  # noqa: E402
+from . import gpt_gpu as gpt_gpu  # noqa: E402
 from . import gpt_nnx as gpt_nnx  # noqa: E402
 from . import mlp as mlp  # noqa: E402
 from . import mmt as mmt  # noqa: E402
