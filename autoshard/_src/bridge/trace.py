@@ -131,6 +131,7 @@ class _Builder:
         self._loop_ids = itertools.count()
         self.eqns: dict[int, Any] = {}      # op index -> the jaxpr eqn it stands for (leaf ops)
         self._avals: dict[Any, tuple[tuple[int, ...], str, int]] = {}
+        self.carried: dict[int, tuple[int, ...]] = {}
 
     def shape_dtype(self, atom: Any) -> tuple[tuple[int, ...], str, int]:
         """(shape, dtype name, bytes) of an atom. A step has tens of thousands of atoms but few
@@ -186,6 +187,11 @@ class _Builder:
             values[v].consumers.append(index)
         return outs
 
+    def carry(self, loop: Loop, outs: list[int]) -> None:
+        """Note the values `loop` feeds back into its next iteration (OpGraph.carried)."""
+        for v in outs:
+            self.carried[v] = (*self.carried.get(v, ()), loop.uid)
+
     def inline(self, jaxpr: Any, consts: list, in_ids: list[int], scope: _Scope,
                loops: tuple[Loop, ...]) -> list[int]:
         env: dict = {}
@@ -211,6 +217,8 @@ class _Builder:
                 nested = jc.nested_eqn_count(eqn.params) if any(k not in params for k in eqn.params) else 0
                 if nested:
                     params["nested_eqns"] = nested
+                if eqn.effects:       # a callback, I/O: XLA keeps it whether or not its results are read
+                    params["effectful"] = True
                 outs = self.add_op(name, in_ids, list(eqn.outvars), full, loops, params,
                                    in_atoms=list(eqn.invars))
                 self.eqns[len(self.ops) - 1] = eqn
@@ -234,16 +242,20 @@ class _Builder:
         if name == "scan":
             sub = jc.as_open_jaxpr(params["jaxpr"])
             loop = Loop(next(self._loop_ids), "scan", int(params["length"]))
-            return self.inline(sub[0], sub[1], in_ids, scope, loops + (loop,))
+            outs = self.inline(sub[0], sub[1], in_ids, scope, loops + (loop,))
+            self.carry(loop, outs[:int(params["num_carry"])])
+            return outs
         if name == "while":
             cn, bn = params["cond_nconsts"], params["body_nconsts"]
             loop = Loop(next(self._loop_ids), "while", None)
             carry = in_ids[cn + bn:]
             cond = jc.as_open_jaxpr(params["cond_jaxpr"])
-            self.inline(cond[0], cond[1], in_ids[:cn] + carry, scope, loops + (loop,))
+            # the condition decides every iteration: live while the loop is
+            self.carry(loop, self.inline(cond[0], cond[1], in_ids[:cn] + carry, scope, loops + (loop,)))
             body = jc.as_open_jaxpr(params["body_jaxpr"])
-            return self.inline(body[0], body[1], in_ids[cn:cn + bn] + carry, scope,
-                               loops + (loop,))
+            outs = self.inline(body[0], body[1], in_ids[cn:cn + bn] + carry, scope, loops + (loop,))
+            self.carry(loop, outs)
+            return outs
         if name == "cond":
             branch_outs: list[int] = []
             for branch in params["branches"]:
@@ -362,7 +374,7 @@ def _build_graph(closed: Any, out_shape: Any, args: tuple, fn_name: str, keep_eq
     graph = OpGraph(
         ops=b.ops, values=b.values, inputs=inputs, outputs=outputs,
         output_keypaths=[jc.keystr(p) for p in out_paths],
-        output_keypath_parts=[jc.keypath_parts(p) for p in out_paths], name=fn_name,
+        output_keypath_parts=[jc.keypath_parts(p) for p in out_paths], name=fn_name, carried=b.carried,
     )
     if keep_eqns:
         graph.eqns = b.eqns

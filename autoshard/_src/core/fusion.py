@@ -39,6 +39,7 @@ from collections.abc import Iterable
 import numpy as np
 
 from .graph import Op, OpGraph
+from .liveness import live_ops
 
 ALIAS_OPS = frozenset({"reshape", "squeeze", "expand_dims", "stop_gradient", "bitcast"})
 KERNEL_OPS = frozenset({
@@ -99,7 +100,8 @@ def op_class(op: Op) -> str:
 class _Fuser:
     def __init__(self, graph: OpGraph, gpu: bool) -> None:
         self.g, self.gpu = graph, gpu
-        self.cls = [op_class(op) for op in graph.ops]
+        self.live = live_ops(graph)       # dead ops (XLA deletes them) read nothing and start nothing
+        self.cls = [op_class(op) if self.live[op.index] else "dead" for op in graph.ops]
         n = len(graph.ops)
         self.parent = list(range(n))
         self.has_gemm = [op.primitive in GEMM_OPS for op in graph.ops]
@@ -133,7 +135,7 @@ class _Fuser:
             for c in self.g.values[stack.pop()].consumers:
                 if self.cls[c] == "alias" or self.inline[c]:
                     stack.extend(self.g.ops[c].outputs)
-                else:
+                elif self.cls[c] != "dead":
                     out.add(c)
         return out
 
@@ -345,7 +347,7 @@ class _Fuser:
         if self.gpu:
             self.normalisation_diamonds()
         ops, n = self.g.ops, len(self.g.ops)
-        group = np.array([-1 if self.cls[i] == "alias" or inline[i] else self.find(i) for i in range(n)])
+        group = np.array([-1 if self.cls[i] in ("alias", "dead") or inline[i] else self.find(i) for i in range(n)])
         moved: list[list[int]] = [[] for _ in range(n)]
         seen: set[tuple[int, int]] = set()        # (fusion, value) reads already priced
         for op in ops:

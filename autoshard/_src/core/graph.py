@@ -122,6 +122,11 @@ class OpGraph:
     eqns: dict | None = None             # op index -> jaxpr eqn, with trace(keep_eqns=True) only
     # analyses derived from the ops (fusion, liveness), computed once: a traced graph is not changed
     cache: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
+    # loop bodies appear once, so the back edge of a loop is not an edge here: value id -> the uids
+    # of the loops that carry it into their next iteration (a scan's carry-out, a while body's
+    # results and its condition); liveness.live_ops keeps them while their loop runs
+    carried: dict[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)
+    live_cache: object = dataclasses.field(default=None, repr=False, compare=False)
 
     def __len__(self) -> int:
         return len(self.ops)

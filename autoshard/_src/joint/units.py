@@ -21,6 +21,7 @@ import numpy as np
 
 from ..core.graph import OpGraph
 from ..core.grouping import Grouping
+from ..core.liveness import live_ops
 from ..pipeline.costs import traced_batch
 from ..tensor.experts import batch_factors
 from ..tensor.instances import instance_maps
@@ -156,7 +157,10 @@ def build_units(graph: OpGraph, grouping: Grouping, analysed: Analysis) -> Units
 def _kind(graph: OpGraph, key: tuple, ops: Sequence[int], dep: np.ndarray) -> UnitKind:
     slices: dict[str, dict[int, float]] = {s: {} for s in SLICES}
     inputs: set[int] = set()
+    live = live_ops(graph)
     for o in ops:
+        if not live[o]:        # XLA deletes it: no slice prices it
+            continue
         op = graph.ops[o]
         w = float(op.repeat)
         if op.phase == "forward" and dep[o]:
@@ -178,13 +182,14 @@ def _cuts(graph: OpGraph, unit_ops: Sequence[Sequence[int]], dep: np.ndarray) ->
     unit_of = {o: u for u, ops in enumerate(unit_ops) for o in ops}
     n = len(unit_ops)
     diff = {True: np.zeros(n + 2), False: np.zeros(n + 2)}
+    live = live_ops(graph)
     for op in graph.ops:
-        if op.phase != "forward" or op.index not in unit_of:
+        if op.phase != "forward" or op.index not in unit_of or not live[op.index]:
             continue
         p = unit_of[op.index]
         for v, shape_bytes in zip(op.outputs, _out_bytes(graph, op.index), strict=True):
             users = [unit_of[c] for c in graph.values[v].consumers
-                     if graph.ops[c].phase == "forward" and c in unit_of]
+                     if graph.ops[c].phase == "forward" and c in unit_of and live[c]]
             q = max(users, default=p)
             if q > p:
                 d = diff[bool(dep[op.index])]

@@ -40,6 +40,7 @@ from ..core.errors import PipelineError
 from ..core.fusion import fusion
 from ..core.hardware import HardwareSpec, get_hardware
 from ..core.kernels import op_seconds
+from ..core.liveness import live_ops
 from .atomic import AtomicPartition, non_constant_ops
 
 CATEGORIES = ("fwd", "fwd_const", "bwd", "bwd_const", "step", "params", "state", "act", "act_const", "data")
@@ -50,6 +51,12 @@ def traced_batch(graph) -> int:
     dims = Counter(graph.values[v].shape[0] for v in graph.inputs
                    if graph.values[v].role == "data" and graph.values[v].shape)
     return int(dims.most_common(1)[0][0]) if dims else 1
+
+
+def leads_with_batch(graph, batch: int) -> np.ndarray:
+    """Per op: does a result lead with the traced batch (a mask or iota broadcast over it)?"""
+    return np.array([batch > 1 and any(s and s[0] == batch for s in op.out_shapes) for op in graph.ops],
+                    dtype=bool)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,7 +102,12 @@ class PipelineCosts:
                 cm.compute(op.flops * op.repeat, fz.bytes[i] * op.repeat,
                            op.out_dtypes[0] if op.out_dtypes else "float32")
                 for i, op in enumerate(ops)])
+        live = live_ops(graph)
+        self.op_time = self.op_time * live      # XLA deletes dead code: it costs nothing
         dep = non_constant_ops(graph)
+        # no data flows into a causal mask broadcast to [batch, heads, q, k], yet it is built per
+        # micro-batch at the micro-batch's size: it scales like the data-dependent ops
+        dep |= leads_with_batch(graph, self.batch)
         n = len(atomic)
         # items: category -> {key: (weight, components)}
         items: dict[str, dict[Any, tuple[float, tuple[int, ...]]]] = {c: {} for c in CATEGORIES}
@@ -103,12 +115,13 @@ class PipelineCosts:
             items["fwd"][t] = (float(self.op_time[t]), (c,))
         for consts in atomic.constants:
             for o in consts:
-                if o not in items["fwd_const"]:
-                    items["fwd_const"][o] = (float(self.op_time[o]), atomic.components_of(o))
+                cat = "fwd" if dep[o] else "fwd_const"
+                if o not in items[cat]:
+                    items[cat][o] = (float(self.op_time[o]), atomic.components_of(o))
         for c, att in enumerate(atomic.attached):
             for o in att:
                 phase = ops[o].phase
-                cat = ("fwd_const" if phase == "forward" else "step" if phase != "backward"
+                cat = (("fwd" if dep[o] else "fwd_const") if phase == "forward" else "step" if phase != "backward"
                        else "bwd" if dep[o] else "bwd_const")
                 items[cat][o] = (float(self.op_time[o]), (c,))
         # inputs by role, and saved values, held by the components of the ops reading them
@@ -116,6 +129,8 @@ class PipelineCosts:
         saved: dict[int, set[int]] = defaultdict(set)
         for c in range(n):
             for o in atomic.ops(c):
+                if not live[o]:
+                    continue
                 fwd_op = ops[o].phase == "forward" or o == atomic.tasks[c] or o in atomic.constants[c]
                 for v in ops[o].inputs:
                     val = values[v]
@@ -139,7 +154,8 @@ class PipelineCosts:
         for c, t in enumerate(atomic.tasks):
             op = ops[t]
             for v in op.outputs:
-                dsts = {comp_of[d] for d in values[v].consumers if d in comp_of and atomic.tasks[comp_of[d]] == d}
+                dsts = {comp_of[d] for d in values[v].consumers
+                        if live[d] and d in comp_of and atomic.tasks[comp_of[d]] == d}
                 dsts.discard(c)
                 if dsts:
                     flows.append((c, tuple(sorted(dsts)), values[v].nbytes * op.repeat))

@@ -26,6 +26,7 @@ from ..core.mesh import MeshSpec
 from .factors import FactorGraph
 from .kernel_costs import GemmCosts
 from .regions import REDUCE_SCATTERED
+from .shares import unlinked_batch_loops
 
 STORAGE_MODES = ("replicated", "zero1", "zero3")
 
@@ -179,6 +180,8 @@ class _Evaluator:
         bandwidth = hw.memory_bandwidth * (hw.kernels.bandwidth_efficiency if hw.kernels is not None else 1.0)
         self.phase_work: dict[str, float] = defaultdict(float)     # roofline seconds by phase
         fused = fusion(self.graph, gpu=hw.kernels is not None)     # HBM bytes and kernels after XLA's fusion
+        unlinked = unlinked_batch_loops(self.graph, self.fg)       # batch-sized dims no factor links
+        self.op_loops: list[tuple[int, float, tuple[int, ...]]] = []   # (op, executions, dividing candidates)
         for i, w in weights.items():
             if w <= 0:
                 continue
@@ -189,7 +192,8 @@ class _Evaluator:
             t = max(op.flops / rate, fused.bytes[i] / bandwidth)
             kind = "grad" if i in grad_ops else op.phase
             self.phase_work[kind] += w * t
-            key = (self._cmask(of.loop), self._cmask(of.reduced), kind)
+            key = (self._cmask(of.loop | unlinked.get(i, frozenset())), self._cmask(of.reduced), kind)
+            self.op_loops.append((i, w, key[0]))
             g = groups[key]
             if self.gemm_costs is None or not self.gemm_costs.add(op, of, self.fg, w, hw.peak_flops(dtype),
                                                                   hw.memory_bandwidth, key[0], fused.launches[i]):
@@ -499,6 +503,18 @@ class _Evaluator:
         for d, md in enumerate(per_dim):
             ok |= shape[d] % (self.msize[md].astype(np.int64) * nf) == 0
         return m, np.where(ok & (nf > 1), free, 0)
+
+    def op_shares(self, row: np.ndarray) -> list[tuple[int, float, float, float]]:
+        """Per priced op under one plan (a row of axis masks): (op index, executions, flops, bytes),
+        the last two per device and execution as the evaluator divides them (by the shards of the
+        factors splitting the op; a GEMM on a kernel model is priced on that same shard's shape)."""
+        plans = np.asarray(row).reshape(1, -1)
+        out = []
+        for i, w, loop in self.op_loops:
+            n = float(self.msize[int(self._or(plans, loop)[0])])
+            op = self.graph.ops[i]
+            out.append((i, w, op.flops / n, op.bytes / n))
+        return out
 
     def row(self, factor_axes: dict[int, tuple[str, ...]]) -> np.ndarray:
         """One plan as a row of axis masks per candidate factor (factors outside the candidates drop)."""

@@ -29,6 +29,7 @@ from ..core.cost import AnalyticalCostModel, CostModel
 from ..core.graph import OpGraph
 from ..core.grouping import Grouping
 from ..core.hardware import HardwareSpec
+from ..core.liveness import live_weights
 from ..core.mesh import MeshSpec
 from .evaluator import (
     STORAGE_MODES,
@@ -276,7 +277,8 @@ def _analysed_ops(graph: OpGraph, grouping: Grouping
             ops.extend(insts[k].ops)
             if k >= period:
                 pairs.extend(corresponding_ops(graph, insts[k % period].ops, insts[k].ops))
-    return weights, ops, pairs, periods
+    # ops XLA deletes as dead code cost nothing (they stay analysed: their dims still link factors)
+    return live_weights(graph, weights), ops, pairs, periods
 
 
 def _candidate_factors(graph: OpGraph, fg: FactorGraph, weights: dict[int, float], mesh: MeshSpec,

@@ -68,6 +68,7 @@ from ...core.fusion import fusion
 from ...core.graph import OpGraph
 from ...core.hardware import get_hardware
 from ...core.kernels import op_seconds
+from ...core.liveness import live_ops
 from ...tensor.regions import analyze
 from ..atomic import atomic_partition
 from ..costs import PipelineCosts
@@ -129,6 +130,7 @@ def layer_graph(graph: OpGraph, hardware: Any, *, batch_size: int | None = None,
         curves = _op_curves(graph, costs, kernel_overhead)
     else:
         curves = _measured_curves(graph, costs.batch, op_curves)
+    curves = curves * live_ops(graph)[:, None]      # XLA deletes dead code: it costs nothing
     return _build(graph, costs, node_of, names, units, curves)
 
 
@@ -143,7 +145,7 @@ def op_curves(graph: OpGraph, hardware: Any, *, batch_size: int | None = None,
               cost_model: CostModel | None = None, kernel_overhead: float = 0.0) -> np.ndarray:
     """[ops, K] roofline seconds of each op (times its repeat count) at micro-batch `curve_sizes`."""
     costs = PipelineCosts(atomic_partition(graph), hardware, cost_model=cost_model, batch=batch_size)
-    return _op_curves(graph, costs, kernel_overhead)
+    return _op_curves(graph, costs, kernel_overhead) * live_ops(graph)[:, None]
 
 
 def _measured_curves(graph: OpGraph, batch: int, op_curves: Any) -> np.ndarray:

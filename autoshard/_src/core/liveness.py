@@ -1,0 +1,69 @@
+"""Which ops of a traced step XLA actually runs (pure: no jax import).
+
+A jaxpr keeps equations whose results nothing reads: `jnp.where` under `value_and_grad` leaves a
+scalar zero broadcast to [batch, heads, q, k] for the cotangent of the branch that needs none. XLA's
+dead-code elimination deletes them before anything runs, so every pricer gives them weight 0: an op
+is live when one of its results reaches the step's outputs (transitively), or when it has effects
+(callbacks, I/O: the trace marks them) or no results at all (nothing else could justify it).
+
+Loop bodies appear once in an OpGraph, so the back edge from a loop's carried results to its next
+iteration is not an edge of the graph; `OpGraph.carried` names those results, and they are live
+whenever anything in their loop is (a counter or a recurrent state that only the next iteration reads).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import numpy as np
+
+from .graph import OpGraph
+
+# primitives with effects, for graphs traced without the trace's `effectful` mark (hand-built ones)
+EFFECTFUL = frozenset({"debug_callback", "io_callback", "debug_print", "outfeed", "infeed", "send", "recv",
+                       "callback"})
+
+
+def _roots(graph: OpGraph) -> list[int]:
+    """Ops live whatever reads them: producers of the step's outputs and ops with effects."""
+    values = graph.values
+    out = [p for v in graph.outputs if (p := values[v].producer) is not None]
+    out += [op.index for op in graph.ops
+            if not op.outputs or op.params.get("effectful") or op.primitive in EFFECTFUL]
+    return out
+
+
+def live_ops(graph: OpGraph) -> np.ndarray:
+    """Per op (bool, read-only): does XLA keep it? Cached on the graph (computed once per step)."""
+    cached = graph.live_cache
+    if cached is not None and cached[0] == len(graph.ops):
+        return cached[1]
+    values, ops = graph.values, graph.ops
+    carried_by: dict[int, list[int]] = defaultdict(list)
+    for v, uids in graph.carried.items():
+        for uid in uids:
+            carried_by[uid].append(v)
+    live = np.zeros(len(ops), dtype=bool)
+    running: set[int] = set()              # loops with a live op: their carried values are read
+    stack = _roots(graph)
+    while stack:
+        i = stack.pop()
+        if live[i]:
+            continue
+        live[i] = True
+        op = ops[i]
+        reads = list(op.inputs)
+        for loop in op.loops:
+            if loop.uid not in running:
+                running.add(loop.uid)
+                reads += carried_by.get(loop.uid, ())
+        stack.extend(p for v in reads if (p := values[v].producer) is not None and not live[p])
+    live.flags.writeable = False
+    graph.live_cache = (len(ops), live)
+    return live
+
+
+def live_weights(graph: OpGraph, weights: dict[int, float]) -> dict[int, float]:
+    """`weights` (op -> executions) with dead ops at 0 (kept as keys: they still link factors)."""
+    live = live_ops(graph)
+    return {i: (w if live[i] else 0.0) for i, w in weights.items()}
