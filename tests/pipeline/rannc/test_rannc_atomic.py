@@ -74,14 +74,15 @@ def test_parameter_transpose_is_cloned_and_counted_in_each_component():
     g = GraphBuilder()
     x = g.input((B, D), (2, "x"), role="data")
     w = g.param("M/fc", (D, D))
-    wt = g.op("transpose", [w], module="M/fc")                # constant, two consumers
+    # constant, two consumers (a cast: a transpose read by matmuls is only a layout, free after fusion)
+    wt = g.op("convert_element_type", [w], module="M/fc")
     y1 = g.dot(x, wt, module="M/fc")
     y2 = g.dot(g.op("tanh", [y1], module="M/act"), wt, module="M/fc")
     g.output(g.op("reduce_sum", [y2], [()], params={"axes": (0, 1)}), (2,))
     graph = g.build()
     atomic = atomic_partition(graph)
     assert [graph.ops[t].primitive for t in atomic.tasks] == ["dot_general", "tanh", "dot_general", "reduce_sum"]
-    assert atomic.clones == {0: (0, 2)}                         # op 0 is the transpose
+    assert atomic.clones == {0: (0, 2)}                         # op 0 is the cast
     assert atomic.constants[0] == atomic.constants[2] == (0,)
     costs = PipelineCosts(atomic, "v100-sxm")
     t = costs.op_time[0]
