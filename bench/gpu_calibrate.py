@@ -51,7 +51,7 @@ from _common import machine  # noqa: E402
 import autoshard  # noqa: E402
 from autoshard._src.core.fusion import fusion  # noqa: E402
 from autoshard._src.core.hardware import get_hardware  # noqa: E402
-from autoshard._src.core.kernels import op_seconds  # noqa: E402
+from autoshard._src.core.kernels import compute_dtype, op_seconds  # noqa: E402
 
 _DOT = {"contracting": ((1,), (0,)), "batch": ((), ())}
 
@@ -115,7 +115,7 @@ def model_price(fn, args, hw) -> dict:
     km, fz = hw.kernels, fusion(graph, gpu=hw.kernels is not None)
     total = launches = gemm = other = 0.0
     for op in graph.ops:
-        dtype = op.out_dtypes[0] if op.out_dtypes else "float32"
+        dtype = compute_dtype(op.primitive, op.in_dtypes, op.out_dtypes)
         rate = hw.peak_flops(dtype) * hw.compute_efficiency
         nbytes = fz.bytes[op.index]
         if km is not None:

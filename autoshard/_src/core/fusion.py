@@ -313,9 +313,10 @@ class _Fuser:
             self.member_lists.setdefault(self.find(i), []).append(i)
         for op in ops:
             r = op.index
-            if self.cls[r] != "reduce" or self.find(r) != r:
+            if self.cls[r] != "reduce" or self.find(r) != r or not self.row_reduction(op):
                 continue
-            reads_r = self.group_reads(r)
+            # the row: what the reduction's fusion reads, or makes and reduces (a masked score row)
+            reads_r = self.group_reads(r) | {v for i in self.members(r) for v in self.g.ops[i].outputs}
             for c in sorted(set().union(*(self.readers(v) for v in op.outputs))):
                 root = self.find(c)
                 if self.cls[c] not in ("loop", "reduce") or root == r or self.has_gemm[root] \
@@ -326,6 +327,14 @@ class _Fuser:
                     self.union_into(r, root)
                     self.member_lists[root] += self.member_lists.pop(r)
                     break
+
+    @staticmethod
+    def row_reduction(op: Op) -> bool:
+        """A reduction over the last (minor) dim only: the rows the normalisation fusion keeps on chip
+        (a bias gradient's sum over the batch rows is a column reduction: not fused so)."""
+        axes = tuple(op.params.get("axes", ()))
+        rank = len(op.in_shapes[0]) if op.in_shapes else 0
+        return rank > 0 and axes == (rank - 1,)
 
     def members(self, root: int) -> list[int]:
         return self.member_lists[root]

@@ -176,6 +176,15 @@ KERNEL_OPS = frozenset({"dot_general", "conv_general_dilated", "reduce_sum", "re
                         "dynamic_slice", "dynamic_update_slice", "reduce_window_sum", "select_and_scatter_add"})
 
 
+def compute_dtype(primitive: str, in_dtypes: Sequence[str], out_dtypes: Sequence[str]) -> str:
+    """The dtype an op computes in: a matmul's or convolution's tensor cores run on its operands'
+    type (bf16 operands accumulating into float32 run at the bf16 rate: `preferred_element_type`),
+    every other op in its result's."""
+    if primitive in ("dot_general", "conv_general_dilated") and in_dtypes:
+        return in_dtypes[0]
+    return out_dtypes[0] if out_dtypes else "float32"
+
+
 def op_seconds(km: KernelModel, primitive: str, params: Mapping[str, Any], in_shapes: Sequence[Sequence[int]],
                out_shape: Sequence[int], flops: float, nbytes: float, flop_rate: float, bandwidth: float, *,
                peak: float, launches: float | None = None) -> float:

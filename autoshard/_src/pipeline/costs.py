@@ -39,7 +39,7 @@ from ..core.cost import AnalyticalCostModel, CostModel, alpha_beta
 from ..core.errors import PipelineError
 from ..core.fusion import fusion
 from ..core.hardware import HardwareSpec, get_hardware
-from ..core.kernels import op_seconds
+from ..core.kernels import compute_dtype, op_seconds
 from ..core.liveness import live_ops
 from .atomic import AtomicPartition, non_constant_ops
 
@@ -91,7 +91,7 @@ class PipelineCosts:
             self.op_time = np.array([float(t) * op.repeat for t, op in zip(op_time, ops, strict=True)])
         elif self.hardware.kernels is not None and cost_model is None:    # tiles, waves, launches
             hw, km, fz = self.hardware, self.hardware.kernels, fusion(graph, gpu=True)
-            peaks = [hw.peak_flops(op.out_dtypes[0] if op.out_dtypes else "float32") for op in ops]
+            peaks = [hw.peak_flops(compute_dtype(op.primitive, op.in_dtypes, op.out_dtypes)) for op in ops]
             self.op_time = np.array([op.repeat * op_seconds(
                 km, op.primitive, op.params, op.in_shapes, op.out_shapes[0] if op.out_shapes else (), op.flops,
                 fz.bytes[i], peak * hw.compute_efficiency, hw.memory_bandwidth, peak=peak, launches=fz.launches[i])

@@ -22,6 +22,7 @@ from ..core.cost import CostModel
 from ..core.fusion import fusion
 from ..core.graph import OpGraph, nbytes
 from ..core.hardware import HardwareSpec
+from ..core.kernels import compute_dtype
 from ..core.mesh import MeshSpec
 from .factors import FactorGraph
 from .kernel_costs import GemmCosts
@@ -187,7 +188,7 @@ class _Evaluator:
                 continue
             of = self.fg.op_factors[i]
             op = self.graph.ops[i]
-            dtype = op.out_dtypes[0] if op.out_dtypes else "float32"
+            dtype = compute_dtype(op.primitive, op.in_dtypes, op.out_dtypes)
             rate = hw.peak_flops(dtype) * hw.compute_efficiency
             t = max(op.flops / rate, fused.bytes[i] / bandwidth)
             kind = "grad" if i in grad_ops else op.phase

@@ -67,7 +67,7 @@ from ...core.errors import PipelineError
 from ...core.fusion import fusion
 from ...core.graph import OpGraph
 from ...core.hardware import get_hardware
-from ...core.kernels import op_seconds
+from ...core.kernels import compute_dtype, op_seconds
 from ...core.liveness import live_ops
 from ...tensor.regions import analyze
 from ..atomic import atomic_partition
@@ -214,7 +214,7 @@ def _kernel_curves(graph: OpGraph, costs: PipelineCosts, sizes: np.ndarray, batc
     fz = fusion(graph, gpu=costs.hardware.kernels is not None)
     out = np.zeros((len(graph.ops), len(sizes)))
     for op in graph.ops:
-        dtype = op.out_dtypes[0] if op.out_dtypes else "float32"
+        dtype = compute_dtype(op.primitive, op.in_dtypes, op.out_dtypes)
         rate = hw.peak_flops(dtype) * hw.compute_efficiency
         fixed, var = _fused_split(graph, fz.moved[op.index], scales)
         for j, size in enumerate(sizes):
