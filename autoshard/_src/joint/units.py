@@ -23,7 +23,7 @@ from ..core.graph import OpGraph
 from ..core.grouping import Grouping
 from ..core.liveness import live_ops
 from ..pipeline.costs import traced_batch
-from ..tensor.experts import batch_factors
+from ..tensor.experts import batch_factors, region_twins
 from ..tensor.instances import instance_maps
 from ..tensor.search import Analysis
 
@@ -114,7 +114,8 @@ def batch_dependent(graph: OpGraph, grouping: Grouping, analysed: Analysis) -> n
     for a causal mask: no data flows into it and its new dims are linked to no factor, yet it grows
     with the batch); a weight transpose does not. Ops outside the analysed instances answer as
     their representative."""
-    batch = set(batch_factors(graph, analysed.fg))
+    # the batch's twins across MoE region cuts too: the dispatched tokens' group dim is the batch
+    batch = set(region_twins(analysed.fg, batch_factors(graph, analysed.fg)))
     size = traced_batch(graph)
     dep = np.zeros(len(graph.ops), dtype=bool)
     for i, of in analysed.fg.op_factors.items():
