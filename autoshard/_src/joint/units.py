@@ -22,8 +22,8 @@ import numpy as np
 from ..core.graph import OpGraph
 from ..core.grouping import Grouping
 from ..core.liveness import live_ops
-from ..pipeline.costs import traced_batch
-from ..tensor.experts import batch_factors
+from ..pipeline.costs import leading_dim, traced_batch
+from ..tensor.experts import batch_factors, region_twins
 from ..tensor.instances import instance_maps
 from ..tensor.search import Analysis
 
@@ -114,12 +114,13 @@ def batch_dependent(graph: OpGraph, grouping: Grouping, analysed: Analysis) -> n
     for a causal mask: no data flows into it and its new dims are linked to no factor, yet it grows
     with the batch); a weight transpose does not. Ops outside the analysed instances answer as
     their representative."""
-    batch = set(batch_factors(graph, analysed.fg))
+    # the batch's twins across MoE region cuts too: the dispatched tokens' group dim is the batch
+    batch = set(region_twins(analysed.fg, batch_factors(graph, analysed.fg)))
     size = traced_batch(graph)
     dep = np.zeros(len(graph.ops), dtype=bool)
     for i, of in analysed.fg.op_factors.items():
         op = graph.ops[i]
-        dep[i] = bool(batch & of.loop) or (size > 1 and any(s and s[0] == size for s in op.out_shapes))
+        dep[i] = bool(batch & of.loop) or (size > 1 and any(leading_dim(s) == size for s in op.out_shapes))
     for op, rep in instance_maps(graph, grouping, analysed.periods).items():
         if rep in analysed.fg.op_factors:
             dep[op] = dep[rep]

@@ -53,9 +53,14 @@ def traced_batch(graph) -> int:
     return int(dims.most_common(1)[0][0]) if dims else 1
 
 
+def leading_dim(shape) -> int | None:
+    """A shape's first dim larger than 1 (a [1, batch, ...] broadcast leads with the batch too)."""
+    return next((d for d in shape if d > 1), None)
+
+
 def leads_with_batch(graph, batch: int) -> np.ndarray:
     """Per op: does a result lead with the traced batch (a mask or iota broadcast over it)?"""
-    return np.array([batch > 1 and any(s and s[0] == batch for s in op.out_shapes) for op in graph.ops],
+    return np.array([batch > 1 and any(leading_dim(s) == batch for s in op.out_shapes) for op in graph.ops],
                     dtype=bool)
 
 

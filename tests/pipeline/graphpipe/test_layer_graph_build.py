@@ -85,10 +85,12 @@ def test_costs_and_bytes_add_up(traced):
     roofline = {"base": "v100-sxm", "kernels": None}     # per-op roofline costs add up exactly
     lg = layer_graph(graph, roofline)
     cm = AnalyticalCostModel({"stage": 1}, roofline)
+    live = live_ops(graph)          # XLA deletes dead code: the nodes price live ops only
     fused = fusion(graph, gpu=False).bytes          # the HBM bytes each op is priced for after XLA's fusion
     total = {ph: sum(cm.compute(op.flops * op.repeat, fused[op.index] * op.repeat,
                                 op.out_dtypes[0] if op.out_dtypes else "float32")
-                     for op in graph.ops if op.phase == ph) for ph in ("forward", "backward", "optimizer")}
+                     for op in graph.ops if op.phase == ph and live[op.index])
+             for ph in ("forward", "backward", "optimizer")}
     nodes_fb = lg.batch_size * sum(n.forward + n.backward for n in lg.nodes)
     assert nodes_fb == pytest.approx(total["forward"] + total["backward"], rel=0.01)
     assert sum(n.update for n in lg.nodes) == pytest.approx(total["optimizer"], rel=0.01)
