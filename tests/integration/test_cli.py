@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -93,7 +94,9 @@ def test_quick_start_fits_one_screen_and_matches_one_device(runs):
     assert len(losses) == 3 and all(abs(a - b) < 1e-5 for a, b in losses)
     text = out.stdout
     assert "mesh data=4 x model=2" in text and "predicted step" in text
-    assert "data=4   the batch" in text                # the axis names read the way the plan uses them
+    # the axis names read the way the plan uses them (which axis takes the 4 samples is the planner's
+    # choice: at this size the collectives' latency can outweigh the compute a wider split saves)
+    assert re.search(r"(data=4|model=2) +the batch", text), text
     assert "block_* x2" in text and "--full" in text   # grouped by block type
     for bad in ("0.000 ", "e-0", "e+0"):                # units, not bare or zero-rounded floats
         assert bad not in text.split("max |parameter difference|")[0], bad

@@ -76,9 +76,9 @@ def test_memory_limits_force_more_stages(bert):
                            pipeline_options={"k": 8})
     whole = roomy.predicted["memory"]["total"]
     tight = autoshard.plan(m.train_step, *args, mesh={"data": 8}, hardware="v100-sxm", pipeline="rannc",
-                           pipeline_options={"k": 8}, memory_budget=0.6 * whole)
+                           pipeline_options={"k": 8}, memory_budget=0.75 * whole)
     assert len(tight.stages) > len(roomy.stages) or tight.predicted["memory"]["total"] < whole
-    assert tight.predicted["memory"]["total"] <= 0.6 * whole
+    assert tight.predicted["memory"]["total"] <= 0.75 * whole
     with pytest.raises(autoshard.InfeasiblePlanError, match="memory budget") as err:
         autoshard.plan(m.train_step, *args, mesh={"data": 8}, hardware="v100-sxm", pipeline="rannc",
                        pipeline_options={"k": 8}, memory_budget=1e3)
