@@ -59,8 +59,8 @@ EPILOGUE_OPS = frozenset({"add", "convert_element_type"})
 
 @dataclasses.dataclass(frozen=True)
 class Fusion:
-    """Per op: `group` (the fusion it belongs to: the index of its last op; -1 for alias ops and
-    recomputed broadcasts, which run inside their readers), `bytes` (HBM bytes priced on it) and
+    """Per op: `group` (the fusion it belongs to: the index of its last op; -1 for alias ops, dead
+    ops and recomputed broadcasts, which run inside their readers), `bytes` (HBM bytes priced on it) and
     `launches` (kernels it starts: 1 on the last op of each fusion)."""
 
     group: np.ndarray
@@ -106,6 +106,7 @@ class _Fuser:
         self.parent = list(range(n))
         self.has_gemm = [op.primitive in GEMM_OPS for op in graph.ops]
         self.outputs = set(graph.outputs)
+        self.reader_cache: dict[int, frozenset[int]] = {}
 
     # --- aliases -----------------------------------------------------------------------------
     def source(self, v: int) -> int:
@@ -126,9 +127,16 @@ class _Fuser:
             return set().union(*(self.producers(w) for w in self.g.ops[p].inputs))
         return {p}
 
-    def readers(self, v: int) -> set[int]:
+    def readers(self, v: int) -> frozenset[int]:
         """Ops reading `v`, looking through alias ops and through the broadcasts and iotas that run
-        inside their readers (`inline`)."""
+        inside their readers (`inline`). Cached: asked only once every reader's kind is settled
+        (`find_inline` decides from the last op back)."""
+        hit = self.reader_cache.get(v)
+        if hit is None:
+            hit = self.reader_cache[v] = frozenset(self._readers(v))
+        return hit
+
+    def _readers(self, v: int) -> set[int]:
         out: set[int] = set()
         stack = [v]
         while stack:
