@@ -197,7 +197,7 @@ class _Finder:
             path = self._ancestors_within([m], region) | {s.index, m}
             if not self._softmax(path, n, rows):
                 continue
-            return self._finish(s, values, p_side[0], path, n, rows, skv)
+            return self._finish(s, values, p_side[0], path, region, n, rows, skv)
         return None
 
     def _from(self, v: int, ops: set[int]) -> bool:
@@ -233,7 +233,8 @@ class _Finder:
             stack.extend(self.g.ops[p].inputs)
         return chain
 
-    def _finish(self, s: Op, m: Op, p_idx: int, path: set[int], n: int, rows: int, skv: int) -> AttentionCore:
+    def _finish(self, s: Op, m: Op, p_idx: int, path: set[int], region: set[int], n: int, rows: int,
+                skv: int) -> AttentionCore:
         q, k = s.inputs
         v = m.inputs[1 - p_idx]
         extra, causal, masks = [], False, []
@@ -255,14 +256,24 @@ class _Finder:
         core = AttentionCore(s.index, m.index, tuple(sorted(path)), (), q, k, v, m.outputs[0],
                              self._dims(s, rows, skv), causal, lse, tuple(dict.fromkeys(extra)))
         bwd = self._backward(core, n, rows)
-        # constant masks only this core reads (forward or backward) are built inside its kernels
-        ops = path | bwd
+        # forward ops on the grid that only the core reads (the softmax's residuals for its backward:
+        # 1 / sum^2) and constant masks only the core reads are computed inside its kernels
+        ops = path | bwd | self._residuals(region - path, path | bwd)
         for i in sorted(bwd):
             masks += [w for w in self.g.ops[i].inputs if not self._from(w, ops) and self.constant(w)]
         for w in masks:
             ops |= self._side_chain(w, ops)
         fwd = {i for i in ops if self.g.ops[i].phase == "forward"}
         return dataclasses.replace(core, forward=tuple(sorted(fwd)), backward=tuple(sorted(ops - fwd)))
+
+    def _residuals(self, candidates: set[int], core: set[int]) -> set[int]:
+        """Ops of `candidates` all of whose live readers are in the core (or such ops), last first."""
+        out: set[int] = set()
+        for i in sorted(candidates, reverse=True):
+            readers = [c for w in self.g.ops[i].outputs for c in self.readers(w)]
+            if readers and all(c in core or c in out for c in readers):
+                out.add(i)
+        return out
 
     def _masks(self, v: int) -> bool:
         """A constant value built by comparing positions (an iota-made causal mask or bias)."""
