@@ -184,7 +184,7 @@ class _Finder:
 
     def _core(self, s: Op) -> AttentionCore | None:
         n = self.count(s.outputs[0])
-        (lc, rc), (lb, rb) = s.params["contracting"], s.params["batch"]
+        (_, rc), (_, rb) = s.params["contracting"], s.params["batch"]
         rfree = [d for d in range(len(s.in_shapes[1])) if d not in rc and d not in rb]
         skv = math.prod(s.in_shapes[1][d] for d in rfree)
         rows = n // skv

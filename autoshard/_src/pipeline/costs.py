@@ -35,9 +35,9 @@ from typing import Any
 
 import numpy as np
 
+from ..core.attention import priced_fusion
 from ..core.cost import AnalyticalCostModel, CostModel, alpha_beta
 from ..core.errors import PipelineError
-from ..core.attention import priced_fusion
 from ..core.hardware import HardwareSpec, get_hardware
 from ..core.kernels import compute_dtype, op_seconds
 from ..core.liveness import live_ops

@@ -17,10 +17,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from ..core.attention import ATTENTION_MODES, priced_fusion
 from ..core.collectives import KINDS
 from ..core.cost import CostModel
 from ..core.errors import ConfigError
-from ..core.attention import ATTENTION_MODES, priced_fusion
 from ..core.graph import OpGraph, nbytes
 from ..core.hardware import HardwareSpec
 from ..core.kernels import compute_dtype
