@@ -67,6 +67,14 @@ class Fusion:
     bytes: np.ndarray
     launches: np.ndarray
     moved: tuple[tuple[int, ...], ...]      # per op: the values whose bytes it is priced for
+    # attention re-priced as FlashAttention runs it (core.attention.flash_fusion); XLA's fusion leaves
+    # them empty: per op a multiplier of its compute (None: 1), the ops whose bytes were replaced, the
+    # values no longer materialised, and (value, backward op reading it) kept for the backward that the
+    # traced program does not keep (the log-sum-exp)
+    scale: np.ndarray | None = None
+    overridden: frozenset[int] = frozenset()
+    unsaved: frozenset[int] = frozenset()
+    kept: tuple[tuple[int, int], ...] = ()
 
     def kernels(self) -> int:
         return int(self.launches.sum())

@@ -187,14 +187,15 @@ def compute_dtype(primitive: str, in_dtypes: Sequence[str], out_dtypes: Sequence
 
 def op_seconds(km: KernelModel, primitive: str, params: Mapping[str, Any], in_shapes: Sequence[Sequence[int]],
                out_shape: Sequence[int], flops: float, nbytes: float, flop_rate: float, bandwidth: float, *,
-               peak: float, launches: float | None = None) -> float:
+               peak: float, launches: float | None = None, scale: float = 1.0) -> float:
     """One op: the larger of its compute and its memory traffic, plus `launches` kernel launches
     (None: one when it is a kernel of its own, KERNEL_OPS; pass the count of `core.fusion` with its
     fused `nbytes`). Matmuls and convolutions run in tiles and waves at the kernel model's MMA rate
     of `peak` (the dtype's dense peak, matmul_seconds); other ops at `flop_rate` (the roofline's
-    achievable rate, peak x compute_efficiency)."""
+    achievable rate, peak x compute_efficiency). `scale` multiplies the compute (a FlashAttention core's
+    matmuls: core/attention.py)."""
     dims = gemm_dims(primitive, params, in_shapes, out_shape)
-    compute = matmul_seconds(km, *dims, peak) if dims is not None and all(dims) else flops / flop_rate
+    compute = scale * (matmul_seconds(km, *dims, peak) if dims is not None and all(dims) else flops / flop_rate)
     launch = km.launch * (launches if launches is not None else float(primitive in KERNEL_OPS))
     return launch + max(compute, memory_seconds(km, nbytes, bandwidth))
 

@@ -35,9 +35,9 @@ from typing import Any
 
 import numpy as np
 
+from ..core.attention import priced_fusion
 from ..core.cost import AnalyticalCostModel, CostModel, alpha_beta
 from ..core.errors import PipelineError
-from ..core.fusion import fusion
 from ..core.hardware import HardwareSpec, get_hardware
 from ..core.kernels import compute_dtype, op_seconds
 from ..core.liveness import live_ops
@@ -80,7 +80,7 @@ class PipelineCosts:
 
     def __init__(self, atomic: AtomicPartition, hardware: Any, *,
                  cost_model: CostModel | None = None, batch: int | None = None,
-                 op_time: Sequence[float] | None = None) -> None:
+                 op_time: Sequence[float] | None = None, attention: str = "as_traced") -> None:
         self.atomic = atomic
         graph = atomic.graph
         self.hardware: HardwareSpec = get_hardware(hardware)
@@ -89,22 +89,25 @@ class PipelineCosts:
         self.batch = int(batch or traced_batch(graph))
         ops, values = graph.ops, graph.values
         cm = self.cost_model
+        # XLA's fusion; attention="flash": each attention core as FlashAttention's kernels (core/attention.py)
+        fz = priced_fusion(graph, self.hardware.kernels is not None, attention)
+        scale = fz.scale if fz.scale is not None else np.ones(len(ops))
         if op_time is not None:     # measured seconds per op (each execution), e.g. profile="measured"
             if len(op_time) != len(ops):
                 raise PipelineError(f"pipeline.PipelineCosts: op_time has {len(op_time)} entries for a graph "
                                     f"of {len(ops)} ops; give one time per op (seconds per execution).")
             self.op_time = np.array([float(t) * op.repeat for t, op in zip(op_time, ops, strict=True)])
         elif self.hardware.kernels is not None and cost_model is None:    # tiles, waves, launches
-            hw, km, fz = self.hardware, self.hardware.kernels, fusion(graph, gpu=True)
+            hw, km = self.hardware, self.hardware.kernels
             peaks = [hw.peak_flops(compute_dtype(op.primitive, op.in_dtypes, op.out_dtypes)) for op in ops]
             self.op_time = np.array([op.repeat * op_seconds(
                 km, op.primitive, op.params, op.in_shapes, op.out_shapes[0] if op.out_shapes else (), op.flops,
-                fz.bytes[i], peak * hw.compute_efficiency, hw.memory_bandwidth, peak=peak, launches=fz.launches[i])
+                fz.bytes[i], peak * hw.compute_efficiency, hw.memory_bandwidth, peak=peak, launches=fz.launches[i],
+                scale=scale[i])
                 for i, (op, peak) in enumerate(zip(ops, peaks, strict=True))])
         else:       # bytes after XLA's fusion (core.fusion): what the compiled program moves
-            fz = fusion(graph, gpu=self.hardware.kernels is not None)
             self.op_time = np.array([
-                cm.compute(op.flops * op.repeat, fz.bytes[i] * op.repeat,
+                cm.compute(op.flops * scale[i] * op.repeat, fz.bytes[i] * op.repeat,
                            op.out_dtypes[0] if op.out_dtypes else "float32")
                 for i, op in enumerate(ops)])
         live = live_ops(graph)
@@ -142,8 +145,12 @@ class PipelineCosts:
                     if val.producer is None and val.kind == "input":
                         if val.role in ("parameter", "state") or (val.role == "data" and fwd_op):
                             readers[v].add(c)
-                    elif not fwd_op and val.producer is not None and ops[val.producer].phase == "forward":
+                    elif not fwd_op and val.producer is not None and ops[val.producer].phase == "forward" \
+                            and v not in fz.unsaved:
                         saved[v].add(c)
+        for v, reader in fz.kept:       # FlashAttention's log-sum-exp, read by its backward kernel
+            if live[reader]:
+                saved[v].update(atomic.components_of(reader))
         for v, cs in readers.items():
             val = values[v]
             cat = {"parameter": "params", "state": "state", "data": "data"}[val.role]

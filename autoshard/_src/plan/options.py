@@ -104,6 +104,9 @@ SEARCH_SCHEMA = {o.name: o for o in (
     Option("memory_budget", NUMBER, "bytes per device", low=1, none_ok=True),
     Option("sequence_parallel", CHOICE, "'auto' (when nothing else fits the memory budget), 'on' or 'off'",
            choices=("auto", "on", "off")),
+    Option("attention", CHOICE, "'as_traced' (the program's attention as XLA runs it) or 'flash' (each recognised "
+           "attention priced as FlashAttention's kernels: no [batch, heads, seq, seq] tensor in memory)",
+           choices=("as_traced", "flash")),
 )}
 
 

@@ -17,9 +17,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from ..core.attention import ATTENTION_MODES, priced_fusion
 from ..core.collectives import KINDS
 from ..core.cost import CostModel
-from ..core.fusion import fusion
+from ..core.errors import ConfigError
 from ..core.graph import OpGraph, nbytes
 from ..core.hardware import HardwareSpec
 from ..core.kernels import compute_dtype
@@ -47,6 +48,14 @@ class SearchOptions:
     # stream cut from the tensor-parallel regions when no plan without it fits the memory budget;
     # "on" always searches it (it holds every plan without it too); "off" never
     sequence_parallel: str = "auto"
+    # attention as the program's call runs it ("as_traced": XLA's einsum + softmax, the [B, H, S, S]
+    # scores in memory) or as FlashAttention does on a GPU ("flash": core/attention.py)
+    attention: str = "as_traced"
+
+    def __post_init__(self) -> None:
+        if self.attention not in ATTENTION_MODES:
+            raise ConfigError(f"SearchOptions: attention={self.attention!r} must be one of {list(ATTENTION_MODES)}: "
+                              "'as_traced' prices the program's own attention, 'flash' FlashAttention's kernels.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,7 +189,9 @@ class _Evaluator:
         self.gemm_costs = GemmCosts(hw.kernels, self.cidx) if hw.kernels is not None else None
         bandwidth = hw.memory_bandwidth * (hw.kernels.bandwidth_efficiency if hw.kernels is not None else 1.0)
         self.phase_work: dict[str, float] = defaultdict(float)     # roofline seconds by phase
-        fused = fusion(self.graph, gpu=hw.kernels is not None)     # HBM bytes and kernels after XLA's fusion
+        # HBM bytes and kernels after XLA's fusion (attention as FlashAttention with attention="flash")
+        fused = self.fused = priced_fusion(self.graph, hw.kernels is not None, self.options.attention)
+        scale = fused.scale if fused.scale is not None else np.ones(len(self.graph.ops))
         unlinked = unlinked_batch_loops(self.graph, self.fg)       # batch-sized dims no factor links
         self.op_loops: list[tuple[int, float, tuple[int, ...]]] = []   # (op, executions, dividing candidates)
         for i, w in weights.items():
@@ -190,14 +201,16 @@ class _Evaluator:
             op = self.graph.ops[i]
             dtype = compute_dtype(op.primitive, op.in_dtypes, op.out_dtypes)
             rate = hw.peak_flops(dtype) * hw.compute_efficiency
-            t = max(op.flops / rate, fused.bytes[i] / bandwidth)
+            t = max(op.flops * scale[i] / rate, fused.bytes[i] / bandwidth)
             kind = "grad" if i in grad_ops else op.phase
             self.phase_work[kind] += w * t
             key = (self._cmask(of.loop | unlinked.get(i, frozenset())), self._cmask(of.reduced), kind)
             self.op_loops.append((i, w, key[0]))
             g = groups[key]
+            over = fused.bytes[i] if i in fused.overridden else None     # a flash kernel's bytes, not the op's
             if self.gemm_costs is None or not self.gemm_costs.add(op, of, self.fg, w, hw.peak_flops(dtype),
-                                                                  hw.memory_bandwidth, key[0], fused.launches[i]):
+                                                                  hw.memory_bandwidth, key[0], fused.launches[i],
+                                                                  scale=scale[i], nbytes=over):
                 g[0] += w * t
             after = cut_after.get(op.outputs[0]) if op.outputs else None
             if of.reduced and after is not None and op.primitive in REDUCE_SCATTERED:
@@ -312,12 +325,15 @@ class _Evaluator:
         acts: dict[tuple[int, ...], float] = defaultdict(float)
         cut_after = {v: after for v, _, after in fg.cuts}
         cut_copies: dict[tuple, float] = defaultdict(float)
+        unsaved, kept = self.fused.unsaved, {v for v, _ in self.fused.kept}     # attention="flash"
         for i, w in weights.items():
             op = g.ops[i]
             if w <= 0 or op.phase != "forward":
                 continue
             for v, s, d in zip(op.outputs, op.out_shapes, op.out_dtypes, strict=True):
-                if any(g.ops[c].phase == "backward" for c in g.values[v].consumers):
+                if v in unsaved:
+                    continue
+                if v in kept or any(g.ops[c].phase == "backward" for c in g.values[v].consumers):
                     acts[self._cmask(fg.value_factors(v, len(s)))] += w * nbytes(s, d)
                     if v in cut_after and len(cut_after[v]) == len(s):
                         before = tuple(self.cidx.get(f, -1) if f is not None else -1 for f in fg.value_factors(v))
@@ -334,6 +350,8 @@ class _Evaluator:
             op = g.ops[i]
             if w > 0 and op.phase == "backward" and op.primitive in _MATERIALISED and i not in grad_ops:
                 for v, s, d in zip(op.outputs, op.out_shapes, op.out_dtypes, strict=True):
+                    if v in unsaved:          # a flash kernel's [B, H, S, S] gradients stay on chip
+                        continue
                     key = self._cmask(fg.value_factors(v, len(s)))
                     largest[key] = max(largest.get(key, 0.0), float(nbytes(s, d)))
         self.backward_values = sorted(largest.items())

@@ -25,6 +25,7 @@ class _Gemm:
     dims: tuple[tuple[tuple[int, int], ...], ...]   # (batch, m, n, k): ((size, candidate index or -1), ...)
     memory: float                              # seconds to move the whole op's bytes
     loop: tuple[int, ...]                      # candidates splitting the op (its bytes divide by them)
+    scale: float = 1.0                         # multiplier of its compute (FlashAttention: causal, recompute)
 
 
 class GemmCosts:
@@ -36,15 +37,18 @@ class GemmCosts:
         self.launches = 0.0                    # seconds of kernel launches per step (plan-independent)
 
     def add(self, op: Op, of: OpFactors, fg: FactorGraph, weight: float, peak: float, bandwidth: float,
-            loop: tuple[int, ...], launches: float = 1.0) -> bool:
+            loop: tuple[int, ...], launches: float = 1.0, scale: float = 1.0,
+            nbytes: float | None = None) -> bool:
         """Record `op` (True) if it is a matmul or convolution, priced at the kernel model's MMA rate of
         `peak` (its dtype's dense flop/s); count the kernels it starts (`launches`: from `core.fusion`,
-        one per fusion and per library call)."""
+        one per fusion and per library call). `scale` multiplies its compute and `nbytes` replaces the
+        bytes it moves (a FlashAttention core, core/attention.py: causal tiles skipped, no scores in HBM)."""
         self.launches += weight * self.km.launch * launches
         dims = self._dims(op, fg)
         if dims is None:
             return False
-        self.gemms.append(_Gemm(weight, peak, dims, op.bytes / (bandwidth * self.km.bandwidth_efficiency), loop))
+        moved = op.bytes if nbytes is None else nbytes
+        self.gemms.append(_Gemm(weight, peak, dims, moved / (bandwidth * self.km.bandwidth_efficiency), loop, scale))
         return True
 
     def _dims(self, op: Op, fg: FactorGraph):
@@ -74,7 +78,7 @@ class GemmCosts:
                 secs = waves * tile_seconds(km, t.tile, k, g.peak)
                 compute = secs if compute is None else np.minimum(compute, secs)
             memory = g.memory / msize[or_masks(plans, g.loop)]
-            out += g.weight * np.maximum(compute, memory)
+            out += g.weight * np.maximum(g.scale * compute, memory)
         return out
 
     @staticmethod
