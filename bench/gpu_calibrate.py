@@ -49,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import machine  # noqa: E402
 
 import autoshard  # noqa: E402
-from autoshard._src.core.fusion import fusion  # noqa: E402
+from autoshard._src.core.attention import priced_fusion  # noqa: E402
 from autoshard._src.core.hardware import get_hardware  # noqa: E402
 from autoshard._src.core.kernels import compute_dtype, op_seconds  # noqa: E402
 
@@ -107,12 +107,13 @@ def compiled_facts(fn, *args, name: str = "") -> dict:
             "xla_bytes": float(cost.get("bytes accessed", 0.0)), "xla_flops": float(cost.get("flops", 0.0))}
 
 
-def model_price(fn, args, hw) -> dict:
+def model_price(fn, args, hw, attention: str = "as_traced") -> dict:
     """The current model's price of `fn(*args)` on one device: every traced op by `op_seconds` (the
-    pipeline partitioners' and 3-D tables' per-op cost), plus the roofline of its matmul flops."""
+    pipeline partitioners' and 3-D tables' per-op cost), plus the roofline of its matmul flops.
+    `attention="flash"` prices recognised attention as FlashAttention kernels (core/attention.py)."""
     graph = autoshard.trace(fn, *args)
     # ops priced for the bytes and kernels left after fusion
-    km, fz = hw.kernels, fusion(graph, gpu=hw.kernels is not None)
+    km, fz = hw.kernels, priced_fusion(graph, hw.kernels is not None, attention)
     total = launches = gemm = other = 0.0
     for op in graph.ops:
         dtype = compute_dtype(op.primitive, op.in_dtypes, op.out_dtypes)
@@ -121,9 +122,9 @@ def model_price(fn, args, hw) -> dict:
         if km is not None:
             t = op_seconds(km, op.primitive, op.params, op.in_shapes, op.out_shapes[0] if op.out_shapes else (),
                            op.flops, nbytes, rate, hw.memory_bandwidth, peak=hw.peak_flops(dtype),
-                           launches=fz.launches[op.index])
+                           launches=fz.launches[op.index], scale=fz.compute_scale(op.index))
         else:
-            t = max(op.flops / rate, nbytes / hw.memory_bandwidth)
+            t = max(fz.compute_scale(op.index) * op.flops / rate, nbytes / hw.memory_bandwidth)
         t *= op.repeat
         total += t
         if op.primitive in ("dot_general", "conv_general_dilated"):

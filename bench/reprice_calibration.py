@@ -4,8 +4,9 @@
 every published run on a real GPU, beside the kernel model's prediction at the time. The model
 changes after; the GPU is rarely lent. This script rebuilds each recorded case abstractly (shapes
 only: nothing runs), prices it with today's model (`gpu_calibrate.model_price`: every traced op on
-the hardware's kernel model, after fusion) and prints measured / predicted then and now, so every
-model change is checked against the same measurements.
+the hardware's kernel model, after fusion; cuDNN attention rows as XLA's program with
+`attention="flash"`, since cuDNN's call does not trace without a GPU) and prints measured /
+predicted then and now, so every model change is checked against the same measurements.
 
     python bench/reprice_calibration.py [--results bench/results/gpu_calibrate_h100.json] [--out FILE.md]
 """
@@ -52,7 +53,8 @@ def fused_case(row: dict):
 
 
 def attention_case(row: dict):
-    impl = None if row["impl"] == "None" else row["impl"]
+    # cuDNN's call does not trace without a GPU: its rows are XLA's program priced as FlashAttention
+    impl = None if row["impl"] in ("None", "cudnn") else row["impl"]
     q = _sds((row["B"], row["S"], row["H"], row["D"]), "bfloat16")
 
     def fwd(q, k, v):
@@ -65,7 +67,7 @@ def attention_case(row: dict):
 
 
 def layer_case(row: dict):
-    impl = None if row["impl"] == "None" else row["impl"]
+    impl = None if row["impl"] in ("None", "cudnn") else row["impl"]
     h, tp, heads = row["h"], row["tp"], row["heads"]
     shapes = {"wqkv": (h, 3 * h // tp), "bqkv": (3 * h // tp,), "wo": (h // tp, h), "bo": (h,),
               "w1": (h, 4 * h // tp), "b1": (4 * h // tp,), "w2": (4 * h // tp, h), "b2": (h,),
@@ -96,7 +98,8 @@ def reprice(results: dict, hw) -> list[dict]:
                 continue
             try:
                 fn, args = build(row)
-                now = gc.model_price(fn, args, hw)["predicted"]
+                attention = "flash" if row.get("impl") == "cudnn" else "as_traced"
+                now = gc.model_price(fn, args, hw, attention)["predicted"]
             except Exception as exc:       # e.g. cuDNN attention does not trace without a GPU
                 out.append({"section": section, "case": label(section, row), "error": f"{type(exc).__name__}"})
                 continue

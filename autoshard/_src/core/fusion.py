@@ -79,6 +79,10 @@ class Fusion:
     def kernels(self) -> int:
         return int(self.launches.sum())
 
+    def compute_scale(self, i: int) -> float:
+        """The multiplier of op `i`'s compute (1 unless attention was re-priced as FlashAttention)."""
+        return 1.0 if self.scale is None else float(self.scale[i])
+
 
 def fusion(graph: OpGraph, gpu: bool = True) -> Fusion:
     """The fusion of `graph`'s ops (cached on the graph: graphs are not changed after tracing).
