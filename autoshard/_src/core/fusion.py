@@ -150,11 +150,13 @@ class _Fuser:
 
     def _readers(self, v: int) -> set[int]:
         out: set[int] = set()
-        stack = [v]
+        stack, seen = [v], {v}
         while stack:
             for c in self.g.values[stack.pop()].consumers:
                 if self.cls[c] == "alias" or self.inline[c]:
-                    stack.extend(self.g.ops[c].outputs)
+                    fresh = [w for w in self.g.ops[c].outputs if w not in seen]
+                    seen.update(fresh)
+                    stack.extend(fresh)
                 elif self.cls[c] != "dead":
                     out.add(c)
         return out
