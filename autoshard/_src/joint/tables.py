@@ -34,8 +34,8 @@ import numpy as np
 from ..core.cost import CostModel
 from ..core.hardware import HardwareSpec
 from ..core.mesh import MeshSpec
-from ..tensor.evaluator import kept_share
 from ..tensor.experts import batch_factors, expert_assignments
+from ..tensor.memory import kept_share
 from ..tensor.search import STORAGE_MODES, PlanSpace, SearchOptions
 from .units import Units
 

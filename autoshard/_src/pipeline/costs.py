@@ -88,30 +88,9 @@ class PipelineCosts:
         self.cost_model = cost_model or AnalyticalCostModel({"stage": 1}, self.hardware)
         self.batch = int(batch or traced_batch(graph))
         ops, values = graph.ops, graph.values
-        cm = self.cost_model
-        # XLA's fusion; attention="flash": each attention core as FlashAttention's kernels (core/attention.py)
-        fz = priced_fusion(graph, self.hardware.kernels is not None, attention)
-        scale = fz.scale if fz.scale is not None else np.ones(len(ops))
-        if op_time is not None:     # measured seconds per op (each execution), e.g. profile="measured"
-            if len(op_time) != len(ops):
-                raise PipelineError(f"pipeline.PipelineCosts: op_time has {len(op_time)} entries for a graph "
-                                    f"of {len(ops)} ops; give one time per op (seconds per execution).")
-            self.op_time = np.array([float(t) * op.repeat for t, op in zip(op_time, ops, strict=True)])
-        elif self.hardware.kernels is not None and cost_model is None:    # tiles, waves, launches
-            hw, km = self.hardware, self.hardware.kernels
-            peaks = [hw.peak_flops(compute_dtype(op.primitive, op.in_dtypes, op.out_dtypes)) for op in ops]
-            self.op_time = np.array([op.repeat * op_seconds(
-                km, op.primitive, op.params, op.in_shapes, op.out_shapes[0] if op.out_shapes else (), op.flops,
-                fz.bytes[i], peak * hw.compute_efficiency, hw.memory_bandwidth, peak=peak, launches=fz.launches[i],
-                scale=scale[i])
-                for i, (op, peak) in enumerate(zip(ops, peaks, strict=True))])
-        else:       # bytes after XLA's fusion (core.fusion): what the compiled program moves
-            self.op_time = np.array([
-                cm.compute(op.flops * scale[i] * op.repeat, fz.bytes[i] * op.repeat,
-                           op.out_dtypes[0] if op.out_dtypes else "float32")
-                for i, op in enumerate(ops)])
+        self.op_time = op_times(graph, self.hardware, cost_model, self.cost_model, attention, op_time)
         live = live_ops(graph)
-        self.op_time = self.op_time * live      # XLA deletes dead code: it costs nothing
+        fz = priced_fusion(graph, self.hardware.kernels is not None, attention)     # cached on the graph
         dep = non_constant_ops(graph)
         # no data flows into a causal mask broadcast to [batch, heads, q, k], yet it is built per
         # micro-batch at the micro-batch's size: it scales like the data-dependent ops
@@ -288,3 +267,32 @@ def stage_cost(t: dict[str, Any], cut_in: Any, cut_out: Any, *, fraction: Any, i
     else:
         act = fraction * (t["act"] + t["data"]) * inflight
     return fwd, bwd, static + act
+
+
+def op_times(graph, hw: HardwareSpec, custom: CostModel | None, cm: CostModel, attention: str,
+             measured: Sequence[float] | None) -> np.ndarray:
+    """Seconds of each op per step (its repeat count included): measured (`profile="measured"`, seconds
+    per execution), on the hardware's kernel model (tiles, waves, launches) or on `cm`'s roofline, each
+    op priced for the bytes and kernels left after XLA's fusion (attention="flash": attention cores as
+    FlashAttention's kernels, core/attention.py). Dead ops cost nothing: XLA deletes them."""
+    ops = graph.ops
+    if measured is not None:
+        if len(measured) != len(ops):
+            raise PipelineError(f"pipeline.PipelineCosts: op_time has {len(measured)} entries for a graph "
+                                f"of {len(ops)} ops; give one time per op (seconds per execution).")
+        times = np.array([float(t) * op.repeat for t, op in zip(measured, ops, strict=True)])
+        return times * live_ops(graph)
+    fz = priced_fusion(graph, hw.kernels is not None, attention)
+    scale = fz.scale if fz.scale is not None else np.ones(len(ops))
+    if hw.kernels is not None and custom is None:
+        km = hw.kernels
+        peaks = [hw.peak_flops(compute_dtype(op.primitive, op.in_dtypes, op.out_dtypes)) for op in ops]
+        times = np.array([op.repeat * op_seconds(
+            km, op.primitive, op.params, op.in_shapes, op.out_shapes[0] if op.out_shapes else (), op.flops,
+            fz.bytes[i], peak * hw.compute_efficiency, hw.memory_bandwidth, peak=peak, launches=fz.launches[i],
+            scale=scale[i]) for i, (op, peak) in enumerate(zip(ops, peaks, strict=True))])
+    else:
+        times = np.array([cm.compute(op.flops * scale[i] * op.repeat, fz.bytes[i] * op.repeat,
+                                     op.out_dtypes[0] if op.out_dtypes else "float32")
+                          for i, op in enumerate(ops)])
+    return times * live_ops(graph)

@@ -27,6 +27,7 @@ from ..core.kernels import compute_dtype
 from ..core.mesh import MeshSpec
 from .factors import FactorGraph
 from .kernel_costs import GemmCosts
+from .memory import MemoryModel
 from .regions import REDUCE_SCATTERED
 from .shares import unlinked_batch_loops
 
@@ -105,11 +106,6 @@ def _mask_size(mesh: MeshSpec, mask: int) -> int:
     return math.prod(s for i, s in enumerate(mesh.sizes) if mask >> i & 1)
 
 
-def kept_share(before: np.ndarray, kept: np.ndarray) -> np.ndarray:
-    """Per plan, the share of its gradients' bytes the optimizer keeps (a ZeRO gradient is scattered)."""
-    return np.where(before > 0, kept / np.maximum(before, 1e-30), 1.0)
-
-
 class _Shared:
     """What the evaluators of one plan space share (the 3-D search builds ~20 per submesh shape):
     the collective cost tables per cost model and the candidate masks of factor sets."""
@@ -134,7 +130,7 @@ class _Shared:
         return coll
 
 
-class _Evaluator:
+class _Evaluator(MemoryModel):
     """Vectorised cost and memory of many plans over one factor graph."""
 
     def __init__(self, graph: OpGraph, fg: FactorGraph, weights: dict[int, float],
@@ -415,113 +411,6 @@ class _Evaluator:
         out["memory"] = (out["params"] + out["grads"] + out["optimizer"] + out["activations"]
                          + out["data"])
         return out
-
-    def _add_memory(self, out: dict[str, np.ndarray], plans: np.ndarray, storage: str) -> None:
-        """Parameters, gradients, optimizer state and activations per device, under the storage mode
-        (see _gradient_memory), into `out` (whose storage_comm gets ZeRO-1's gather latency)."""
-        C, full = plans.shape[0], self.nm - 1
-        grads_before = np.zeros(C)      # every gradient as its op produces it (whole over ZeRO axes)
-        grads_kept = np.zeros(C)        # as the optimizer keeps it (a ZeRO gradient scattered)
-        for dims, shape, b in self.params:
-            m, free = self._storage_masks(plans, dims, shape, full)
-            n, nt = self.msize[m], self.msize[free]
-            grads_before += b / n
-            if storage == "replicated":
-                out["params"] += b / n
-                grads_kept += b / n
-            elif storage == "zero1":
-                out["params"] += b / n
-                grads_kept += b / (n * nt)
-                # grads reduce-scatter (instead of all-reduce) + params all-gather after the update:
-                # the same bytes as the all-reduce already counted; one extra collective's latency
-                out["storage_comm"] += self._coll("all-gather", np.zeros(C), free)
-            else:  # zero3 / FSDP: the gathered copies live from their forward use to the backward
-                out["params"] += b / (n * nt)
-                grads_kept += b / (n * nt)
-                out["activations"] += np.where(free > 0, b / n, 0.0)
-        if storage == "zero3":
-            for dims, shape, b in self.gathered:
-                m, free = self._storage_masks(plans, dims, shape, full)
-                out["storage_comm"] += self._coll("all-gather", b / self.msize[m], free)
-        for dims, shape, b in self.state:
-            m, free = self._storage_masks(plans, dims, shape, full)
-            n = self.msize[m]
-            out["optimizer"] += b / n if storage == "replicated" else b / (n * self.msize[free])
-        for fs, b in self.acts:
-            out["activations"] += b / self.msize[self._or(plans, fs)]
-        working = np.zeros(C)
-        for fs, b in self.backward_values:
-            working = np.maximum(working, b / self.msize[self._or(plans, fs)])
-        out["activations"] += working
-        for (before, after), b in self.cut_copies:     # only where the plan moves the value
-            moved = np.zeros(C, dtype=bool)
-            sliced = np.ones(C, dtype=bool)      # the kept layout is a slice of the moved one (a gather)
-            for i, j in zip(before, after, strict=True):
-                bm, am = (plans[:, i] if i >= 0 else 0), (plans[:, j] if j >= 0 else 0)
-                moved |= bm != am
-                sliced &= (am & ~bm) == 0
-            copy = b / self.msize[self._or(plans, tuple(j for j in after if j >= 0))]
-            # a gathered copy replaces the split one (slicing it again is free); an all-to-all's does not
-            own = b / self.msize[self._or(plans, tuple(i for i in before if i >= 0))]
-            out["activations"] += np.where(moved, copy - np.where(sliced, own, 0.0), 0.0)
-        out["grads_before"], out["grads_kept"] = grads_before, grads_kept
-        out["grads_reduced"] = self._reduced_gradient_bytes(plans)
-        out["grads_scattered"] = out["grads_reduced"] * kept_share(grads_before, grads_kept)
-        out["grads"], out["cpu_temp_extra"] = self._gradient_memory(plans, out["activations"], grads_before,
-                                                                    grads_kept, out)
-
-    def _gradient_memory(self, plans: np.ndarray, acts: np.ndarray, before: np.ndarray, kept: np.ndarray,
-                         out: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-        """(gradient bytes per device beyond the saved activations, as a GPU backend lays them out;
-        the extra XLA:CPU needs).
-
-        The backward pass frees the saved activations as it produces the gradients, layer by layer,
-        so the live set peaks at one end: all activations (its start) or all gradients (its end).
-        With the optimizer in the step, XLA's all-reduce combiner merges the gradient reductions into
-        a few collectives after the backward pass, so every gradient (`before`: whole over ZeRO axes)
-        is alive at its end, and each reduction's result is a second buffer: an all-reduce is not in
-        place, a reduce-scatter's result is the kept shard. XLA:CPU has no reduce-scatter: its
-        all-reduce's result is whole. Without the optimizer the gradients are the step's outputs
-        (`kept`), alive beside everything else; so are a pipeline stage's accumulated gradients."""
-        if not self.fused_update:
-            return kept, np.zeros(plans.shape[0])
-        if self.accumulate:
-            return before, np.zeros(plans.shape[0])
-        reduced, scattered = out["grads_reduced"], out["grads_scattered"]
-        gpu = np.maximum(0.0, before + scattered - acts)
-        cpu = np.maximum(0.0, before + reduced - acts)
-        return gpu, cpu - gpu
-
-    def _reduced_gradient_bytes(self, plans: np.ndarray) -> np.ndarray:
-        """Per plan, the per-device bytes of the gradients that go through a reduction (summed over
-        split batch or sequence axes)."""
-        out = np.zeros(plans.shape[0])
-        for (loop, red, kind), _, ar_bytes, _ in self.groups:
-            if kind == "grad" and red and ar_bytes:
-                r = self._or(plans, red)
-                out += np.where(self.msize[r] > 1, ar_bytes * self.msize[r] / self.msize[self._or(plans, loop)], 0.0)
-        for loop, red, _, _, out_bytes, w, phase in self.partial_cuts:
-            if phase == "grad":
-                r = self._or(plans, red)
-                per_device = w * out_bytes * self.msize[r] / self.msize[self._or(plans, loop)]
-                out += np.where(self.msize[r] > 1, per_device, 0.0)
-        return out
-
-    def _storage_masks(self, plans: np.ndarray, dims: tuple[int, ...], shape: tuple[int, ...],
-                       full: int) -> tuple[np.ndarray, np.ndarray]:
-        """(axes splitting the tensor, axes ZeRO can add): the unused axes, if one dim still
-        divides by them on top of its own split (the rule emission follows)."""
-        C = plans.shape[0]
-        per_dim = [plans[:, k] if k >= 0 else np.zeros(C, dtype=np.int64) for k in dims]
-        m = np.zeros(C, dtype=np.int64)
-        for md in per_dim:
-            m |= md
-        free = full & ~m
-        nf = self.msize[free].astype(np.int64)
-        ok = np.zeros(C, dtype=bool)
-        for d, md in enumerate(per_dim):
-            ok |= shape[d] % (self.msize[md].astype(np.int64) * nf) == 0
-        return m, np.where(ok & (nf > 1), free, 0)
 
     def op_shares(self, row: np.ndarray) -> list[tuple[int, float, float, float]]:
         """Per priced op under one plan (a row of axis masks): (op index, executions, flops, bytes),
