@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
+from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Literal
 
@@ -126,7 +127,6 @@ class OpGraph:
     # of the loops that carry it into their next iteration (a scan's carry-out, a while body's
     # results and its condition); liveness.live_ops keeps them while their loop runs
     carried: dict[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)
-    live_cache: object = dataclasses.field(default=None, repr=False, compare=False)
 
     def __len__(self) -> int:
         return len(self.ops)
@@ -202,6 +202,13 @@ class OpGraph:
 
     def __repr__(self) -> str:
         return f"<{self.summary()}>"
+
+
+def traced_batch(graph: OpGraph) -> int:
+    """The batch the step was traced with: the most common leading dim of its data inputs (1 without any)."""
+    dims = Counter(graph.values[v].shape[0] for v in graph.inputs
+                   if graph.values[v].role == "data" and graph.values[v].shape)
+    return int(dims.most_common(1)[0][0]) if dims else 1
 
 
 def fingerprint(graph: OpGraph) -> str:

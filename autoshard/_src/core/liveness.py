@@ -35,7 +35,7 @@ def _roots(graph: OpGraph) -> list[int]:
 
 def live_ops(graph: OpGraph) -> np.ndarray:
     """Per op (bool, read-only): does XLA keep it? Cached on the graph (computed once per step)."""
-    cached = graph.live_cache
+    cached = graph.cache.get("live")
     if cached is not None and cached[0] == len(graph.ops):
         return cached[1]
     values, ops = graph.values, graph.ops
@@ -59,7 +59,7 @@ def live_ops(graph: OpGraph) -> np.ndarray:
                 reads += carried_by.get(loop.uid, ())
         stack.extend(p for v in reads if (p := values[v].producer) is not None and not live[p])
     live.flags.writeable = False
-    graph.live_cache = (len(ops), live)
+    graph.cache["live"] = (len(ops), live)
     return live
 
 

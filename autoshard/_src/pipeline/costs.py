@@ -29,7 +29,7 @@ holding both. Range tables give every contiguous union of topologically sorted u
 from __future__ import annotations
 
 import dataclasses
-from collections import Counter, defaultdict
+from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -38,19 +38,13 @@ import numpy as np
 from ..core.attention import priced_fusion
 from ..core.cost import AnalyticalCostModel, CostModel, alpha_beta
 from ..core.errors import PipelineError
+from ..core.graph import traced_batch  # noqa: F401  (imported from here by the pipeline planners)
 from ..core.hardware import HardwareSpec, get_hardware
 from ..core.kernels import compute_dtype, op_seconds
 from ..core.liveness import live_ops
 from .atomic import AtomicPartition, non_constant_ops
 
 CATEGORIES = ("fwd", "fwd_const", "bwd", "bwd_const", "step", "params", "state", "act", "act_const", "data")
-
-
-def traced_batch(graph) -> int:
-    """The batch the step was traced with: the most common leading dim of its data inputs."""
-    dims = Counter(graph.values[v].shape[0] for v in graph.inputs
-                   if graph.values[v].role == "data" and graph.values[v].shape)
-    return int(dims.most_common(1)[0][0]) if dims else 1
 
 
 def leading_dim(shape) -> int | None:

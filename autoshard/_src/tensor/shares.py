@@ -10,18 +10,9 @@ like the batch factor of that size.
 
 from __future__ import annotations
 
-from collections import Counter
-
-from ..core.graph import OpGraph
+from ..core.graph import OpGraph, traced_batch
 from .experts import batch_factors
 from .factors import FactorGraph
-
-
-def traced_batch_size(graph: OpGraph) -> int:
-    """The most common leading dim of the data inputs (1 without any)."""
-    dims = Counter(graph.values[v].shape[0] for v in graph.inputs
-                   if graph.values[v].role == "data" and graph.values[v].shape)
-    return int(dims.most_common(1)[0][0]) if dims else 1
 
 
 def unlinked_batch_loops(graph: OpGraph, fg: FactorGraph) -> dict[int, frozenset[int]]:
@@ -30,7 +21,7 @@ def unlinked_batch_loops(graph: OpGraph, fg: FactorGraph) -> dict[int, frozenset
     cached = getattr(fg, "_unlinked_batch", None)
     if cached is not None:
         return cached
-    size = traced_batch_size(graph)
+    size = traced_batch(graph)
     batch = [f for f in batch_factors(graph, fg) if size in fg.factor_sizes.get(f, ())]
     out: dict[int, frozenset[int]] = {}
     if batch and size > 1:
