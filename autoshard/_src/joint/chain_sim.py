@@ -22,8 +22,18 @@ def _order(stage: int, microbatches: int, cap: int) -> tuple[tuple[bool, int], .
     return tuple((t.kind == "F", t.microbatch) for t in inflight_order(stage, microbatches, cap=cap))
 
 
-def chain_makespan(schedule: str, forward: Sequence[float], backward: Sequence[float], microbatches: int) -> float:
+def interleaved_inflight(S: int, v: int, M: int) -> list[int]:
+    # TEMPORARY until the interleave branch lands: Megatron's warm-up count + 1
+    return [min(M * v, (S - r - 1) * 2 + (v - 1) * S + 1) for r in range(S)]
+
+
+def chain_makespan(schedule: str, forward: Sequence[float], backward: Sequence[float], microbatches: int,
+                   virtual: int = 1) -> float:
     """Seconds from the first forward to the last backward of `schedule` ("1f1b" or "gpipe")."""
+    if virtual > 1:     # TEMPORARY until the interleave branch lands: the uniform-chunk formula
+        R = len(forward) // virtual
+        per = [sum(forward[r::R]) + sum(backward[r::R]) for r in range(R)]
+        return microbatches * max(per) + (R - 1) * max(f + b for f, b in zip(forward, backward, strict=True))
     S, M = len(forward), microbatches
     orders = [_order(s, M, S - s if schedule == "1f1b" else M) for s in range(S)]
     end_f = [[-1.0] * M for _ in range(S)]

@@ -30,7 +30,7 @@ from ..core.hardware import HardwareSpec, hardware_dict
 from ..core.mesh import MeshSpec
 from ..core.version import VERSION
 from ..joint.search import JointResult, joint_search
-from ..joint.space import SCHEDULES, JointOptions, JointPoint, submesh
+from ..joint.space import INTERLEAVED, SCHEDULES, VIRTUAL, JointOptions, JointPoint, submesh
 from ..joint.stage_choice import REMAT
 from ..joint.tables import ShapeTables
 from ..pipeline.costs import traced_batch
@@ -41,7 +41,7 @@ from .plan import ParamReport, Plan, Stage
 from .planner import activation_constraints, build_plan, describe_factors
 from .specs import Spec
 
-JOINT_OPTION_KEYS = ("remat", "max_microbatches", "max_model", "expert", "equal_submeshes")
+JOINT_OPTION_KEYS = ("remat", "max_microbatches", "max_model", "expert", "equal_submeshes", "virtual_stages")
 EXPERTS_3D = ("megatron",)
 STAGE_AXES = ("data", "model")
 
@@ -66,10 +66,20 @@ def fixed_shape_options(mesh: MeshSpec, schedule: str, num_microbatches: int | N
     remat = _remat_policies(options)
     shape = tuple(mesh.axis_size(n) if n in others else 1 for n in STAGE_AXES)
     _check_fixed_shape(mesh, shape[1], num_microbatches, options)
+    virtual = _virtual_stages(options)
+    if schedule != INTERLEAVED and options.get("virtual_stages") not in (None, 1):
+        raise ConfigError(f"autoshard: pipeline_options virtual_stages={options.get('virtual_stages')!r} needs "
+                          f"schedule={INTERLEAVED!r} (schedule={schedule!r} runs one stage per pipe rank). Fix: "
+                          f"pass schedule={INTERLEAVED!r}, or drop virtual_stages.")
+    if schedule == INTERLEAVED and num_microbatches is not None and num_microbatches % mesh.axis_size("pipe"):
+        raise ConfigError(f"autoshard: schedule={INTERLEAVED!r} needs a micro-batch count divisible by the 'pipe' "
+                          f"axis ({mesh.axis_size('pipe')}), got num_microbatches={num_microbatches}. Fix: a multiple "
+                          f"of {mesh.axis_size('pipe')}, or schedule='1f1b'.")
     return JointOptions(schedules=(schedule,), remat=remat, stages=mesh.axis_size("pipe"),
                         shape=shape, microbatches=num_microbatches,
                         max_microbatches=int(options.get("max_microbatches", JointOptions.max_microbatches)),
-                        max_model=options.get("max_model"), equal_submeshes=_equal_submeshes(options))
+                        max_model=options.get("max_model"), equal_submeshes=_equal_submeshes(options),
+                        virtual=virtual)
 
 
 def _check_fixed_shape(mesh: MeshSpec, model: int, num_microbatches: int | None, options: Mapping[str, Any]) -> None:
@@ -95,7 +105,23 @@ def auto_mesh_options(options: Mapping[str, Any]) -> JointOptions:
                           "shape; with mesh='auto' pass a mesh with a 'pipe' axis and pipeline='auto' instead.")
     return JointOptions(remat=_remat_policies(options), max_model=options.get("max_model"),
                         max_microbatches=int(options.get("max_microbatches", JointOptions.max_microbatches)),
-                        equal_submeshes=_equal_submeshes(options))
+                        equal_submeshes=_equal_submeshes(options), virtual=_virtual_stages(options))
+
+
+def _virtual_stages(options: Mapping[str, Any]) -> tuple[int, ...]:
+    """Virtual stages per rank the interleaved schedule may take: an int or a sequence of ints >= 2."""
+    value = options.get("virtual_stages", VIRTUAL)
+    vs = (value,) if isinstance(value, int) and not isinstance(value, bool) else value
+    try:
+        vs = tuple(vs)
+        ok = bool(vs) and all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in vs)
+    except TypeError:
+        ok = False
+    if not ok:
+        raise ConfigError(f"autoshard: pipeline_options virtual_stages={value!r}: give an int >= 2 (model chunks "
+                          f"per pipe rank under schedule={INTERLEAVED!r}) or a sequence of them to search, e.g. "
+                          "(2, 3, 4).")
+    return tuple(v for v in vs if v > 1) or (1,)
 
 
 def _remat_policies(options: Mapping[str, Any]) -> tuple[str, ...]:
@@ -162,7 +188,7 @@ def point_summary(p: JointPoint | None) -> dict[str, Any] | None:
         return None
     return {"stages": p.num_stages, "data": p.data, "model": p.model, "runnable": p.runnable,
             "submeshes": tuple((s.data, s.model) for s in p.stages), "microbatches": p.microbatches,
-            "schedule": p.schedule, "step_time": p.step_time, "memory": p.memory,
+            "schedule": p.schedule, "virtual_stages": p.virtual, "step_time": p.step_time, "memory": p.memory,
             "remat": tuple(sorted({s.remat for s in p.stages})),
             "storage": tuple(sorted({s.storage for s in p.stages})),
             "units_per_stage": tuple(s.stop - s.start for s in p.stages), "label": p.label or p.describe()}
@@ -255,7 +281,7 @@ def _staged_plan(graph: OpGraph, grouping: Grouping, res: JointResult, best: Joi
             activation_constraints=tuple(activation_constraints(graph, op_map, fg, axes_of, set(ops), keys))))
     # the runtime's mesh: always a pipe axis (one stage with several micro-batches accumulates gradients);
     # stages on unequal submeshes share no such mesh: their devices as one axis, each stage's its own
-    mesh = (("pipe", best.num_stages), *((n, s) for n, s in sub if s > 1)) if best.runnable else \
+    mesh = (("pipe", best.ranks), *((n, s) for n, s in sub if s > 1)) if best.runnable else \
         (("devices", best.devices),)
     reports = tuple(ParamReport(graph.values[v].keypath or "", graph.values[v].shape, graph.values[v].dtype,
                                 tuple(() for _ in graph.values[v].shape), 0, "see the stage holding it")
