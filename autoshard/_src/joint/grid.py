@@ -43,21 +43,21 @@ def megatron_grid(srch: SearchState) -> GridResult:
         for p in (p for p in range(1, U + 1) if U % p == 0 and N % (t * p) == 0 and fixed_s in (None, p)):
             d = N // (t * p)
             tables = srch.table(d, t)
-            row = tables.megatron
-            if isinstance(row, str):
-                reasons.append(f"t={t}, p={p}: {row}")
+            plans = tables.megatron_plans()
+            if not plans:
+                reasons.append(f"t={t}, p={p}: {tables.megatron}")
                 continue
-            r_idx = int(np.flatnonzero((tables.rows == row).all(axis=1))[0])
             storage = "zero1" if d > 1 and "zero1" in tables.storage_modes else "replicated"
             for M in microbatch_counts(srch.batch, srch.joint.max_microbatches, srch.joint.microbatches, d):
                 for sched, v in _schedules(srch, p, M):
                     for remat in (r for r in ("none", "selective", "full") if r in srch.joint.remat):
-                        priced += 1
-                        point = _grid_point(srch, tables, r_idx, storage, remat, d, t, p, M, sched, v)
-                        if point is None:
-                            continue
-                        feasible += 1
-                        found.append(point)
+                        for r_idx in plans:         # Megatron-LM without / with sequence parallelism
+                            priced += 1
+                            point = _grid_point(srch, tables, r_idx, storage, remat, d, t, p, M, sched, v)
+                            if point is None:
+                                continue
+                            feasible += 1
+                            found.append(point)
     # the formula ranks them, the simulator times the best few (as for the search's own points)
     timed = [simulated(p) for p in sorted(found, key=lambda p: p.objective)[:SIMULATED]]
     best = min(timed, key=lambda p: p.step_time) if timed else None
@@ -100,9 +100,10 @@ def _grid_point(srch: SearchState, tables, r_idx: int, storage: str, remat: str,
         i, j = bounds[s], bounds[s + 1]
         f = float(ct.f[s, k] + (send_f[j] if j < U else 0.0))
         b = float(ct.b[s, k] + (send_b[i] if i > 0 else 0.0))
-        stages.append(JointStage(i, j, tuple(int(x) for x in tables.rows[r_idx]), storage, remat, f, b,
-                                 float(ct.tail[s, k]), mem, qs[s], d, t))
+        row, sp = tables.plan(r_idx)
+        stages.append(JointStage(i, j, row, storage, remat, f, b, float(ct.tail[s, k]), mem, qs[s], d, t, sp))
     v = [st.forward + st.backward + st.tail / M for st in stages]
-    label = f"Megatron grid: tp {t} x pp {S} x dp {d}" + (f", interleaved v {virtual}" if virtual > 1 else "")
+    label = (f"Megatron grid: tp {t} x pp {S} x dp {d}" + (", sequence parallel" if stages[0].sequence_parallel else "")
+             + (f", interleaved v {virtual}" if virtual > 1 else ""))
     return JointPoint(tuple(stages), d, t, M, schedule, sum(v) / virtual + (M * virtual - 1) * max(v), np.inf,
                       label=label, virtual=virtual)

@@ -97,8 +97,9 @@ def _point(srch: SearchState, tables: ShapeTables, ct: ChoiceTable, d: int, t: i
         f = float(ct.f[u, k] + (send_f[j] if j < U else 0.0))
         b = float(ct.b[u, k] + (send_b[i] if i > 0 else 0.0))
         mem = float(ct.static[u, k] + ct.transient[u, k] + qs[s] * ct.held[u, k])
-        stages.append(JointStage(i, j, tuple(int(x) for x in tables.rows[p]), tables.storage_modes[z],
-                                 srch.joint.remat[r], f, b, float(ct.tail[u, k]), mem, qs[s], d, t))
+        row, sp = tables.plan(p)
+        stages.append(JointStage(i, j, row, tables.storage_modes[z], srch.joint.remat[r], f, b,
+                                 float(ct.tail[u, k]), mem, qs[s], d, t, sp))
     return JointPoint(tuple(stages), d, t, M, schedule, float(obj) / virtual, math.inf, virtual=virtual)
 
 
@@ -280,7 +281,8 @@ def _least_memory_point(srch: SearchState, tables: ShapeTables, d: int, t: int, 
         mem = np.where(np.isfinite(ct.value[0]), mem, np.inf)
         k = int(np.argmin(mem))
         p, z, r = split_choice(ct.order[0, k], ct.shape)
-        stages.append(JointStage(bounds[s], bounds[s + 1], tuple(int(x) for x in tables.rows[p]),
-                                 tables.storage_modes[z], srch.joint.remat[r], float(ct.f[0, k]),
-                                 float(ct.b[0, k]), float(ct.tail[0, k]), float(mem[k]), qs[s], d, t))
+        row, sp = tables.plan(p)
+        stages.append(JointStage(bounds[s], bounds[s + 1], row, tables.storage_modes[z], srch.joint.remat[r],
+                                 float(ct.f[0, k]), float(ct.b[0, k]), float(ct.tail[0, k]), float(mem[k]), qs[s],
+                                 d, t, sp))
     return JointPoint(tuple(stages), d, t, M, "1f1b", math.inf, math.inf)

@@ -14,7 +14,7 @@ from ..core.grouping import Grouping
 from ..core.hardware import HardwareSpec
 from ..core.mesh import MeshSpec, mesh_spec
 from ..pipeline.costs import traced_batch
-from ..tensor.search import SearchOptions, analysis, plan_space
+from ..tensor.search import SearchOptions, analysis, plan_space, sequence_parallel_analysis
 from .chain_sim import chain_makespan, interleaved_inflight
 from .stage_choice import REMAT, compositions
 from .tables import ShapeTables, shape_tables
@@ -67,6 +67,7 @@ class JointStage:
     inflight: int
     data: int
     model: int
+    sequence_parallel: bool = False   # `row` is a plan of the submesh's sequence-parallel space
 
     @property
     def devices(self) -> int:
@@ -176,6 +177,7 @@ class SearchState:
         self.kind_inputs = np.zeros(K)
         for u, k in enumerate(self.units.kind_of):
             self.kind_inputs[k] = max(self.kind_inputs[k], self.units.cut_dep[u])
+        self._sp_analysed: list = []          # [the sequence-parallel analysis or None], computed once
         self.tables: dict[tuple[int, int], ShapeTables] = {}
         self.combos: dict[tuple[int, int], dict[str, np.ndarray]] = {}
 
@@ -183,9 +185,19 @@ class SearchState:
         if (d, t) not in self.tables:
             mesh = submesh(d, t)
             space = plan_space(self.graph, self.grouping, mesh, self.options, self.analysed)
-            self.tables[(d, t)] = shape_tables(space, self.units, self.hw, self.cost(mesh), self.options)
+            sp = self.sp_analysed() if t > 1 else None
+            sp_space = plan_space(self.graph, self.grouping, mesh, self.options, sp) if sp is not None else None
+            self.tables[(d, t)] = shape_tables(space, self.units, self.hw, self.cost(mesh), self.options, sp_space)
             self.combos[(d, t)] = compositions(self.tables[(d, t)], self.comps, self.kind_inputs)
         return self.tables[(d, t)]
+
+    def sp_analysed(self):
+        """The step's sequence-parallel analysis (None: off, or no regions to cut the stream from)."""
+        if not self._sp_analysed:
+            off = self.options.sequence_parallel == "off"
+            self._sp_analysed.append(None if off else
+                                     sequence_parallel_analysis(self.graph, self.grouping, self.analysed))
+        return self._sp_analysed[0]
 
     def p2p(self, per_stage: int) -> tuple[float, float]:
         hw = self.hw
