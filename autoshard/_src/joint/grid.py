@@ -16,7 +16,17 @@ import dataclasses
 
 import numpy as np
 
-from .space import INTERLEAVED, SIMULATED, JointPoint, JointStage, SearchState, inflight, microbatch_counts, simulated
+from .space import (
+    INTERLEAVED,
+    SIMULATED,
+    JointPoint,
+    JointStage,
+    SearchState,
+    inflight,
+    lower_bound_work,
+    microbatch_counts,
+    simulated,
+)
 from .stage_choice import choice_table
 
 TENSOR_SIZES = (1, 2, 4, 8)
@@ -31,11 +41,33 @@ class GridResult:
 
 
 def megatron_grid(srch: SearchState) -> GridResult:
-    """The best point of the Megatron-LM grid for the search's step and devices."""
-    U, N = len(srch.units), srch.N
+    """The best point of the Megatron-LM grid for the search's step and devices. Its (t, p, M, v)
+    combinations run in order of the search's lower bound (`lower_bound_work`, over Megatron's plans
+    only) and stop once the bound cannot reach the SIMULATED best formulas found."""
+    cands, reasons = _grid_candidates(srch)
     found: list[JointPoint] = []
     priced = feasible = 0
-    reasons: list[str] = []
+    for bound, (d, t, p, M, sched, v), tables, plans in sorted(cands, key=lambda c: (c[0], c[1][1:])):
+        if len(found) >= SIMULATED and bound > sorted(q.objective for q in found)[SIMULATED - 1]:
+            break
+        storage = "zero1" if d > 1 and "zero1" in tables.storage_modes else "replicated"
+        points = _grid_points(srch, tables, plans, storage, d, t, p, M, sched, v)
+        priced += len(points)
+        found += [q for q in points if q is not None]
+        feasible += sum(q is not None for q in points)
+    # the formula ranks them, the simulator times the best few (as for the search's own points)
+    timed = [simulated(p) for p in sorted(found, key=lambda p: p.objective)[:SIMULATED]]
+    best = min(timed, key=lambda p: p.step_time) if timed else None
+    reason = "" if best is not None else ("no grid point fits the memory budget" if priced else
+                                          "; ".join(reasons) or "no grid point applies")
+    return GridResult(best, priced, feasible, reason)
+
+
+def _grid_candidates(srch: SearchState) -> tuple[list, list[str]]:
+    """(lower bound, (d, t, p, M, schedule, v), tables, Megatron plan indices) of every grid combination,
+    and why shapes without Megatron's plan were left out."""
+    U, N = len(srch.units), srch.N
+    out, reasons = [], []
     fixed_s, fixed_shape = srch.joint.stages, srch.joint.shape      # a "pipe" mesh: its shape only
     for t in TENSOR_SIZES:
         if t > srch.hw.devices_per_node or N % t or (fixed_shape is not None and t != fixed_shape[1]):
@@ -47,23 +79,17 @@ def megatron_grid(srch: SearchState) -> GridResult:
             if not plans:
                 reasons.append(f"t={t}, p={p}: {tables.megatron}")
                 continue
-            storage = "zero1" if d > 1 and "zero1" in tables.storage_modes else "replicated"
+            mask = np.zeros(tables.n_plans, dtype=bool)
+            mask[plans] = True
             for M in microbatch_counts(srch.batch, srch.joint.max_microbatches, srch.joint.microbatches, d):
+                valid = mask & ((srch.batch // M) % tables.batch_split.astype(np.int64) == 0)
+                if not valid.any():
+                    continue
+                work = lower_bound_work(srch, tables, M, valid)
                 for sched, v in _schedules(srch, p, M):
-                    for remat in (r for r in ("none", "selective", "full") if r in srch.joint.remat):
-                        for r_idx in plans:         # Megatron-LM without / with sequence parallelism
-                            priced += 1
-                            point = _grid_point(srch, tables, r_idx, storage, remat, d, t, p, M, sched, v)
-                            if point is None:
-                                continue
-                            feasible += 1
-                            found.append(point)
-    # the formula ranks them, the simulator times the best few (as for the search's own points)
-    timed = [simulated(p) for p in sorted(found, key=lambda p: p.objective)[:SIMULATED]]
-    best = min(timed, key=lambda p: p.step_time) if timed else None
-    reason = "" if best is not None else ("no grid point fits the memory budget" if priced else
-                                          "; ".join(reasons) or "no grid point applies")
-    return GridResult(best, priced, feasible, reason)
+                    out.append((work * (M * v + p - 1) / (p * v), (d, t, p, M, sched, v), tables,
+                                [i for i in plans if valid[i]]))
+    return out, reasons
 
 
 def _schedules(srch: SearchState, p: int, M: int) -> list[tuple[str, int]]:
@@ -77,33 +103,50 @@ def _schedules(srch: SearchState, p: int, M: int) -> list[tuple[str, int]]:
     return out
 
 
-def _grid_point(srch: SearchState, tables, r_idx: int, storage: str, remat: str, d: int, t: int, S: int,
-                M: int, schedule: str = "1f1b", virtual: int = 1) -> JointPoint | None:
+def _grid_points(srch: SearchState, tables, plans: list[int], storage: str, d: int, t: int, S: int, M: int,
+                 schedule: str, virtual: int) -> list[JointPoint | None]:
+    """Megatron's uniform split under each of its plans and each recompute policy (None: over budget),
+    from one choice table over the split's distinct compositions."""
     U, n = len(srch.units), S * virtual
     bounds = [s * U // n for s in range(n + 1)]
     qs = inflight(schedule, S, M, virtual)
     valid = np.zeros(tables.n_plans, dtype=bool)
-    valid[r_idx] = True
-    z, r = tables.storage_modes.index(storage), srch.joint.remat.index(remat)
-    ids = [srch.comp_id[bounds[s], bounds[s + 1]] for s in range(n)]
+    valid[plans] = True
+    ids = [int(srch.comp_id[bounds[s], bounds[s + 1]]) for s in range(n)]
+    distinct = sorted(set(ids))
     combos = srch.combos[(d, t)]
-    ct = choice_table({k: a[ids] for k, a in combos.items()}, M, np.inf, srch.joint.remat, valid,
+    ct = choice_table({k: a[distinct] for k, a in combos.items()}, M, np.inf, srch.joint.remat, valid,
                       srch.options.overlap)
-    flat = (r_idx * len(tables.storage_modes) + z) * len(srch.joint.remat) + r
     send_f, send_b = srch.sends(d, M, d * t)
+    z, R = tables.storage_modes.index(storage), len(srch.joint.remat)
+    out = []
+    for remat in (r for r in ("none", "selective", "full") if r in srch.joint.remat):
+        for r_idx in plans:         # Megatron-LM without / with sequence parallelism
+            flat = (r_idx * len(tables.storage_modes) + z) * R + srch.joint.remat.index(remat)
+            out.append(_grid_point(srch, tables, ct, distinct, ids, flat, r_idx, (storage, remat), bounds, qs,
+                                   (send_f, send_b), d, t, M, schedule, virtual))
+    return out
+
+
+def _grid_point(srch: SearchState, tables, ct, distinct: list[int], ids: list[int], flat: int, r_idx: int,
+                choice: tuple[str, str], bounds: list[int], qs: list[int], sends, d: int, t: int, M: int,
+                schedule: str, virtual: int) -> JointPoint | None:
+    U, (storage, remat), (send_f, send_b) = len(srch.units), choice, sends
+    row, sp = tables.plan(r_idx)
     stages = []
-    for s in range(n):
-        k = int(np.flatnonzero(ct.order[s] == flat)[0])
-        mem = float(ct.static[s, k] + ct.transient[s, k] + qs[s] * ct.held[s, k])
+    for s, u in enumerate(ids):
+        c = distinct.index(u)
+        k = int(np.flatnonzero(ct.order[c] == flat)[0])
+        mem = float(ct.static[c, k] + ct.transient[c, k] + qs[s] * ct.held[c, k])
         if mem > srch.budget / virtual:      # a rank holds its v stages
             return None
         i, j = bounds[s], bounds[s + 1]
-        f = float(ct.f[s, k] + (send_f[j] if j < U else 0.0))
-        b = float(ct.b[s, k] + (send_b[i] if i > 0 else 0.0))
-        row, sp = tables.plan(r_idx)
-        stages.append(JointStage(i, j, row, storage, remat, f, b, float(ct.tail[s, k]), mem, qs[s], d, t, sp))
+        f = float(ct.f[c, k] + (send_f[j] if j < U else 0.0))
+        b = float(ct.b[c, k] + (send_b[i] if i > 0 else 0.0))
+        stages.append(JointStage(i, j, row, storage, remat, f, b, float(ct.tail[c, k]), mem, qs[s], d, t, sp))
     v = [st.forward + st.backward + st.tail / M for st in stages]
-    label = (f"Megatron grid: tp {t} x pp {S} x dp {d}" + (", sequence parallel" if stages[0].sequence_parallel else "")
+    S = len(stages) // virtual
+    label = (f"Megatron grid: tp {t} x pp {S} x dp {d}" + (", sequence parallel" if sp else "")
              + (f", interleaved v {virtual}" if virtual > 1 else ""))
     return JointPoint(tuple(stages), d, t, M, schedule, sum(v) / virtual + (M * virtual - 1) * max(v), np.inf,
                       label=label, virtual=virtual)

@@ -42,6 +42,7 @@ from .space import (
     JointStage,
     SearchState,
     inflight,
+    lower_bound_work,
     microbatch_counts,
     shapes,
     simulated,
@@ -135,16 +136,6 @@ def _candidates(srch: SearchState, S: int, d: int, t: int, tables: ShapeTables) 
     return out
 
 
-def lower_bound_work(srch: SearchState, tables: ShapeTables, M: int, valid: np.ndarray) -> float:
-    """A lower bound on the stages' summed time per micro-batch at M micro-batches: every unit at its
-    kind's cheapest plan and storage, no recomputation, no sends, no exposed gradient sync. The
-    formula Σ v_s / v + (M v - 1) max v_s is at least (M v + S - 1) / (S v) times that sum."""
-    v = tables.values
-    per_mb = (v["fwd"] + v["bwd"] + v["step"]) / M + v["gather"] + v["const"]       # [K, Z, P]
-    per_kind = np.where(valid[None, None, :], per_mb, np.inf).min(axis=(1, 2))
-    return float(srch.kind_counts @ per_kind)
-
-
 class _Bounds:
     """The SIMULATED best formulas so far of each set the result reads (all, tensor-only, pipeline-only):
     a candidate whose lower bound exceeds them in every set it belongs to can never be simulated."""
@@ -201,8 +192,9 @@ def joint_search(graph: OpGraph, grouping: Grouping, devices: int, hw: HardwareS
     """The best 3-D point for `graph` on `devices` devices of `hw` (see the module docstring)."""
     t0 = time.perf_counter()
     options, joint = options or SearchOptions(), joint or JointOptions()
+    default_cost = cost is None
     cost = cost or (lambda m: AnalyticalCostModel(m, hw))
-    srch = SearchState(graph, grouping, devices, hw, options, joint, cost)
+    srch = SearchState(graph, grouping, devices, hw, options, joint, cost, default_cost)
     U = len(srch.units)
     notes: list[str] = []
     if srch.units.scanned:

@@ -158,7 +158,8 @@ class SearchState:
     """State shared by every point: units, compositions, tables per submesh shape."""
 
     def __init__(self, graph: OpGraph, grouping: Grouping, devices: int, hw: HardwareSpec,
-                 options: SearchOptions, joint: JointOptions, cost: Callable[[MeshSpec], CostModel]) -> None:
+                 options: SearchOptions, joint: JointOptions, cost: Callable[[MeshSpec], CostModel],
+                 default_cost: bool = False) -> None:
         self.graph, self.grouping, self.N, self.hw = graph, grouping, devices, hw
         self.options, self.joint, self.cost = options, joint, cost
         self.budget = options.memory_budget if options.memory_budget is not None else 0.9 * hw.memory_bytes
@@ -178,17 +179,29 @@ class SearchState:
         for u, k in enumerate(self.units.kind_of):
             self.kind_inputs[k] = max(self.kind_inputs[k], self.units.cut_dep[u])
         self._sp_analysed: list = []          # [the sequence-parallel analysis or None], computed once
+        self.cost_key = (repr(hw), repr(dataclasses.replace(options, memory_budget=None)), self.units.labels,
+                         tuple(self.units.kind_of)) if default_cost else None
         self.tables: dict[tuple[int, int], ShapeTables] = {}
         self.combos: dict[tuple[int, int], dict[str, np.ndarray]] = {}
 
     def table(self, d: int, t: int) -> ShapeTables:
-        if (d, t) not in self.tables:
+        if (d, t) in self.tables:
+            return self.tables[(d, t)]
+        # tables do not depend on the memory budget or device count: searches of the same traced step
+        # on the same hardware share them (the default cost model only: a custom one may differ)
+        key = None if self.cost_key is None else ("joint-tables", self.cost_key, d, t)
+        hit = self.graph.cache.get(key) if key is not None else None
+        if hit is not None:
+            self.tables[(d, t)], self.combos[(d, t)] = hit
+        else:
             mesh = submesh(d, t)
             space = plan_space(self.graph, self.grouping, mesh, self.options, self.analysed)
             sp = self.sp_analysed() if t > 1 else None
             sp_space = plan_space(self.graph, self.grouping, mesh, self.options, sp) if sp is not None else None
             self.tables[(d, t)] = shape_tables(space, self.units, self.hw, self.cost(mesh), self.options, sp_space)
             self.combos[(d, t)] = compositions(self.tables[(d, t)], self.comps, self.kind_inputs)
+            if key is not None:
+                self.graph.cache[key] = (self.tables[(d, t)], self.combos[(d, t)])
         return self.tables[(d, t)]
 
     def sp_analysed(self):
@@ -213,6 +226,16 @@ class SearchState:
         bwd_bytes = self.units.cut_dep / (M * d)
         t = lambda b: np.where(b > 0, alpha + beta * b, 0.0)  # noqa: E731
         return t(fwd_bytes), t(bwd_bytes)
+
+
+def lower_bound_work(srch: SearchState, tables: ShapeTables, M: int, valid: np.ndarray) -> float:
+    """A lower bound on the stages' summed time per micro-batch at M micro-batches: every unit at its
+    kind's cheapest plan and storage, no recomputation, no sends, no exposed gradient sync. The
+    formula Σ v_s / v + (M v - 1) max v_s is at least (M v + S - 1) / (S v) times that sum."""
+    v = tables.values
+    per_mb = (v["fwd"] + v["bwd"] + v["step"]) / M + v["gather"] + v["const"]       # [K, Z, P]
+    per_kind = np.where(valid[None, None, :], per_mb, np.inf).min(axis=(1, 2))
+    return float(srch.kind_counts @ per_kind)
 
 
 def inflight(schedule: str, S: int, M: int, virtual: int = 1) -> list[int]:

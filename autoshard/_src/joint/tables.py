@@ -187,9 +187,12 @@ def _priced(space: PlanSpace, units: Units, hw: HardwareSpec, cost: CostModel, o
 def _undominated(vals: dict[str, np.ndarray]) -> np.ndarray:
     """Indices of plans no other plan matches or beats on every array of every kind and storage
     mode (ties keep the first, in enumeration order: fewer splits first)."""
-    flat = np.concatenate([np.round(v.reshape(-1, v.shape[-1]), 15) for v in vals.values()], axis=0).T   # [C, D]
-    _, first = np.unique(flat, axis=0, return_index=True)
-    cand = np.sort(first)
+    flat = np.ascontiguousarray(np.concatenate([np.round(v.reshape(-1, v.shape[-1]), 15) for v in vals.values()],
+                                               axis=0).T)    # [C, D]
+    seen: dict[bytes, int] = {}
+    for i in range(flat.shape[0]):          # the first of identical rows (hashing rows beats sorting them)
+        seen.setdefault(flat[i].tobytes(), i)
+    cand = np.array(sorted(seen.values()), dtype=np.int64)
     pts = flat[cand]
     order = np.argsort(pts.sum(axis=1), kind="stable")     # a dominator has a smaller sum: test those first
     kept = np.empty_like(pts)
