@@ -66,6 +66,7 @@ class JointResult:
     seconds: float
     least_memory: JointPoint | None        # when nothing fits: the point needing least memory
     notes: list[str]
+    candidates: int = 0                    # equal-submesh points before the lower bound pruned them
 
 
 def _point(srch: SearchState, tables: ShapeTables, ct: ChoiceTable, d: int, t: int, S: int, M: int,
@@ -155,7 +156,7 @@ class _Bounds:
             self.best[k] = sorted([*self.best[k], p.objective])[:SIMULATED]
 
 
-def _equal_points(srch: SearchState, counts: list[int], max_model: int) -> tuple[list[JointPoint], int]:
+def _equal_points(srch: SearchState, counts: list[int], max_model: int) -> tuple[list[JointPoint], int, int]:
     """Every equal-submesh point whose formula could reach the simulator: candidates in order of their
     lower bound, skipped once the bound is beaten in every set they belong to."""
     joint, options = srch.joint, srch.options
@@ -183,7 +184,7 @@ def _equal_points(srch: SearchState, counts: list[int], max_model: int) -> tuple
             if p is not None:
                 bounds.add(p)
                 found.append((c.key, p))
-    return [p for _, p in sorted(found, key=lambda kp: kp[0])], n_points
+    return [p for _, p in sorted(found, key=lambda kp: kp[0])], n_points, len(cands)
 
 
 def joint_search(graph: OpGraph, grouping: Grouping, devices: int, hw: HardwareSpec,
@@ -203,7 +204,7 @@ def joint_search(graph: OpGraph, grouping: Grouping, devices: int, hw: HardwareS
     counts = [S for S in range(1, min(U, devices) + 1) if devices % S == 0]
     if joint.stages is not None:
         counts = [joint.stages] if joint.stages <= U and devices % joint.stages == 0 else []
-    points, n_points = _equal_points(srch, counts, max_model)
+    points, n_points, n_cands = _equal_points(srch, counts, max_model)
     unequal = unequal_points(srch, points)
     timer = _Timer()
     best = timer.best_of(points + unequal)
@@ -219,7 +220,7 @@ def joint_search(graph: OpGraph, grouping: Grouping, devices: int, hw: HardwareS
     if best is None or (runnable is not None and runnable.step_time <= best.step_time):
         best = runnable
     return JointResult(best, runnable, tensor, pipe, grid, srch.units, srch.tables, n_points + len(unequal),
-                       time.perf_counter() - t0, least, notes)
+                       time.perf_counter() - t0, least, notes, n_cands)
 
 
 class _Timer:

@@ -55,6 +55,7 @@ class OpFactors:
     out_bytes: int                # full size of the first output
     gathered: tuple               # operands an unknown op needs whole: ((bytes, factors), ...)
     known: bool
+    in_factors: tuple = ()        # factor (or None) per dim of each input, as this op reads it (after cuts)
 
 
 class _UnionFind:
@@ -231,7 +232,7 @@ def _op_factors(op: Op, ins: list[tuple], outs: list[tuple], cooccur: dict[int, 
     out_shape = op.out_shapes[0] if op.out_shapes else ()
     out_dtype = op.out_dtypes[0] if op.out_dtypes else "float32"
     return OpFactors(op.index, frozenset(loop), frozenset(reduced), outs[0] if outs else (),
-                     nbytes(out_shape, out_dtype), gathered, known)
+                     nbytes(out_shape, out_dtype), gathered, known, tuple(ins))
 
 
 def weight_values(graph: OpGraph, ops: Iterable[int]) -> set[int]:

@@ -44,15 +44,17 @@ class GemmCosts:
         one per fusion and per library call). `scale` multiplies its compute and `nbytes` replaces the
         bytes it moves (a FlashAttention core, core/attention.py: causal tiles skipped, no scores in HBM)."""
         self.launches += weight * self.km.launch * launches
-        dims = self._dims(op, fg)
+        dims = self._dims(op, of, fg)
         if dims is None:
             return False
         moved = op.bytes if nbytes is None else nbytes
         self.gemms.append(_Gemm(weight, peak, dims, moved / (bandwidth * self.km.bandwidth_efficiency), loop, scale))
         return True
 
-    def _dims(self, op: Op, fg: FactorGraph):
-        """(batch, m, n, k) as ((size, candidate index or -1) per tensor dim), from `gemm_roles`."""
+    def _dims(self, op: Op, of: OpFactors, fg: FactorGraph):
+        """(batch, m, n, k) as ((size, candidate index or -1) per tensor dim), from `gemm_roles`. The
+        operands' factors are those the op reads them under: past a region cut (the sequence-parallel
+        stream entering a column-parallel matmul) they are the region's, not the producer's."""
         if not op.outputs or len(op.inputs) != 2:
             return None
         values = (op.inputs[0], op.inputs[1], op.outputs[0])
@@ -60,7 +62,9 @@ class GemmCosts:
         roles = gemm_roles(op.primitive, op.params, [len(s) for s in shapes])
         if roles is None:
             return None                        # grouped / depthwise convolutions: memory-bound, the roofline's
-        factors = [fg.value_factors(v, len(s)) for v, s in zip(values, shapes, strict=True)]
+        factors = [of.in_factors[i] if len(of.in_factors) == len(op.inputs) else fg.value_factors(v, len(s))
+                   for i, (v, s) in enumerate(zip(values[:2], shapes[:2], strict=True))]
+        factors.append(fg.value_factors(values[2], len(shapes[2])))
         return tuple(tuple((shapes[o][d], self.cidx.get(factors[o][d], -1) if factors[o][d] is not None else -1)
                            for o, d in role) for role in roles)
 
