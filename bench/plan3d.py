@@ -1,4 +1,5 @@
-"""3-D plans at scale (issue 16): GPT-3 175B on 64 / 512 / 1024 H100s and Alpa's GPT configurations.
+"""3-D plans at scale (issues 16, 31): GPT-3 175B on 64 / 512 / 1024 H100s, a 462B GPT on 6,144 H100s,
+Alpa's GPT configurations, and every published Megatron-LM run of `../shared/published_runs.md`.
 
 Every row is planned abstractly through the public API, `autoshard.plan(step, *args, mesh="auto",
 devices=N, hardware=...)`, which searches stages x data x model x remat x micro-batches x schedule
@@ -11,6 +12,14 @@ data, micro-batches over powers of two).
   and Adam state (optax's default: moments in the parameters' dtype), on `h100-sxm`.
 * `alpa`: Alpa's GPT benchmark (OSDI 2022, Table 4): seq 1024, vocab 51200, global batch 1024,
   350M/24 layers/h1024 on 1 GPU ... 39B/48/8192 on 64, float16, on `v100-16gb-25gbps`.
+* `gpt462`: 112 layers, d 18432, 144 heads, seq 2048, vocab 51200, batch 3072, bfloat16, on 6,144
+  `h100-sxm` (a large row for the search's speed: target <= 30 s beyond the trace).
+* `published`: each run of `bench/published_runs.py` (SC'21 Table 1, Korthikanti et al. 2022), the
+  GPU-style GPT at its size on its A100 count: the search's choice (`mesh="auto"`) next to the published
+  configuration, both priced by the same model (`published_runs.plan_kwargs`: its exact TP x PP x DP,
+  M, schedule, recompute and sequence parallelism). The search's choice must be no slower.
+
+`--only alpa,gpt3,gpt462,published` picks row groups; `--published "SC21 310.1B,KORT 530B full"` rows.
 
 Model FLOPs utilisation uses Megatron-LM's count of model FLOPs per step (no recompute),
 72 B s l h^2 (1 + s / (6 h) + V / (12 l h)), over devices x peak x step.
@@ -86,6 +95,50 @@ def row(name: str, cfg: dict, devices_list: list[int], hardware: str) -> list[di
     return out
 
 
+GPT462 = dict(num_layers=112, d_model=18432, num_heads=144, seq_len=2048, vocab_size=51200, batch_size=3072,
+              dtype="bfloat16")
+
+
+def published_row(run) -> dict:
+    """A published run: the search's choice on its device count next to its configuration, one model."""
+    from published_runs import build_model, measured_step, plan_kwargs
+
+    m = build_model(run, "gpu")
+    args = m.abstract_state()
+    t0 = time.perf_counter()
+    auto = autoshard.plan(m.train_step, *args, mesh="auto", devices=run.gpus, hardware="a100-sxm")
+    auto_s = time.perf_counter() - t0
+    pub = autoshard.plan(m.train_step, *args, **plan_kwargs(run)).predicted["3d"]["chosen"]
+    chosen, timing = auto.predicted["3d"]["chosen"], auto.predicted["timing"]
+    r = {"row": run.name, "gpus": run.gpus, "published": pub, "chosen": chosen,
+         "chosen_step_s": auto.predicted["step_time"], "published_step_s": pub["step_time"],
+         "measured_s": measured_step(run), "beyond_trace_s": timing["total_seconds"] - timing["trace_seconds"],
+         "plan_s": auto_s, "points": auto.predicted["3d"]["points"],
+         "candidates": auto.predicted["3d"].get("candidates")}
+    r["no_slower"] = r["chosen_step_s"] <= r["published_step_s"] * (1 + 1e-9)
+    print(f"{run.name:>17} on {run.gpus:>4}: search {r['chosen_step_s']:.3g} s ({chosen['label']}, M "
+          f"{chosen['microbatches']}, remat {'/'.join(chosen['remat'])}) vs published {r['published_step_s']:.3g} s "
+          f"({'ok' if r['no_slower'] else 'SLOWER'}); beyond the trace {r['beyond_trace_s']:.1f} s", flush=True)
+    del auto
+    gc.collect()
+    return r
+
+
+def published_markdown(rows: list[dict]) -> str:
+    lines = ["", "## Published Megatron-LM runs: the search's choice vs the published configuration", "",
+             "Both priced by the same model (GPU-style GPT, a100-sxm); measured = the papers' step.", "",
+             "| run | GPUs | search's choice | predicted s | published config | predicted s | measured s | "
+             "no slower | beyond trace s | points / candidates |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        c, p = r["chosen"], r["published"]
+        lines.append(f"| {r['row']} | {r['gpus']} | {c['label']}, M {c['microbatches']}, {c['schedule']}, remat "
+                     f"{'/'.join(c['remat'])} | {r['chosen_step_s']:.3g} | {p['label']}, M {p['microbatches']}, "
+                     f"remat {'/'.join(p['remat'])} | {r['published_step_s']:.3g} | {r['measured_s']:.3g} | "
+                     f"{'yes' if r['no_slower'] else '**no**'} | {r['beyond_trace_s']:.1f} | "
+                     f"{r['points']} / {r['candidates']} |")
+    return "\n".join(lines) + "\n"
+
+
 def _fmt(q: dict | None) -> str:
     if q is None:
         return "none fits"
@@ -113,16 +166,29 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="GPT-3 on 64 devices and the three smallest Alpa rows")
     ap.add_argument("--out", default=str(ROOT / "bench/results/plan3d.json"))
+    ap.add_argument("--only", default="alpa,gpt3,gpt462,published", help="row groups to run")
+    ap.add_argument("--published", help="comma-separated published run names (default: all)")
     a = ap.parse_args(argv)
+    only = set(a.only.split(","))
     rows: list[dict] = []
-    for name, layers, hidden, heads, n in (ALPA[:3] if a.quick else ALPA):
-        cfg = dict(num_layers=layers, d_model=hidden, num_heads=heads, seq_len=1024, vocab_size=51200,
-                   batch_size=1024, dtype="float16")
-        rows += row(f"GPT-{name}", cfg, [n], "v100-16gb-25gbps")
-    rows += row("GPT-3 175B", GPT3, [64] if a.quick else [64, 512, 1024], "h100-sxm")
+    if "alpa" in only:
+        for name, layers, hidden, heads, n in (ALPA[:3] if a.quick else ALPA):
+            cfg = dict(num_layers=layers, d_model=hidden, num_heads=heads, seq_len=1024, vocab_size=51200,
+                       batch_size=1024, dtype="float16")
+            rows += row(f"GPT-{name}", cfg, [n], "v100-16gb-25gbps")
+    if "gpt3" in only:
+        rows += row("GPT-3 175B", GPT3, [64] if a.quick else [64, 512, 1024], "h100-sxm")
+    if "gpt462" in only and not a.quick:
+        rows += row("GPT 462B", GPT462, [6144], "h100-sxm")
+    published = []
+    if "published" in only and not a.quick:
+        sys.path.insert(0, str(ROOT / "bench"))
+        from published_runs import select
+
+        published = [published_row(run) for run in select(a.published, False)]
     out = Path(a.out)
-    out.write_text(json.dumps(rows, indent=1, default=str))
-    out.with_suffix(".md").write_text(markdown(rows))
+    out.write_text(json.dumps({"rows": rows, "published": published}, indent=1, default=str))
+    out.with_suffix(".md").write_text(markdown(rows) + (published_markdown(published) if published else ""))
     print(f"wrote {out} and {out.with_suffix('.md')}")
 
 

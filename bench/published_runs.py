@@ -100,8 +100,8 @@ class Run:
 
     @property
     def unsupported(self) -> list[str]:
-        out = [f"interleaved v={self.v} priced as v=1"] if self.v > 1 else []
-        return out + (["SP + selective recompute priced as full recompute, no SP"] if self.setting == "sp+sel" else [])
+        """What of the published configuration the planner cannot express (nothing since issue 31)."""
+        return []
 
 
 def _sc21(model, layers, hidden, heads, tp, pp, gpus, gbs, mbs, v, tflops) -> Run:
@@ -153,10 +153,18 @@ def attention_dropout_seconds(run: Run, bandwidth: float) -> float:
 
 
 def plan_kwargs(run: Run) -> dict:
+    """The run's published configuration as plan arguments: its mesh, M, schedule (interleaved with v
+    virtual stages when v > 1), Megatron's tensor plan, full recompute without sequence parallelism or
+    (KORT's second setting) sequence parallelism with selective recompute, no ZeRO, no memory limit."""
+    sp_sel = run.setting == "sp+sel"
+    options = {"expert": "megatron", "remat": "selective" if sp_sel else "full"}
+    if run.v > 1:
+        options["virtual_stages"] = run.v
     return dict(mesh={"pipe": run.pp, "data": run.dp, "model": run.tp}, hardware=HARDWARE, pipeline="auto",
-                schedule="1f1b", num_microbatches=run.microbatches,
-                pipeline_options={"expert": "megatron", "remat": "full"},
-                search={"storage_modes": ("replicated",)}, memory_budget=NO_LIMIT)
+                schedule="interleaved-1f1b" if run.v > 1 else "1f1b", num_microbatches=run.microbatches,
+                pipeline_options=options,
+                search={"storage_modes": ("replicated",), "sequence_parallel": "on" if sp_sel else "off"},
+                memory_budget=NO_LIMIT)
 
 
 def build_model(run: Run, which: str) -> models.Model:
