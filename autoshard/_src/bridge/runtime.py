@@ -17,9 +17,15 @@ over ticks runs, on every rank at once, its stage's forward, its backward (the f
 from the stored stage input, then `jax.vjp`) or nothing, chosen by `lax.switch`; after each tick
 activations move forward and input gradients backward along the stage DAG's edges by `ppermute`.
 Parameters of all stages sit in one flat buffer [stages, P] sharded over `pipe`, so a device holds
-one stage's parameters (P = the largest stage's size); stage inputs and incoming gradients sit in
+its stages' parameters (P = the largest stage's size); stage inputs and incoming gradients sit in
 slots reused as soon as their backward has run, so 1F1B holds its in-flight count, not every
 micro-batch. Mesh axes other than `pipe` split each micro-batch (data parallelism inside stages).
+
+Stages outnumber ranks when the schedule places several on one rank (`Schedule.placement`;
+"interleaved-1f1b": S*v stages on S ranks, stage k on rank k % S): the buffer's rows go rank by rank,
+so rank r holds the rows of its v stages and a branch picks its own; the tick table names the stage
+each rank runs; an activation goes to the rank of the next stage, which at a chunk boundary is rank
+S-1 -> rank 0 (the transfers are a ring ppermute), gradients the other way.
 
 This module imports jax; the schedules, validator and simulator it executes are pure.
 """
