@@ -45,7 +45,7 @@ def _orders(S: int, v: int, M: int, warmup: np.ndarray) -> tuple[np.ndarray, np.
     return stage, group * S + within % S, is_f
 
 
-@functools.lru_cache(maxsize=16)
+@functools.lru_cache(maxsize=8)   # ~8 MB an entry at 64 ranks x 3 chunks x 512 micro-batches
 def _ticks(schedule: str, S: int, v: int, M: int) -> tuple[np.ndarray, ...]:
     """Per tick and rank: the task it ends (or a scratch slot when idle), the tasks it waits for and
     the index of its duration. Task ids: forward (k, m) -> k*M + m, backward -> (n + k)*M + m, then
@@ -60,27 +60,26 @@ def _ticks(schedule: str, S: int, v: int, M: int) -> tuple[np.ndarray, ...]:
     prev = np.concatenate([np.full((S, 1), ZERO), tid[:, :-1]], axis=1)
     dur = np.where(is_f, stage, n + stage)
 
+    L, rows = tid.shape[1], np.arange(S)
+    flat = [a.ravel() for a in (tid, prev, dep1, dep2, dur)]
     tick = np.full(2 * n * M + 2, np.iinfo(np.int64).max)
     tick[ZERO] = -1
-    L, heads, rows, t = tid.shape[1], np.zeros(S, np.int64), np.arange(S), 0
-    at: list[np.ndarray] = []
-    while heads.min() < L:
-        h = np.minimum(heads, L - 1)
-        ready = (heads < L) & (tick[dep1[rows, h]] < t) & (tick[dep2[rows, h]] < t)
-        if not ready.any():
+    heads, base, left, t = np.zeros(S, np.int64), rows * L, S * L, 0
+    at: list[np.ndarray] = []                       # per tick: flat position each rank runs (S*L: idle)
+    while left:
+        idx = base + np.minimum(heads, L - 1)
+        ready = (heads < L) & (tick[flat[2][idx]] < t) & (tick[flat[3][idx]] < t)
+        run = idx[ready]
+        if not run.size:
             raise ScheduleError(f"chain_makespan: {schedule} deadlocked at tick {t}; please report.")
-        tick[tid[rows[ready], h[ready]]] = t
-        at.append(np.where(ready, h, -1))
+        tick[flat[0][run]] = t
+        at.append(np.where(ready, idx, S * L))
         heads += ready
+        left -= run.size
         t += 1
-    pos = np.stack(at)                              # [T, S] position run at each tick, -1 idle
-    idle = pos < 0
-    p = np.maximum(pos, 0)
-
-    def table(a, fill):
-        return np.where(idle, fill, a[rows[None, :], p])
-
-    return table(tid, SCRATCH), table(prev, ZERO), table(dep1, ZERO), table(dep2, ZERO), table(dur, 2 * n)
+    pos = np.stack(at)                              # [T, S]
+    fills = (SCRATCH, ZERO, ZERO, ZERO, 2 * n)      # idle: write scratch, read time 0, take 0 seconds
+    return tuple(np.append(a, fill)[pos] for a, fill in zip(flat, fills, strict=True))
 
 
 def chain_makespan(schedule: str, forward: Sequence[float], backward: Sequence[float], microbatches: int,
