@@ -1,8 +1,10 @@
 """The Megatron-LM grid people tune by hand, priced by the 3-D search's own model (pure: no jax import).
 
 Tensor-parallel size t in 1, 2, 4, 8 (inside a node), pipeline size p over the divisors of the unit
-(layer) count, data parallel the rest; layers split uniformly; 1F1B; full recompute on or off;
-ZeRO-1 over data when there is data parallelism; micro-batch counts over powers of two. Inside a
+(layer) count, data parallel the rest; layers split uniformly; 1F1B, or interleaved 1F1B with v
+virtual stages per rank when p x v divides the layers and p the micro-batch count (Megatron-LM's
+conditions); recompute none, selective or full; ZeRO-1 over data when there is data parallelism;
+every micro-batch count that splits the batch evenly. Inside a
 stage the tensor plan is Megatron's: the batch on the data axis, attention heads / FFN hidden /
 vocabulary on the model axis (`tensor.experts`). Every grid point is priced with the same tables,
 in-flight memory and event simulator as the search's own points, so the comparison is like for like.
@@ -14,7 +16,7 @@ import dataclasses
 
 import numpy as np
 
-from .space import SIMULATED, JointPoint, JointStage, SearchState, inflight, microbatch_counts, simulated
+from .space import INTERLEAVED, SIMULATED, JointPoint, JointStage, SearchState, inflight, microbatch_counts, simulated
 from .stage_choice import choice_table
 
 TENSOR_SIZES = (1, 2, 4, 8)
@@ -41,24 +43,21 @@ def megatron_grid(srch: SearchState) -> GridResult:
         for p in (p for p in range(1, U + 1) if U % p == 0 and N % (t * p) == 0 and fixed_s in (None, p)):
             d = N // (t * p)
             tables = srch.table(d, t)
-            row = tables.megatron
-            if isinstance(row, str):
-                reasons.append(f"t={t}, p={p}: {row}")
+            plans = tables.megatron_plans()
+            if not plans:
+                reasons.append(f"t={t}, p={p}: {tables.megatron}")
                 continue
-            r_idx = int(np.flatnonzero((tables.rows == row).all(axis=1))[0])
             storage = "zero1" if d > 1 and "zero1" in tables.storage_modes else "replicated"
-            for M in microbatch_counts(srch.batch, p, srch.joint.max_microbatches, srch.joint.microbatches):
-                if (srch.batch // M) % d:
-                    continue
-                for remat in ("none", "full"):
-                    if remat not in srch.joint.remat:
-                        continue
-                    priced += 1
-                    point = _grid_point(srch, tables, r_idx, storage, remat, d, t, p, M)
-                    if point is None:
-                        continue
-                    feasible += 1
-                    found.append(point)
+            for M in microbatch_counts(srch.batch, srch.joint.max_microbatches, srch.joint.microbatches, d):
+                for sched, v in _schedules(srch, p, M):
+                    for remat in (r for r in ("none", "selective", "full") if r in srch.joint.remat):
+                        for r_idx in plans:         # Megatron-LM without / with sequence parallelism
+                            priced += 1
+                            point = _grid_point(srch, tables, r_idx, storage, remat, d, t, p, M, sched, v)
+                            if point is None:
+                                continue
+                            feasible += 1
+                            found.append(point)
     # the formula ranks them, the simulator times the best few (as for the search's own points)
     timed = [simulated(p) for p in sorted(found, key=lambda p: p.objective)[:SIMULATED]]
     best = min(timed, key=lambda p: p.step_time) if timed else None
@@ -67,31 +66,44 @@ def megatron_grid(srch: SearchState) -> GridResult:
     return GridResult(best, priced, feasible, reason)
 
 
+def _schedules(srch: SearchState, p: int, M: int) -> list[tuple[str, int]]:
+    """Megatron-LM's schedules for p stages and M micro-batches: 1F1B, and interleaved 1F1B with each
+    v whose p x v chunks split the layers evenly (and p divides M)."""
+    U, out = len(srch.units), []
+    if "1f1b" in srch.joint.schedules or INTERLEAVED not in srch.joint.schedules:
+        out.append(("1f1b", 1))
+    if INTERLEAVED in srch.joint.schedules and p > 1 and M % p == 0:
+        out += [(INTERLEAVED, v) for v in srch.joint.virtual if v > 1 and U % (p * v) == 0]
+    return out
+
+
 def _grid_point(srch: SearchState, tables, r_idx: int, storage: str, remat: str, d: int, t: int, S: int,
-                M: int) -> JointPoint | None:
-    U = len(srch.units)
-    bounds = [s * U // S for s in range(S + 1)]
-    qs = inflight("1f1b", S, M)
+                M: int, schedule: str = "1f1b", virtual: int = 1) -> JointPoint | None:
+    U, n = len(srch.units), S * virtual
+    bounds = [s * U // n for s in range(n + 1)]
+    qs = inflight(schedule, S, M, virtual)
     valid = np.zeros(tables.n_plans, dtype=bool)
     valid[r_idx] = True
     z, r = tables.storage_modes.index(storage), srch.joint.remat.index(remat)
-    ids = [srch.comp_id[bounds[s], bounds[s + 1]] for s in range(S)]
+    ids = [srch.comp_id[bounds[s], bounds[s + 1]] for s in range(n)]
     combos = srch.combos[(d, t)]
-    ct = choice_table({k: v[ids] for k, v in combos.items()}, M, np.inf, srch.joint.remat, valid,
+    ct = choice_table({k: a[ids] for k, a in combos.items()}, M, np.inf, srch.joint.remat, valid,
                       srch.options.overlap)
     flat = (r_idx * len(tables.storage_modes) + z) * len(srch.joint.remat) + r
     send_f, send_b = srch.sends(d, M, d * t)
     stages = []
-    for s in range(S):
+    for s in range(n):
         k = int(np.flatnonzero(ct.order[s] == flat)[0])
         mem = float(ct.static[s, k] + ct.transient[s, k] + qs[s] * ct.held[s, k])
-        if mem > srch.budget:
+        if mem > srch.budget / virtual:      # a rank holds its v stages
             return None
         i, j = bounds[s], bounds[s + 1]
         f = float(ct.f[s, k] + (send_f[j] if j < U else 0.0))
         b = float(ct.b[s, k] + (send_b[i] if i > 0 else 0.0))
-        stages.append(JointStage(i, j, tuple(int(x) for x in tables.rows[r_idx]), storage, remat, f, b,
-                                 float(ct.tail[s, k]), mem, qs[s], d, t))
+        row, sp = tables.plan(r_idx)
+        stages.append(JointStage(i, j, row, storage, remat, f, b, float(ct.tail[s, k]), mem, qs[s], d, t, sp))
     v = [st.forward + st.backward + st.tail / M for st in stages]
-    return JointPoint(tuple(stages), d, t, M, "1f1b", sum(v) + (M - 1) * max(v), np.inf,
-                      label=f"Megatron grid: tp {t} x pp {S} x dp {d}")
+    label = (f"Megatron grid: tp {t} x pp {S} x dp {d}" + (", sequence parallel" if stages[0].sequence_parallel else "")
+             + (f", interleaved v {virtual}" if virtual > 1 else ""))
+    return JointPoint(tuple(stages), d, t, M, schedule, sum(v) / virtual + (M * virtual - 1) * max(v), np.inf,
+                      label=label, virtual=virtual)

@@ -35,6 +35,7 @@ from ..tensor.search import SearchOptions
 from .grid import GridResult, megatron_grid
 from .partition import best_split
 from .space import (
+    INTERLEAVED,
     SIMULATED,
     JointOptions,
     JointPoint,
@@ -67,10 +68,10 @@ class JointResult:
 
 
 def _point(srch: SearchState, tables: ShapeTables, ct: ChoiceTable, d: int, t: int, S: int, M: int,
-           schedule: str) -> JointPoint | None:
-    """The best split of one (S, d x t, M, schedule) point, or None when no split fits."""
+           schedule: str, virtual: int = 1) -> JointPoint | None:
+    """The best split of one (S ranks, d x t, M, schedule, virtual stages) point, or None when no split fits."""
     U = len(srch.units)
-    qs = inflight(schedule, S, M)
+    qs = inflight(schedule, S, M, virtual)
     distinct = sorted(set(qs))
     val, pos = ct.best(np.array(distinct))
     send_f, send_b = srch.sends(d, M, d * t)
@@ -83,11 +84,12 @@ def _point(srch: SearchState, tables: ShapeTables, ct: ChoiceTable, d: int, t: i
         row = val[distinct.index(q)]
         c = np.where(valid, row[np.where(valid, srch.comp_id, 0)] + extra, np.inf)
         cost.append(c)
-    obj, bounds = best_split(cost, M)
+    # interleaved: sum/v + (M v - 1) max over the S v stages (v = 1: sum + (M - 1) max, see partition)
+    obj, bounds = best_split(cost, M * virtual * virtual - virtual + 1)
     if not bounds:
         return None
     stages = []
-    for s in range(S):
+    for s in range(len(qs)):
         i, j = bounds[s], bounds[s + 1]
         u = srch.comp_id[i, j]
         k = int(pos[distinct.index(qs[s]), u])
@@ -95,9 +97,102 @@ def _point(srch: SearchState, tables: ShapeTables, ct: ChoiceTable, d: int, t: i
         f = float(ct.f[u, k] + (send_f[j] if j < U else 0.0))
         b = float(ct.b[u, k] + (send_b[i] if i > 0 else 0.0))
         mem = float(ct.static[u, k] + ct.transient[u, k] + qs[s] * ct.held[u, k])
-        stages.append(JointStage(i, j, tuple(int(x) for x in tables.rows[p]), tables.storage_modes[z],
-                                 srch.joint.remat[r], f, b, float(ct.tail[u, k]), mem, qs[s], d, t))
-    return JointPoint(tuple(stages), d, t, M, schedule, float(obj), math.inf)
+        row, sp = tables.plan(p)
+        stages.append(JointStage(i, j, row, tables.storage_modes[z], srch.joint.remat[r], f, b,
+                                 float(ct.tail[u, k]), mem, qs[s], d, t, sp))
+    return JointPoint(tuple(stages), d, t, M, schedule, float(obj) / virtual, math.inf, virtual=virtual)
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class _Candidate:
+    """One (micro-batch count, schedule, virtual stages) of one (S, d x t), with a lower bound on its
+    formula (`lower_bound`); `key` is the enumeration order that breaks ties."""
+
+    bound: float
+    key: tuple
+    S: int
+    d: int
+    t: int
+    M: int
+    schedule: str
+    virtual: int
+
+
+def _candidates(srch: SearchState, S: int, d: int, t: int, tables: ShapeTables) -> list[_Candidate]:
+    joint, U = srch.joint, len(srch.units)
+    out = []
+    for M in microbatch_counts(srch.batch, joint.max_microbatches, joint.microbatches, d):
+        valid = (srch.batch // M) % tables.batch_split.astype(np.int64) == 0
+        if not valid.any():
+            continue
+        work = lower_bound_work(srch, tables, M, valid)
+        for si, sched in enumerate(joint.schedules if S > 1 else joint.schedules[:1]):
+            for v in (joint.virtual if sched == INTERLEAVED else (1,)):
+                if sched == INTERLEAVED and (M % S or U < S * v or v < 2):
+                    continue
+                bound = work * (M * v + S - 1) / (S * v)
+                out.append(_Candidate(bound, (S, t, M, si, v), S, d, t, M, sched, v))
+    return out
+
+
+def lower_bound_work(srch: SearchState, tables: ShapeTables, M: int, valid: np.ndarray) -> float:
+    """A lower bound on the stages' summed time per micro-batch at M micro-batches: every unit at its
+    kind's cheapest plan and storage, no recomputation, no sends, no exposed gradient sync. The
+    formula Σ v_s / v + (M v - 1) max v_s is at least (M v + S - 1) / (S v) times that sum."""
+    v = tables.values
+    per_mb = (v["fwd"] + v["bwd"] + v["step"]) / M + v["gather"] + v["const"]       # [K, Z, P]
+    per_kind = np.where(valid[None, None, :], per_mb, np.inf).min(axis=(1, 2))
+    return float(srch.kind_counts @ per_kind)
+
+
+class _Bounds:
+    """The SIMULATED best formulas so far of each set the result reads (all, tensor-only, pipeline-only):
+    a candidate whose lower bound exceeds them in every set it belongs to can never be simulated."""
+
+    def __init__(self) -> None:
+        self.best: dict[str, list[float]] = {"all": [], "tensor": [], "pipe": []}
+
+    @staticmethod
+    def sets(S: int, t: int) -> tuple[str, ...]:
+        return ("all", "tensor") if S == 1 else (("all", "pipe") if t == 1 else ("all",))
+
+    def prunes(self, c: _Candidate) -> bool:
+        return all(len(self.best[k]) >= SIMULATED and c.bound > self.best[k][-1] for k in self.sets(c.S, c.t))
+
+    def add(self, p: JointPoint) -> None:
+        for k in self.sets(p.ranks, p.model):
+            self.best[k] = sorted([*self.best[k], p.objective])[:SIMULATED]
+
+
+def _equal_points(srch: SearchState, counts: list[int], max_model: int) -> tuple[list[JointPoint], int]:
+    """Every equal-submesh point whose formula could reach the simulator: candidates in order of their
+    lower bound, skipped once the bound is beaten in every set they belong to."""
+    joint, options = srch.joint, srch.options
+    cands = []
+    for S in counts:
+        for d, t in shapes(srch.N // S, max_model, joint.tensor_in_stages or S == 1, joint.shape):
+            cands += _candidates(srch, S, d, t, srch.table(d, t))
+    groups: dict[tuple, list[_Candidate]] = {}
+    for c in sorted(cands):         # one choice table per (d, t, M, v): its candidates together
+        groups.setdefault((c.d, c.t, c.M, c.virtual), []).append(c)
+    bounds, found, n_points = _Bounds(), [], 0
+    for (d, t, M, v), group in groups.items():      # in order of each group's least bound
+        live = [c for c in group if not bounds.prunes(c)]
+        if not live:
+            continue
+        tables = srch.tables[(d, t)]
+        valid = (srch.batch // M) % tables.batch_split.astype(np.int64) == 0
+        # a rank holds its v stages: each stage's choice fits 1/v of the budget
+        ct = choice_table(srch.combos[(d, t)], M, srch.budget / v, joint.remat, valid, options.overlap)
+        for c in live:
+            if bounds.prunes(c):
+                continue
+            n_points += 1
+            p = _point(srch, tables, ct, d, t, c.S, M, c.schedule, v)
+            if p is not None:
+                bounds.add(p)
+                found.append((c.key, p))
+    return [p for _, p in sorted(found, key=lambda kp: kp[0])], n_points
 
 
 def joint_search(graph: OpGraph, grouping: Grouping, devices: int, hw: HardwareSpec,
@@ -116,21 +211,7 @@ def joint_search(graph: OpGraph, grouping: Grouping, devices: int, hw: HardwareS
     counts = [S for S in range(1, min(U, devices) + 1) if devices % S == 0]
     if joint.stages is not None:
         counts = [joint.stages] if joint.stages <= U and devices % joint.stages == 0 else []
-    points: list[JointPoint] = []
-    n_points = 0
-    for S in counts:
-        for d, t in shapes(devices // S, max_model, joint.tensor_in_stages or S == 1, joint.shape):
-            tables = srch.table(d, t)
-            for M in microbatch_counts(srch.batch, S, joint.max_microbatches, joint.microbatches):
-                valid = (srch.batch // M) % tables.batch_split.astype(np.int64) == 0
-                if srch.batch % M or not valid.any():
-                    continue
-                ct = choice_table(srch.combos[(d, t)], M, srch.budget, joint.remat, valid, options.overlap)
-                for sched in (joint.schedules if S > 1 else joint.schedules[:1]):
-                    n_points += 1
-                    p = _point(srch, tables, ct, d, t, S, M, sched)
-                    if p is not None:
-                        points.append(p)
+    points, n_points = _equal_points(srch, counts, max_model)
     unequal = unequal_points(srch, points)
     timer = _Timer()
     best = timer.best_of(points + unequal)
@@ -170,7 +251,7 @@ def _least_memory(srch: SearchState, counts: list[int], max_model: int) -> Joint
     for S in counts:
         for d, t in shapes(srch.N // S, max_model, srch.joint.tensor_in_stages or S == 1, srch.joint.shape):
             tables = srch.table(d, t)
-            counts_m = microbatch_counts(srch.batch, S, srch.joint.max_microbatches, srch.joint.microbatches)
+            counts_m = microbatch_counts(srch.batch, srch.joint.max_microbatches, srch.joint.microbatches, d)
             if not counts_m:
                 continue
             M = max(counts_m)
@@ -200,7 +281,8 @@ def _least_memory_point(srch: SearchState, tables: ShapeTables, d: int, t: int, 
         mem = np.where(np.isfinite(ct.value[0]), mem, np.inf)
         k = int(np.argmin(mem))
         p, z, r = split_choice(ct.order[0, k], ct.shape)
-        stages.append(JointStage(bounds[s], bounds[s + 1], tuple(int(x) for x in tables.rows[p]),
-                                 tables.storage_modes[z], srch.joint.remat[r], float(ct.f[0, k]),
-                                 float(ct.b[0, k]), float(ct.tail[0, k]), float(mem[k]), qs[s], d, t))
+        row, sp = tables.plan(p)
+        stages.append(JointStage(bounds[s], bounds[s + 1], row, tables.storage_modes[z], srch.joint.remat[r],
+                                 float(ct.f[0, k]), float(ct.b[0, k]), float(ct.tail[0, k]), float(mem[k]), qs[s],
+                                 d, t, sp))
     return JointPoint(tuple(stages), d, t, M, "1f1b", math.inf, math.inf)

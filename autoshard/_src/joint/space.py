@@ -14,13 +14,15 @@ from ..core.grouping import Grouping
 from ..core.hardware import HardwareSpec
 from ..core.mesh import MeshSpec, mesh_spec
 from ..pipeline.costs import traced_batch
-from ..tensor.search import SearchOptions, analysis, plan_space
-from .chain_sim import chain_makespan
+from ..tensor.search import SearchOptions, analysis, plan_space, sequence_parallel_analysis
+from .chain_sim import chain_makespan, interleaved_inflight
 from .stage_choice import REMAT, compositions
 from .tables import ShapeTables, shape_tables
 from .units import build_units, kinds_per_range
 
-SCHEDULES = ("1f1b", "gpipe")
+INTERLEAVED = "interleaved-1f1b"
+SCHEDULES = ("1f1b", "gpipe", INTERLEAVED)
+VIRTUAL = (2, 3, 4)      # virtual stages per rank the interleaved schedule tries (Megatron's runs use 2-3)
 SIMULATED = 8            # formula-ranked points the event simulator times
 
 
@@ -31,6 +33,8 @@ class JointOptions:
     `tensor_in_stages=False` keeps pipeline stages data parallel inside; `remat` the policies it
     may choose (("none",) when the step cannot be rematerialised); `shape` a fixed (data, model)
     submesh and `microbatches` a fixed micro-batch count (a mesh with a "pipe" axis fixes all three);
+    `virtual`: the virtual stage counts per rank the interleaved schedule may take (Megatron's
+    interleaved 1F1B: rank r runs chunks r, r + S, ...);
     `equal_submeshes=True` keeps to points whose stages share one submesh shape (the runnable ones)."""
 
     schedules: tuple[str, ...] = SCHEDULES
@@ -42,6 +46,7 @@ class JointOptions:
     shape: tuple[int, int] | None = None
     microbatches: int | None = None
     equal_submeshes: bool = False
+    virtual: tuple[int, ...] = VIRTUAL
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +67,7 @@ class JointStage:
     inflight: int
     data: int
     model: int
+    sequence_parallel: bool = False   # `row` is a plan of the submesh's sequence-parallel space
 
     @property
     def devices(self) -> int:
@@ -82,14 +88,20 @@ class JointPoint:
     objective: float             # the formula the split minimises
     step_time: float             # event-simulated step + the slowest stage's tail (inf: not simulated)
     label: str = ""
+    virtual: int = 1             # stages per rank (interleaved 1F1B: stage k on rank k % ranks)
 
     @property
     def num_stages(self) -> int:
         return len(self.stages)
 
     @property
+    def ranks(self) -> int:
+        """Device groups along the pipeline (stages / virtual stages per rank)."""
+        return len(self.stages) // self.virtual
+
+    @property
     def devices(self) -> int:
-        return sum(s.devices for s in self.stages)
+        return sum(s.devices for s in self.stages[:self.ranks])
 
     @property
     def runnable(self) -> bool:
@@ -98,13 +110,16 @@ class JointPoint:
 
     @property
     def memory(self) -> float:
-        return max(s.memory for s in self.stages)
+        """Peak bytes on the fullest device: a rank holds all of its virtual stages."""
+        R = self.ranks
+        return max(sum(s.memory for s in self.stages[r::R]) for r in range(R))
 
     def describe(self) -> str:
         rm = sorted({s.remat for s in self.stages})
         shape = (f"x data {self.data} x model {self.model}" if self.runnable else
                  f"on unequal submeshes {submesh_runs([(s.data, s.model) for s in self.stages])}")
-        return (f"{self.num_stages} stage(s) {shape}, {self.microbatches} micro-batch(es), {self.schedule}, "
+        sched = self.schedule + (f" (v {self.virtual}: {self.ranks} ranks)" if self.virtual > 1 else "")
+        return (f"{self.num_stages} stage(s) {shape}, {self.microbatches} micro-batch(es), {sched}, "
                 f"remat {'/'.join(rm)}")
 
 
@@ -131,16 +146,12 @@ def shapes(per_stage: int, max_model: int, tensor: bool, fixed: tuple[int, int] 
     return [(per_stage // t, t) for t in ts]
 
 
-def microbatch_counts(batch: int, stages: int, cap: int, fixed: int | None = None) -> list[int]:
-    """Powers of two dividing the batch (one stage with several micro-batches accumulates gradients)."""
+def microbatch_counts(batch: int, cap: int, fixed: int | None = None, replicas: int = 1) -> list[int]:
+    """Every count M <= cap that cuts the batch into equal micro-batches splitting evenly over
+    `replicas` data-parallel copies (one stage with several micro-batches accumulates gradients)."""
     if fixed is not None:
-        return [fixed] if batch % fixed == 0 else []
-    out, m = [], 1
-    while m <= min(batch, cap):
-        if batch % m == 0:
-            out.append(m)
-        m *= 2
-    return out
+        return [fixed] if batch % fixed == 0 and (batch // fixed) % replicas == 0 else []
+    return [m for m in range(1, min(batch, cap) + 1) if batch % m == 0 and (batch // m) % replicas == 0]
 
 
 class SearchState:
@@ -160,11 +171,13 @@ class SearchState:
         self.comps, inverse = np.unique(counts[i, j], axis=0, return_inverse=True)
         self.comp_id = np.full((U + 1, U + 1), -1, dtype=np.int64)
         self.comp_id[i, j] = inverse.reshape(-1)
+        self.kind_counts = counts[0, U].astype(np.float64)           # units of each kind in the chain
         # bytes entering a unit of each kind (what remat keeps per unit)
         K = len(self.units.kinds)
         self.kind_inputs = np.zeros(K)
         for u, k in enumerate(self.units.kind_of):
             self.kind_inputs[k] = max(self.kind_inputs[k], self.units.cut_dep[u])
+        self._sp_analysed: list = []          # [the sequence-parallel analysis or None], computed once
         self.tables: dict[tuple[int, int], ShapeTables] = {}
         self.combos: dict[tuple[int, int], dict[str, np.ndarray]] = {}
 
@@ -172,9 +185,19 @@ class SearchState:
         if (d, t) not in self.tables:
             mesh = submesh(d, t)
             space = plan_space(self.graph, self.grouping, mesh, self.options, self.analysed)
-            self.tables[(d, t)] = shape_tables(space, self.units, self.hw, self.cost(mesh), self.options)
+            sp = self.sp_analysed() if t > 1 else None
+            sp_space = plan_space(self.graph, self.grouping, mesh, self.options, sp) if sp is not None else None
+            self.tables[(d, t)] = shape_tables(space, self.units, self.hw, self.cost(mesh), self.options, sp_space)
             self.combos[(d, t)] = compositions(self.tables[(d, t)], self.comps, self.kind_inputs)
         return self.tables[(d, t)]
+
+    def sp_analysed(self):
+        """The step's sequence-parallel analysis (None: off, or no regions to cut the stream from)."""
+        if not self._sp_analysed:
+            off = self.options.sequence_parallel == "off"
+            self._sp_analysed.append(None if off else
+                                     sequence_parallel_analysis(self.graph, self.grouping, self.analysed))
+        return self._sp_analysed[0]
 
     def p2p(self, per_stage: int) -> tuple[float, float]:
         hw = self.hw
@@ -192,18 +215,26 @@ class SearchState:
         return t(fwd_bytes), t(bwd_bytes)
 
 
-def inflight(schedule: str, S: int, M: int) -> list[int]:
+def inflight(schedule: str, S: int, M: int, virtual: int = 1) -> list[int]:
+    """Micro-batches each stage keeps in flight at its peak. Interleaved (S ranks x `virtual` stages):
+    a rank's peak count of (stage, micro-batch) activations spread over its stages, rounded up."""
+    if schedule == INTERLEAVED and virtual > 1:
+        peaks = interleaved_inflight(S, virtual, M)
+        return [-(-peaks[k % S] // virtual) for k in range(S * virtual)]
     return [min(S - s, M) for s in range(S)] if schedule == "1f1b" else [M] * S
 
 
 def simulated(p: JointPoint) -> JointPoint:
-    """`p` with its step timed by the event simulator (plus the slowest stage's per-step tail)."""
+    """`p` with its step timed by the event simulator (plus the slowest stage's per-step tail; a
+    rank's tail is its stages' together)."""
     if p.num_stages == 1:
         st = p.stages[0]
         step = p.microbatches * (st.forward + st.backward) + st.tail
     else:
+        R = p.ranks
+        tail = max(sum(s.tail for s in p.stages[r::R]) for r in range(R))
         step = chain_makespan(p.schedule, [s.forward for s in p.stages], [s.backward for s in p.stages],
-                              p.microbatches) + max(s.tail for s in p.stages)
+                              p.microbatches, virtual=p.virtual) + tail
     return dataclasses.replace(p, step_time=float(step))
 
 

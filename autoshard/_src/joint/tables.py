@@ -20,8 +20,12 @@ acts_dots      the matmul outputs among them                       (remat 'dots'
 data           the batch inputs the unit reads                     size x in flight
 =============  =================================================  ======================
 
-Plans that another plan beats on every array of every kind are dropped (they can never be a
-stage's best choice, whatever its units), which keeps the stage search small.
+On a submesh with a model axis the plans of the sequence-parallel space come next to them
+(`tensor.search.sequence_parallel_analysis`: the residual stream cut from the tensor-parallel
+regions, its sequence split over their axes; Korthikanti et al. 2022), priced by the same
+evaluator: each stage chooses sequence parallelism or not like any other plan, and no tensor search
+runs beside the 3-D search. Plans that another plan beats on every array of every kind are dropped
+(they can never be a stage's best choice, whatever its units), which keeps the stage search small.
 """
 
 from __future__ import annotations
@@ -44,8 +48,10 @@ ARRAYS = ("fwd", "bwd", "fwd_dots", "const", "gather", "sync", "step", "static",
 
 @dataclasses.dataclass
 class ShapeTables:
-    """`values[name]`: array [kinds, storage modes, plans] per ARRAYS entry; `rows`: the kept plans
-    (axis masks per candidate factor) of `space`; `batch_split[p]`: devices the batch is split over."""
+    """`values[name]`: array [kinds, storage modes, plans] per ARRAYS entry over the kept plans of
+    `space` (`rows`: axis masks per candidate factor) then those of `sp_space` (`sp_rows`, sequence
+    parallel; none when the submesh has no model axis or the step no such regions);
+    `batch_split[p]`: devices the batch is split over."""
 
     mesh: MeshSpec
     space: PlanSpace
@@ -54,10 +60,32 @@ class ShapeTables:
     batch_split: np.ndarray
     storage_modes: tuple[str, ...]
     megatron: np.ndarray | str        # Megatron-LM's plan row on this submesh, or why there is none
+    sp_space: PlanSpace | None = None
+    sp_rows: np.ndarray | None = None
+    megatron_sp: np.ndarray | str = "no sequence-parallel space on this submesh"
 
     @property
     def n_plans(self) -> int:
-        return self.rows.shape[0]
+        return self.rows.shape[0] + (0 if self.sp_rows is None else self.sp_rows.shape[0])
+
+    def plan(self, p: int) -> tuple[tuple[int, ...], bool]:
+        """(row, sequence parallel) of plan index `p`."""
+        n = self.rows.shape[0]
+        row = self.rows[p] if p < n else self.sp_rows[p - n]
+        return tuple(int(x) for x in row), p >= n
+
+    def space_of(self, sequence_parallel: bool) -> PlanSpace:
+        return self.sp_space if sequence_parallel else self.space
+
+    def index(self, row, sequence_parallel: bool = False) -> int:
+        """The plan index of `row` in the plain (or sequence-parallel) plans."""
+        rows, base = (self.sp_rows, self.rows.shape[0]) if sequence_parallel else (self.rows, 0)
+        return base + int(np.flatnonzero((rows == np.asarray(row)).all(axis=1))[0])
+
+    def megatron_plans(self) -> list[int]:
+        """Plan indices of Megatron-LM's plan, without and with sequence parallelism, where they apply."""
+        return [self.index(row, sp) for row, sp in ((self.megatron, False), (self.megatron_sp, True))
+                if not isinstance(row, str)]
 
 
 def _evaluators(space: PlanSpace, hw: HardwareSpec, cost: CostModel, options: SearchOptions, kind) -> dict:
@@ -86,20 +114,49 @@ def expert_row(space: PlanSpace, name: str) -> np.ndarray | str:
     return row if hits.size else "its assignment is not in the enumerated plan space"
 
 
-def megatron_expert(mesh: MeshSpec) -> str:
-    """Megatron-LM's tensor plan on a (data, model) submesh: batch on data, heads/FFN/vocab on model."""
+def megatron_expert(mesh: MeshSpec, sequence_parallel: bool = False) -> str:
+    """Megatron-LM's tensor plan on a (data, model) submesh: batch on data, heads/FFN/vocab on model
+    (with sequence parallelism: the residual stream's sequence on model too)."""
     names = mesh.names
     if "model" not in names:
         return "data-parallel"
+    if sequence_parallel:
+        return "megatron-sp"
     return "data-megatron" if "data" in names else "megatron"
 
 
-def shape_tables(space: PlanSpace, units: Units, hw: HardwareSpec, cost: CostModel,
-                 options: SearchOptions) -> ShapeTables:
-    """Every kind of `units` priced under every plan of `space` (a stage submesh) and storage mode.
-    Plans dominated everywhere are dropped, except Megatron-LM's (the grid of experts uses it)."""
-    plans = space.plans
+def shape_tables(space: PlanSpace, units: Units, hw: HardwareSpec, cost: CostModel, options: SearchOptions,
+                 sp_space: PlanSpace | None = None) -> ShapeTables:
+    """Every kind of `units` priced under every plan of `space` (a stage submesh) and of `sp_space`
+    (its sequence-parallel space, optional) and storage mode. Plans dominated everywhere are dropped,
+    except Megatron-LM's (the grid of experts uses them)."""
     modes = tuple(m for m in STORAGE_MODES if m in options.storage_modes)
+    spaces = [sp for sp in (space, sp_space) if sp is not None]
+    if options.sequence_parallel == "on" and sp_space is not None:
+        spaces = [sp_space]
+    priced = [_priced(sp, units, hw, cost, options, modes) for sp in spaces]
+    vals = {a: np.concatenate([v[a] for v in priced], axis=2) for a in ARRAYS}
+    keep = _undominated(vals)
+    offsets = np.cumsum([0] + [sp.plans.shape[0] for sp in spaces])
+    experts = [expert_row(sp, megatron_expert(sp.mesh, sp is sp_space)) for sp in spaces]
+    for o, sp, row in zip(offsets, spaces, experts, strict=False):
+        if not isinstance(row, str):
+            keep = np.union1d(keep, o + np.flatnonzero((sp.plans == row).all(axis=1))).astype(np.int64)
+    kept = [keep[(keep >= offsets[i]) & (keep < offsets[i + 1])] - offsets[i] for i in range(len(spaces))]
+    if not kept[0].size and len(spaces) > 1:      # the plain space entirely dominated: keep its first plan
+        kept[0], keep = np.array([0]), np.union1d(keep, [0]).astype(np.int64)
+    bsplit = np.concatenate([_batch_split(sp, sp.plans[k]) for sp, k in zip(spaces, kept, strict=True)])
+    first, sp_part = spaces[0], (spaces[1] if len(spaces) > 1 else None)
+    return ShapeTables(first.mesh, first, first.plans[kept[0]], {a: v[:, :, keep] for a, v in vals.items()},
+                       bsplit, modes, experts[0], sp_space=sp_part,
+                       sp_rows=None if sp_part is None else sp_part.plans[kept[1]],
+                       megatron_sp=experts[1] if sp_part is not None else "no sequence-parallel space on this submesh")
+
+
+def _priced(space: PlanSpace, units: Units, hw: HardwareSpec, cost: CostModel, options: SearchOptions,
+            modes: tuple[str, ...]) -> dict[str, np.ndarray]:
+    """The ARRAYS of every kind under every plan of `space` and storage mode in `modes`: [K, Z, P]."""
+    plans = space.plans
     K, Z, C = len(units.kinds), len(modes), plans.shape[0]
     vals = {a: np.zeros((K, Z, C)) for a in ARRAYS}
     for k, kind in enumerate(units.kinds):
@@ -124,13 +181,7 @@ def shape_tables(space: PlanSpace, units: Units, hw: HardwareSpec, cost: CostMod
             vals["acts"][k, z] = fwd["activations"]
             vals["acts_dots"][k, z] = dots["activations"]
             vals["data"][k, z] = held["data"]
-    keep = _undominated(vals)
-    expert = expert_row(space, megatron_expert(space.mesh))
-    if not isinstance(expert, str):
-        keep = np.union1d(keep, np.flatnonzero((plans == expert).all(axis=1))).astype(np.int64)
-    bsplit = _batch_split(space, plans[keep])
-    return ShapeTables(space.mesh, space, plans[keep], {a: v[:, :, keep] for a, v in vals.items()}, bsplit, modes,
-                       expert)
+    return vals
 
 
 def _undominated(vals: dict[str, np.ndarray]) -> np.ndarray:

@@ -104,9 +104,10 @@ def _as_point(srch: SearchState, pb: ChainProblem, found: UnequalSplit, tables: 
         behind = send_seconds(pb, i, pb.shape_class(found.stages[s - 1][2]), pb.shape_class(k))[1] if s else 0.0
         mem = float(ct.static[u, pos] + ct.transient[u, pos] + q * ct.held[u, pos])
         st = srch.table(d, t)
-        stages.append(JointStage(i, j, tuple(int(x) for x in st.rows[p]), st.storage_modes[z], srch.joint.remat[r],
+        row, sp = st.plan(p)
+        stages.append(JointStage(i, j, row, st.storage_modes[z], srch.joint.remat[r],
                                  float(ct.f[u, pos] + ahead), float(ct.b[u, pos] + behind), float(ct.tail[u, pos]),
-                                 mem, q, d, t))
+                                 mem, q, d, t, sp))
     v = [st.forward + st.backward + st.tail / M for st in stages]
     runnable = len({(st.data, st.model) for st in stages}) == 1
     d, t = (stages[0].data, stages[0].model) if runnable else (None, None)

@@ -21,8 +21,6 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-import numpy as np
-
 from ..core.errors import ConfigError, InfeasiblePlanError, PlanError
 from ..core.graph import OpGraph, fingerprint, op_keys
 from ..core.grouping import Grouping, group
@@ -30,18 +28,17 @@ from ..core.hardware import HardwareSpec, hardware_dict
 from ..core.mesh import MeshSpec
 from ..core.version import VERSION
 from ..joint.search import JointResult, joint_search
-from ..joint.space import SCHEDULES, JointOptions, JointPoint, submesh
+from ..joint.space import INTERLEAVED, SCHEDULES, VIRTUAL, JointOptions, JointPoint, submesh
 from ..joint.stage_choice import REMAT
-from ..joint.tables import ShapeTables
 from ..pipeline.costs import traced_batch
 from ..tensor.instances import instance_maps
-from ..tensor.search import SearchOptions, search
+from ..tensor.search import PlanSpace, SearchOptions, search
 from .pipeline_planner import _modules, _params
 from .plan import ParamReport, Plan, Stage
 from .planner import activation_constraints, build_plan, describe_factors
 from .specs import Spec
 
-JOINT_OPTION_KEYS = ("remat", "max_microbatches", "max_model", "expert", "equal_submeshes")
+JOINT_OPTION_KEYS = ("remat", "max_microbatches", "max_model", "expert", "equal_submeshes", "virtual_stages")
 EXPERTS_3D = ("megatron",)
 STAGE_AXES = ("data", "model")
 
@@ -66,10 +63,20 @@ def fixed_shape_options(mesh: MeshSpec, schedule: str, num_microbatches: int | N
     remat = _remat_policies(options)
     shape = tuple(mesh.axis_size(n) if n in others else 1 for n in STAGE_AXES)
     _check_fixed_shape(mesh, shape[1], num_microbatches, options)
+    virtual = _virtual_stages(options)
+    if schedule != INTERLEAVED and options.get("virtual_stages") not in (None, 1):
+        raise ConfigError(f"autoshard: pipeline_options virtual_stages={options.get('virtual_stages')!r} needs "
+                          f"schedule={INTERLEAVED!r} (schedule={schedule!r} runs one stage per pipe rank). Fix: "
+                          f"pass schedule={INTERLEAVED!r}, or drop virtual_stages.")
+    if schedule == INTERLEAVED and num_microbatches is not None and num_microbatches % mesh.axis_size("pipe"):
+        raise ConfigError(f"autoshard: schedule={INTERLEAVED!r} needs a micro-batch count divisible by the 'pipe' "
+                          f"axis ({mesh.axis_size('pipe')}), got num_microbatches={num_microbatches}. Fix: a multiple "
+                          f"of {mesh.axis_size('pipe')}, or schedule='1f1b'.")
     return JointOptions(schedules=(schedule,), remat=remat, stages=mesh.axis_size("pipe"),
                         shape=shape, microbatches=num_microbatches,
                         max_microbatches=int(options.get("max_microbatches", JointOptions.max_microbatches)),
-                        max_model=options.get("max_model"), equal_submeshes=_equal_submeshes(options))
+                        max_model=options.get("max_model"), equal_submeshes=_equal_submeshes(options),
+                        virtual=virtual)
 
 
 def _check_fixed_shape(mesh: MeshSpec, model: int, num_microbatches: int | None, options: Mapping[str, Any]) -> None:
@@ -95,7 +102,23 @@ def auto_mesh_options(options: Mapping[str, Any]) -> JointOptions:
                           "shape; with mesh='auto' pass a mesh with a 'pipe' axis and pipeline='auto' instead.")
     return JointOptions(remat=_remat_policies(options), max_model=options.get("max_model"),
                         max_microbatches=int(options.get("max_microbatches", JointOptions.max_microbatches)),
-                        equal_submeshes=_equal_submeshes(options))
+                        equal_submeshes=_equal_submeshes(options), virtual=_virtual_stages(options))
+
+
+def _virtual_stages(options: Mapping[str, Any]) -> tuple[int, ...]:
+    """Virtual stages per rank the interleaved schedule may take: an int or a sequence of ints >= 2."""
+    value = options.get("virtual_stages", VIRTUAL)
+    vs = (value,) if isinstance(value, int) and not isinstance(value, bool) else value
+    try:
+        vs = tuple(vs)
+        ok = bool(vs) and all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in vs)
+    except TypeError:
+        ok = False
+    if not ok:
+        raise ConfigError(f"autoshard: pipeline_options virtual_stages={value!r}: give an int >= 2 (model chunks "
+                          f"per pipe rank under schedule={INTERLEAVED!r}) or a sequence of them to search, e.g. "
+                          "(2, 3, 4).")
+    return tuple(v for v in vs if v > 1) or (1,)
 
 
 def _remat_policies(options: Mapping[str, Any]) -> tuple[str, ...]:
@@ -162,7 +185,7 @@ def point_summary(p: JointPoint | None) -> dict[str, Any] | None:
         return None
     return {"stages": p.num_stages, "data": p.data, "model": p.model, "runnable": p.runnable,
             "submeshes": tuple((s.data, s.model) for s in p.stages), "microbatches": p.microbatches,
-            "schedule": p.schedule, "step_time": p.step_time, "memory": p.memory,
+            "schedule": p.schedule, "virtual_stages": p.virtual, "step_time": p.step_time, "memory": p.memory,
             "remat": tuple(sorted({s.remat for s in p.stages})),
             "storage": tuple(sorted({s.storage for s in p.stages})),
             "units_per_stage": tuple(s.stop - s.start for s in p.stages), "label": p.label or p.describe()}
@@ -196,22 +219,22 @@ def _infeasible(res: JointResult, devices: int, hw: HardwareSpec, options: Searc
         "batch, or a larger memory_budget.", min_memory=least.memory, budget=budget)
 
 
-def _factor_axes(tables: ShapeTables, row: tuple[int, ...]) -> dict[int, tuple[str, ...]]:
-    names = tables.mesh.names
+def _factor_axes(space: PlanSpace, row: tuple[int, ...]) -> dict[int, tuple[str, ...]]:
+    names = space.mesh.names
     return {f: tuple(n for i, n in enumerate(names) if mask >> i & 1)
-            for f, mask in zip(tables.space.candidates, row, strict=True) if mask}
+            for f, mask in zip(space.candidates, row, strict=True) if mask}
 
 
 def _tensor_plan(graph: OpGraph, grouping: Grouping, res: JointResult, best: JointPoint, hw: HardwareSpec,
                  options: SearchOptions) -> Plan:
     """A one-stage point as the tensor plan it is: its factor assignment on its submesh."""
     mesh = submesh(best.data, best.model)
-    tables = res.tables[(best.data, best.model)]
-    # the point's factors are those of the 3-D tables' (uncut) space
-    sr = search(graph, grouping, mesh, hw, dataclasses.replace(options, sequence_parallel="off"),
-                analysed=tables.space.analysis)
-    choice = sr.evaluate(_factor_axes(tables, best.stages[0].row), best.stages[0].storage)
     st = best.stages[0]
+    space = res.tables[(best.data, best.model)].space_of(st.sequence_parallel)
+    # the point's factors are those of its space in the 3-D tables (the stream cut or not)
+    sr = search(graph, grouping, mesh, hw, dataclasses.replace(options, sequence_parallel="off"),
+                analysed=space.analysis)
+    choice = sr.evaluate(_factor_axes(space, st.row), st.storage)
     if st.remat != "none":     # the 3-D tables price remat; the tensor evaluator keeps every activation
         mem = dict(choice.memory)
         g = sr._evaluator.evaluate(sr._evaluator.row(choice.factor_axes).reshape(1, -1), st.storage)
@@ -233,29 +256,32 @@ def _staged_plan(graph: OpGraph, grouping: Grouping, res: JointResult, best: Joi
     first = res.tables[(best.stages[0].data, best.stages[0].model)]
     # the same for every stage: computed once (each walks the whole graph); factors per submesh
     op_map, keys = instance_maps(graph, grouping, first.space.periods), op_keys(graph)
-    described: dict[tuple[int, int], list] = {}
+    described: dict[tuple[int, int, bool], list] = {}
     stages, batch = [], traced_batch(graph)
+    # the pipeline runtime differentiates each stage's loss itself: constraints name forward ops only
+    forward = {i for i, op in enumerate(graph.ops) if op.phase == "forward"}
     for i, st in enumerate(best.stages):
         tables = res.tables[(st.data, st.model)]
-        fg, sub = tables.space.fg, tuple(tables.mesh.axes)
-        if (st.data, st.model) not in described:
-            described[(st.data, st.model)] = describe_factors(graph, fg, tables.space.candidates, {})
+        space, shape = tables.space_of(st.sequence_parallel), (st.data, st.model, st.sequence_parallel)
+        fg, sub = space.fg, tuple(tables.mesh.axes)
+        if shape not in described:
+            described[shape] = describe_factors(graph, fg, space.candidates, {})
         ops = tuple(sorted({o for u in range(st.start, st.stop) for o in res.units.ops[u]}))
-        axes_of = _factor_axes(tables, st.row)
-        split = int(tables.batch_split[_row_index(tables, st.row)])
+        axes_of = _factor_axes(space, st.row)
+        split = int(tables.batch_split[tables.index(st.row, st.sequence_parallel)])
         params = _params(graph, ops)
         stages.append(Stage(
             index=i, mesh=sub, replicas=split, microbatch_size=max(1, batch // best.microbatches // split),
             predicted_forward=st.forward, predicted_backward=st.backward, memory=st.memory,
             microbatches=best.microbatches, after=(i - 1,) if i else (), units=tuple(range(st.start, st.stop)),
             ops=ops, modules=_modules(graph, ops), params=params,
-            factors=tuple((f, desc, size, axes_of.get(f, ())) for f, desc, size, _ in described[(st.data, st.model)]),
-            storage=st.storage, remat=st.remat, param_specs=_param_specs(graph, tables, axes_of, set(params)),
-            batch_axes=_batch_axes(graph, tables, axes_of),
-            activation_constraints=tuple(activation_constraints(graph, op_map, fg, axes_of, set(ops), keys))))
+            factors=tuple((f, desc, size, axes_of.get(f, ())) for f, desc, size, _ in described[shape]),
+            storage=st.storage, remat=st.remat, param_specs=_param_specs(graph, space, axes_of, set(params)),
+            batch_axes=_batch_axes(graph, space, axes_of),
+            activation_constraints=tuple(activation_constraints(graph, op_map, fg, axes_of, forward & set(ops), keys))))
     # the runtime's mesh: always a pipe axis (one stage with several micro-batches accumulates gradients);
     # stages on unequal submeshes share no such mesh: their devices as one axis, each stage's its own
-    mesh = (("pipe", best.num_stages), *((n, s) for n, s in sub if s > 1)) if best.runnable else \
+    mesh = (("pipe", best.ranks), *((n, s) for n, s in sub if s > 1)) if best.runnable else \
         (("devices", best.devices),)
     reports = tuple(ParamReport(graph.values[v].keypath or "", graph.values[v].shape, graph.values[v].dtype,
                                 tuple(() for _ in graph.values[v].shape), 0, "see the stage holding it")
@@ -275,11 +301,11 @@ def _staged_plan(graph: OpGraph, grouping: Grouping, res: JointResult, best: Joi
                 provenance=provenance, schedule=best.schedule, microbatches=best.microbatches)
 
 
-def _param_specs(graph: OpGraph, tables: ShapeTables, axes_of: dict[int, tuple[str, ...]],
+def _param_specs(graph: OpGraph, space: PlanSpace, axes_of: dict[int, tuple[str, ...]],
                  keypaths: set[str]) -> tuple[tuple[str, Spec], ...]:
     """(keypath, spec) of the stage's parameters under its tensor plan (ZeRO-3 storage axes are the
     runtime's to add: `planner.storage_spec`)."""
-    fg, in_map = tables.space.fg, tables.space.in_map
+    fg, in_map = space.fg, space.in_map
     out = []
     for v in graph.inputs:
         val = graph.values[v]
@@ -292,15 +318,11 @@ def _param_specs(graph: OpGraph, tables: ShapeTables, axes_of: dict[int, tuple[s
     return tuple(out)
 
 
-def _batch_axes(graph: OpGraph, tables: ShapeTables, axes_of: dict[int, tuple[str, ...]]) -> tuple[str, ...]:
+def _batch_axes(graph: OpGraph, space: PlanSpace, axes_of: dict[int, tuple[str, ...]]) -> tuple[str, ...]:
     """The submesh axes the stage's plan splits the batch over (the data inputs' leading factor)."""
-    fg, axes = tables.space.fg, []
+    fg, axes = space.fg, []
     for v in graph.inputs:
         if graph.values[v].role == "data" and graph.values[v].shape:
-            f = fg.value_factors(tables.space.in_map.get(v, v))[0]
+            f = fg.value_factors(space.in_map.get(v, v))[0]
             axes += [a for a in axes_of.get(f, ()) if a not in axes] if f is not None else []
-    return tuple(a for a in tables.mesh.names if a in axes)
-
-
-def _row_index(tables: ShapeTables, row: tuple[int, ...]) -> int:
-    return int(np.flatnonzero((tables.rows == np.array(row)).all(axis=1))[0])
+    return tuple(a for a in space.mesh.names if a in axes)

@@ -6,7 +6,7 @@ import dataclasses
 import math
 import time
 
-from ..core.errors import ConfigError, InfeasiblePlanError, PipelineError
+from ..core.errors import ConfigError, PipelineError
 from ..core.graph import OpGraph
 from ..core.grouping import group
 from ..core.hardware import HardwareSpec
@@ -35,9 +35,9 @@ def make_plan(graph: OpGraph, config: Config, hardware: HardwareSpec, *, profile
     if config.pipeline is None and config.mesh == "auto" and three_d:
         grouping = group(graph)
         group_seconds = time.perf_counter() - t0
+        # sequence parallelism is a per-stage choice of the 3-D tables: no tensor search beside it
         plan = joint_plan(graph, devices=config.devices, hw=hardware, options=config.search, grouping=grouping,
                           joint=auto_mesh_options(config.pipeline_options))
-        plan = _with_sequence_parallel_tensor_plan(plan, graph, config, hardware, grouping)
     elif config.pipeline == "auto" and isinstance(config.mesh, MeshSpec) and "pipe" in config.mesh.names:
         # a "pipe" mesh fixes the 3-D shape: stages x data x model, searched jointly
         grouping = group(graph)
@@ -81,24 +81,3 @@ def _check_batch_split(graph: OpGraph, config: Config) -> None:
                                  config.num_microbatches, str(mesh), " x ".join(axes) or "no data axis")
     if why:
         raise PipelineError(why)
-
-
-def _with_sequence_parallel_tensor_plan(plan: Plan, graph: OpGraph, config: Config, hardware: HardwareSpec,
-                                        grouping) -> Plan:
-    """The 3-D search prices tensor plans without sequence parallelism; a sequence-parallel tensor plan
-    (the tensor search over every mesh shape) that is faster and fits replaces its choice, which stays
-    on record in predicted["3d"]."""
-    if config.search.sequence_parallel == "off" or plan.predicted.get("3d") is None:
-        return plan
-    try:
-        tensor = tensor_plan(graph, mesh="auto", hw=hardware, options=config.search, devices=config.devices,
-                             grouping=grouping)
-    except InfeasiblePlanError:
-        return plan
-    if not any("sequence parallel" in f[1] and f[3] for st in tensor.stages for f in st.factors):
-        return plan
-    if not plan.predicted.get("feasible", True) or tensor.predicted["step_time"] < plan.predicted["step_time"]:
-        three_d = {**plan.predicted["3d"], "replaced_by_sequence_parallel_tensor_plan": {
-            "step_time": tensor.predicted["step_time"], "mesh": dict(tensor.mesh)}}
-        return dataclasses.replace(tensor, predicted={**tensor.predicted, "3d": three_d})
-    return plan
