@@ -203,11 +203,11 @@ class PipelineProgram:
         return loss, self.unstack(grads)
 
     def _tie_offsets(self, group: tuple[tuple[int, str], ...], codec: Any):
-        """(member ranks, buffer group, flat offset per rank (0 off the group), the member's parameter
-        row per rank, leaf size) of one tied parameter."""
-        ranks = len(self.schedule.ranks)
-        offsets, rows = np.zeros(ranks, np.int32), np.zeros(ranks, np.int32)
-        rank_of = self.schedule.rank_of
+        """(member ranks, buffer group, [ranks, K] flat offsets, [ranks, K] parameter rows, [ranks, K]
+        copy-here flags, leaf size) of one tied parameter: K copies at most on one rank (several when
+        a rank holds several of the tied stages)."""
+        rank_of, R = self.schedule.rank_of, len(self.schedule.ranks)
+        per_rank: dict[int, list[tuple[int, int]]] = {}      # rank -> [(offset, row)]
         where = set()
         for s, path in group:
             paths = codec.layouts[s].paths
@@ -215,21 +215,21 @@ class PipelineProgram:
                 raise PipelineError(
                     f"pipeline runtime: tied parameter {path} is not in stage {s}'s parameters "
                     f"(it has {list(paths)[:6]}{' ...' if len(paths) > 6 else ''}).")
+            g, off, n = codec.tie_slice(s, path)
             r = rank_of[s]
-            g, offsets[r], n = codec.tie_slice(s, path)
-            rows[r] = self.schedule.stages_on(r).index(s)
+            per_rank.setdefault(r, []).append((off, self.schedule.stages_on(r).index(s)))
             where.add((g, n, codec.tie_kind(s, path)))
         if len(where) != 1:
             raise PipelineError(
                 f"pipeline runtime: tied copies {list(group)} differ in shape, dtype or split: "
                 f"{sorted(map(str, where))}.")
-        members = tuple(rank_of[s] for s, _ in group)
-        if len(set(members)) != len(members):
-            raise PipelineError(
-                f"pipeline runtime: tied copies {list(group)} sit on pipe ranks {list(members)}; copies on one rank "
-                "are not supported. Fix: tie stages on different ranks, or share the parameter inside one stage.")
+        K = max(map(len, per_rank.values()))
+        offsets, rows, here = (np.zeros((R, K), np.int32) for _ in range(3))
+        for r, copies in per_rank.items():
+            for k, (off, row) in enumerate(copies):
+                offsets[r, k], rows[r, k], here[r, k] = off, row, 1
         (g, n, _), = where
-        return members, g, offsets, rows, n
+        return tuple(sorted(per_rank)), g, offsets, rows, here, n
 
     def _batch_size(self, batch: Any) -> int:
         leaves = jax.tree.leaves(batch)

@@ -281,16 +281,19 @@ def spmd_body(bufs: Buffers, st: TickPlan, branches: list[Callable], ties: list,
 def _sum_tied(gacc: Any, r: jax.Array, ties: list, pipe: str) -> Any:
     """Copies of one parameter (tied embeddings): every copy's gradient becomes the group's sum. A
     copy is a slice of the last axis of one of the rank's rows: of the flat buffer, or of one group
-    buffer (sharded). Members sit on distinct ranks; `rows[r]` is the member's row on rank r."""
-    for members, group, offsets, rows, n in ties:
+    buffer (sharded). A rank may hold several copies (`here[r, k]`, at `rows[r, k]`/`offsets[r, k]`):
+    they are summed locally, then across the member ranks."""
+    for members, group, offsets, rows, here, n in ties:
         buf = gacc if group is None else gacc[group]
-        off, row = jnp.asarray(offsets)[r], jnp.asarray(rows)[r]
-        mine = lax.dynamic_slice_in_dim(buf[row], off, n, axis=-1)
+        off, row, ok = jnp.asarray(offsets)[r], jnp.asarray(rows)[r], jnp.asarray(here)[r] > 0
+        copies = [lax.dynamic_slice_in_dim(buf[row[k]], off[k], n, axis=-1) for k in range(offsets.shape[1])]
+        mine = sum((jnp.where(ok[k], c, 0) for k, c in enumerate(copies[1:], 1)), copies[0])
         total = mine
         for j in range(1, len(members)):
             perm = [(members[i], members[(i + j) % len(members)]) for i in range(len(members))]
             total = total + lax.ppermute(mine, pipe, perm=perm)
-        member = jnp.isin(r, jnp.asarray(members))
-        buf = buf.at[row].set(lax.dynamic_update_slice_in_dim(buf[row], jnp.where(member, total, mine), off, axis=-1))
+        for k in range(offsets.shape[1]):
+            new = lax.dynamic_update_slice_in_dim(buf[row[k]], total, off[k], axis=-1)
+            buf = buf.at[row[k]].set(jnp.where(ok[k], new, buf[row[k]]))
         gacc = buf if group is None else tuple(buf if g == group else b for g, b in enumerate(gacc))
     return gacc
