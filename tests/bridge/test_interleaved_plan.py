@@ -1,6 +1,6 @@
 """A 3-D plan with schedule "interleaved-1f1b" and v x pipe stages runs through the decorator: a tiny
-GPT planned with 4 stages on pipe 4, rewritten to pipe 2 (stage k on rank k % 2, two chunks per
-rank), trains 3 steps like one device. Until the planner emits v, the test builds the plan."""
+GPT on pipe 2 with two chunks per rank (stage k on rank k % 2) trains 3 steps like one device, both
+as the 3-D search plans it and as a 4-stage plan of pipe 4 rewritten to pipe 2."""
 
 from __future__ import annotations
 
@@ -19,7 +19,8 @@ from .._reference import run_steps
 
 
 @pytest.mark.slow
-def test_interleaved_plan_trains_like_one_device():
+@pytest.mark.parametrize("rewritten", [False, True])
+def test_interleaved_plan_trains_like_one_device(rewritten):
     m = models.get("gpt", "debug", num_layers=4, d_model=16, num_heads=2, vocab_size=64, seq_len=8, batch_size=8)
     params, batch = m.init(jax.random.key(0)), m.batch()
 
@@ -29,9 +30,14 @@ def test_interleaved_plan_trains_like_one_device():
         return optax.apply_updates(params, updates), opt_state, value
 
     args = (params, m.optimizer.init(params), batch)
-    plan = autoshard.plan(step, *args, mesh={"pipe": 4}, pipeline="auto", num_microbatches=4, hardware="cpu-sim")
-    assert len(plan.stages) == 4 and plan.predicted["3d"]["runnable"]
-    inter = dataclasses.replace(plan, mesh=(("pipe", 2),), schedule="interleaved-1f1b")
+    if rewritten:
+        plan = autoshard.plan(step, *args, mesh={"pipe": 4}, pipeline="auto", num_microbatches=4,
+                              hardware="cpu-sim")
+        inter = dataclasses.replace(plan, mesh=(("pipe", 2),), schedule="interleaved-1f1b")
+    else:
+        inter = autoshard.plan(step, *args, mesh={"pipe": 2}, pipeline="auto", schedule="interleaved-1f1b",
+                               num_microbatches=4, pipeline_options={"virtual_stages": 2}, hardware="cpu-sim")
+    assert inter.schedule == "interleaved-1f1b" and len(inter.stages) == 4 and inter.mesh == (("pipe", 2),)
     again = Plan.from_json(inter.to_json())
     assert again.schedule == "interleaved-1f1b" and len(again.stages) == 4
 
