@@ -102,7 +102,8 @@ class PipelineProgram:
 
     @property
     def slots(self) -> tuple[int, int]:
-        """(stage-input slots, incoming-gradient slots) every device holds per edge."""
+        """(stage-input slots, incoming-gradient slots) every device holds per in-/out-edge index,
+        shared by the stages of its rank."""
         return self._static.num_in_slots, self._static.num_out_slots
 
     # parameters
