@@ -45,13 +45,19 @@ def _orders(S: int, v: int, M: int, warmup: np.ndarray) -> tuple[np.ndarray, np.
     return stage, group * S + within % S, is_f
 
 
+def _warmup(S: int, v: int, M: int) -> np.ndarray:
+    """Forwards each rank runs before its first backward (`interleaved.warmup_forwards`)."""
+    r = np.arange(S)
+    return np.minimum(M * v, S - 1 - r if v == 1 else 2 * (S - 1 - r) + (v - 1) * S)
+
+
 @functools.lru_cache(maxsize=8)   # ~8 MB an entry at 64 ranks x 3 chunks x 512 micro-batches
 def _ticks(schedule: str, S: int, v: int, M: int) -> tuple[np.ndarray, ...]:
     """Per tick and rank: the task it ends (or a scratch slot when idle), the tasks it waits for and
     the index of its duration. Task ids: forward (k, m) -> k*M + m, backward -> (n + k)*M + m, then
     ZERO (ends at time 0: a missing dependency) and SCRATCH (written by idle ranks, never read)."""
     n = S * v
-    warm = np.full(S, M) if schedule == "gpipe" else np.minimum(M * v, (v - 1) * S + S - 1 - np.arange(S))
+    warm = np.full(S, M) if schedule == "gpipe" else _warmup(S, v, M)
     stage, mb, is_f = _orders(S, v, M, warm)
     ZERO, SCRATCH = 2 * n * M, 2 * n * M + 1
     tid = np.where(is_f, stage, n + stage) * M + mb
@@ -110,9 +116,9 @@ def chain_makespan(schedule: str, forward: Sequence[float], backward: Sequence[f
 
 def interleaved_inflight(S: int, v: int, M: int) -> list[int]:
     """Per rank, the peak number of (stage, micro-batch) activations alive at once under interleaved
-    1F1B on S ranks with v chunks (forward done, backward not): the warm-up's (v-1)*S + S-1-r forwards
-    plus the first steady forward, at most M*v. v=1 gives 1F1B's min(S-r, M)."""
-    return [min(M * v, (v - 1) * S + S - r) for r in range(S)]
+    1F1B on S ranks with v chunks (forward done, backward not): the warm-up's 2*(S-1-r) + (v-1)*S
+    forwards plus the first steady forward, at most M*v. v=1 gives 1F1B's min(S-r, M)."""
+    return np.minimum(M * v, _warmup(S, v, M) + 1).tolist()
 
 
 def interleaved_peak_bytes(S: int, v: int, M: int, activation_bytes: Sequence[float]) -> list[float]:
@@ -123,7 +129,6 @@ def interleaved_peak_bytes(S: int, v: int, M: int, activation_bytes: Sequence[fl
     if a.shape != (S * v,):
         raise ScheduleError(f"interleaved_peak_bytes: activation_bytes needs one value per virtual stage "
                             f"({S} x {v} = {S * v}), got {len(a)}.")
-    warm = np.minimum(M * v, (v - 1) * S + S - 1 - np.arange(S))
-    stage, _, is_f = _orders(S, v, M, warm)
+    stage, _, is_f = _orders(S, v, M, _warmup(S, v, M))
     live = np.cumsum(np.where(is_f, a[stage], -a[stage]), axis=1)
     return np.maximum(live.max(axis=1), 0.0).tolist()

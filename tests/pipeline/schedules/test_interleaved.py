@@ -60,26 +60,34 @@ def test_v1_is_plain_1f1b():
 
 
 def test_megatron_order_rank0():
-    """S=2, v=2, M=4: rank 0 warms up with (v-1)*S + S-1 = 3 forwards (chunk 0 of micro-batches 0,1,
-    chunk 1 of 0), then one forward and one backward (backward groups run the chunks in reverse),
-    then the drain."""
+    """S=2, v=2, M=4: rank 0 warms up with Megatron's 2*(S-1) + (v-1)*S = 4 forwards (chunk 0 of
+    micro-batches 0,1, chunk 1 of the same), then one forward and one backward (backward groups run
+    the chunks in reverse), then the drain; rank 1 (the last) with (v-1)*S = 2."""
     sched = _build(2, 2, 4)
     got = [(t.kind, t.stage, t.microbatch) for t in sched.ranks[0]]
     assert got[:4] == [("F", 0, 0), ("F", 0, 1), ("F", 2, 0), ("F", 2, 1)]
-    assert got[4:8] == [("B", 2, 0), ("F", 0, 2), ("B", 2, 1), ("F", 0, 3)]
+    assert got[4:8] == [("F", 0, 2), ("B", 2, 0), ("F", 0, 3), ("B", 2, 1)]
     assert got[-2:] == [("B", 0, 2), ("B", 0, 3)]
     last = [(t.kind, t.stage, t.microbatch) for t in sched.ranks[1][:4]]
     assert last == [("F", 1, 0), ("F", 1, 1), ("F", 3, 0), ("B", 3, 0)]
 
 
-@pytest.mark.parametrize(("S", "v", "M"), [(4, 2, 8), (4, 3, 16), (2, 2, 2), (8, 2, 16)])
+@pytest.mark.parametrize(("S", "v", "M"), [(4, 2, 8), (4, 3, 16), (2, 2, 2), (8, 2, 16), (4, 2, 4)])
 def test_peak_inflight_per_rank(S, v, M):
-    """Rank r holds (v-1)*S + S-r activations after warm-up (capped by M*v): Megatron's count
-    without its extra S-1-r forwards."""
+    """Rank r holds Megatron's warm-up 2*(S-1-r) + (v-1)*S plus one activations (capped by M*v)."""
     sim = pipeline.simulate(_build(S, v, M))
-    assert sim.peak_inflight == [min(M * v, (v - 1) * S + S - r) for r in range(S)]
+    assert sim.peak_inflight == [min(M * v, 2 * (S - 1 - r) + (v - 1) * S + 1) for r in range(S)]
     act = pipeline.simulate(_build(S, v, M), activation_bytes=[10.0] * (S * v))
     assert act.peak_activation_bytes == [10.0 * p for p in sim.peak_inflight]
+
+
+def test_megatron_warmup_hides_transfers():
+    """With a transfer time per message, the steady state's extra S-1-r forwards keep ranks busy:
+    the step stays within the transfers the fill and drain cross of the free-transfer step."""
+    S, v, M, lag = 4, 2, 16, 0.1
+    free = pipeline.simulate(_build(S, v, M), forward=0.5, backward=1.0).makespan
+    slow = pipeline.simulate(_build(S, v, M), forward=0.5, backward=1.0, transfer=lag).makespan
+    assert slow - free <= 2 * (S * v - 1) * lag + 1e-6
 
 
 def test_json_round_trip_keeps_placement():

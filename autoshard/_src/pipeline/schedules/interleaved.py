@@ -4,17 +4,18 @@ S pipeline ranks each hold v model chunks: the model is a chain of S*v stages an
 rank k % S, so a micro-batch crosses the ranks v times. Each rank runs forwards in groups of S
 micro-batches per chunk (chunk 0 of micro-batches 0..S-1, chunk 1 of the same, ..., then the next
 S micro-batches), backwards in the same groups with the chunks reversed. Rank r warms up with
-(v-1)*S + (S-1-r) forwards, then alternates one forward and one backward, then drains the
-backwards. Stages are 1/v of a plain stage, so the fill and drain shrink by v: with per-rank
-forward/backward times f and b split evenly over the chunks, the step takes
-M*(f+b) + (S-1)*(f+b)/v instead of 1F1B's (M+S-1)*(f+b).
+Megatron's 2*(S-1-r) + (v-1)*S forwards (at most all M*v), then alternates one forward and one
+backward, then drains the backwards. Stages are 1/v of a plain stage, so the fill and drain shrink
+by v: with per-rank forward/backward times f and b split evenly over the chunks and free
+transfers, the step takes M*(f+b) + (S-1)*(f+b)/v instead of 1F1B's (M+S-1)*(f+b). The S-1-r
+forwards beyond the S-1-r the dependencies need keep the steady state busy while activations and
+gradients are in flight (with a transfer time they save most of its cost), for S-1-r more
+activations held.
 
 Convention: `num_stages` is the number of pipeline ranks S (as in the paper and Megatron); the
 returned `Schedule` has S*v stages and `placement[k] == k % S`. The groups of S need M to be a
-multiple of S. With v=1 the warm-up is S-1-r forwards, i.e. exactly the registered "1f1b".
-
-Megatron warms up with 2*(S-1-r) + (v-1)*S forwards: the extra S-1-r let its blocking send/receive
-pairs overlap; with this package's asynchronous transfers they only add activation memory.
+multiple of S. With v=1 Megatron runs its plain 1F1B (S-1-r warm-up forwards), and so does this:
+v=1 is exactly the registered "1f1b".
 """
 
 from __future__ import annotations
@@ -48,6 +49,13 @@ def _args(num_stages: Any, num_microbatches: Any, virtual_stages: Any) -> tuple[
     return S, M, v
 
 
+def warmup_forwards(rank: int, num_ranks: int, num_microbatches: int, virtual_stages: int) -> int:
+    """Forwards rank `rank` runs before its first backward (Megatron-LM's counts)."""
+    S, v = num_ranks, virtual_stages
+    extra = (S - 1 - rank) if v == 1 else 2 * (S - 1 - rank) + (v - 1) * S
+    return min(num_microbatches * v, extra)
+
+
 def virtual_order(rank: int, num_ranks: int, num_microbatches: int, virtual_stages: int) -> tuple[Task, ...]:
     """Rank `rank`'s task order (stage k = chunk * num_ranks + rank); arguments are not checked."""
     S, M, v = num_ranks, num_microbatches, virtual_stages
@@ -58,7 +66,7 @@ def virtual_order(rank: int, num_ranks: int, num_microbatches: int, virtual_stag
         chunk = within // S if kind == "F" else v - 1 - within // S
         return Task(chunk * S + rank, group * S + within % S, kind)
 
-    warmup = min(total, (v - 1) * S + S - 1 - rank)
+    warmup = warmup_forwards(rank, S, M, v)
     order = [task(k, "F") for k in range(warmup)]
     for k in range(total - warmup):          # steady state: one forward, one backward
         order += [task(warmup + k, "F"), task(k, "B")]
