@@ -7,7 +7,9 @@ by a validator and timed by an event simulator:
 
     sched = pipeline.schedule("1f1b", num_stages=4, num_microbatches=8)   # also "gpipe", "graph-1f1b"
     sim = pipeline.simulate(sched, forward=1.0, backward=2.0)             # scalars or per-stage lists
-    sim.makespan, sim.bubble_fraction, sim.peak_inflight                  # peak_inflight: per stage
+    sim.makespan, sim.bubble_fraction, sim.peak_inflight                  # peak_inflight: per rank
+    pipeline.schedule("interleaved-1f1b", num_stages=4, num_microbatches=8, virtual_stages=2)
+    # ^ 4 ranks x 2 chunks: 8 stages, stage k on rank k % 4 (`Schedule.placement`)
 
 Partitioners (RaNNC, GraphPipe, or your own `Partitioner`) are found by name in a registry that
 `autoshard.plan(..., pipeline=name)` reads; `register_schedule` / `register_partitioner` add more.

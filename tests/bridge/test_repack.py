@@ -35,10 +35,16 @@ def _problem():
     return params, batch
 
 
-@pytest.mark.parametrize("shape", [{"pipe": 4, "data": 2}, {"data": 2, "pipe": 4}])
-def test_repack_equals_the_runtime_stack_and_unstack(shape):
+@pytest.mark.parametrize(("shape", "kw"), [
+    ({"pipe": 4, "data": 2}, {}),
+    ({"data": 2, "pipe": 4}, {}),
+    # interleaved: 4 stages on 2 pipe ranks, each rank's block carries the pieces of its two stages
+    ({"pipe": 2, "data": 2}, {"schedule": "interleaved-1f1b", "virtual_stages": 2}),
+])
+def test_repack_equals_the_runtime_stack_and_unstack(shape, kw):
     params, batch = _problem()
-    run = autoshard.pipelined(_loss, params, batch, mesh=shape, num_microbatches=2)
+    run = autoshard.pipelined(_loss, params, batch, mesh=shape, num_microbatches=2, **kw)
+    assert len(run.stages) == 4
     mesh = run.mesh
     assert sum(len(h) > 1 for h in run._holders) >= 1          # the tied leaf is in two stages
     repack = run.repacker(params)

@@ -38,7 +38,7 @@ from . import compat as jc
 from .cut_3d import ActivationSpecs, dict_path, guard_gathers, plan_batch_axes, runnable_here, stage_specs
 from .cut_dag import assign as dag_assign
 from .cut_dag import plan_edges
-from .cut_place import anchors, live_bytes, plan_anchors, plan_stages
+from .cut_place import anchors, live_bytes, plan_anchors, plan_stages, stage_count
 from .devices import local_hardware
 from .emit import auto_axes
 from .loss_form import LossForm, loss_form, value_avals
@@ -140,7 +140,8 @@ class Pipelined:
 def pipelined(loss_fn: Callable, params: Any, batch: Any, *, mesh: Any, num_microbatches: int,
               schedule: str = "1f1b", plan: Any = None, pipe_axis: str = "pipe",
               data_axes: tuple[str, ...] | None = None, check_loss: bool = True,
-              hardware: Any = None, tensor_in_stages: bool | None = None) -> Pipelined:
+              hardware: Any = None, tensor_in_stages: bool | None = None,
+              virtual_stages: int | None = None) -> Pipelined:
     """Cut `loss_fn(params, batch) -> scalar loss` into one stage per `pipe_axis` rank and build
     the shard_map pipeline program (see the module docstring). `plan`: a pipeline Plan from
     `autoshard.plan(..., pipeline="rannc")` whose stage count matches; its parameter placement
@@ -160,7 +161,10 @@ def pipelined(loss_fn: Callable, params: Any, batch: Any, *, mesh: Any, num_micr
     A 3-D `plan` (stages with tensor plans) runs each stage's tensor plan on the automatic axes;
     `tensor_in_stages=None` first checks that this machine's runtime can run the compiled program
     (`PipelineProgram.cpu_deadlocks`) and otherwise runs the stages data parallel, with a warning;
-    True / False skip the check (keep the stage plans / run data parallel)."""
+    True / False skip the check (keep the stage plans / run data parallel).
+
+    `schedule="interleaved-1f1b"` cuts v stages per pipe rank (stage k on rank k % pipe): v is the
+    plan's stage count / pipe, else `virtual_stages` (default 2)."""
     if not callable(loss_fn):
         raise PipelineError(f"autoshard.pipelined: loss_fn must be callable, got {type(loss_fn).__name__}.")
     mesh = _mesh(mesh)
@@ -170,6 +174,7 @@ def pipelined(loss_fn: Callable, params: Any, batch: Any, *, mesh: Any, num_micr
     if three_d and data_axes is None:
         data_axes = plan_batch_axes(plan, mesh, pipe_axis)
     S, axes, B, mb = _split_batch(mesh, batch, num_microbatches, pipe_axis, data_axes)
+    S = stage_count(plan, schedule, S, virtual_stages)      # stages to cut (pipe ranks x chunks)
     if three_d:      # stages see the whole micro-batch, split over the data axes by XLA
         mb *= math.prod(mesh.shape[a] for a in axes)
     closed, prog, treedef, keys, p_leaves = _trace(loss_fn, params, batch, mb)

@@ -128,8 +128,9 @@ def batched_gather_operand(eqn: Any, operand: Any) -> Any:
     partition_group_list..."). The indexed dims are made whole first (the vocabulary of the logits,
     an all-gather over the model axis); the other dims keep whatever split XLA chose."""
     dn = eqn.params["dimension_numbers"]
-    if not dn.operand_batching_dims or not jax.sharding.get_abstract_mesh().axis_names:
-        return operand        # nothing to guard (outside the runtime's shard_map: a shape pass)
+    context = jax.sharding.get_abstract_mesh()
+    if not dn.operand_batching_dims or jax.sharding.AxisType.Auto not in context.axis_types:
+        return operand        # nothing to guard (a shape pass, or no automatic axis: a pipe-only mesh)
     indexed = set(dn.start_index_map)
     spec = P(*[None if d in indexed else P.UNCONSTRAINED for d in range(operand.ndim)])
     return jax.lax.with_sharding_constraint(operand, spec)

@@ -152,6 +152,28 @@ def in_argument(step_keypath: str, key: str) -> bool:
     return head.startswith("[") and head.endswith("]") and head.count("[") == 1
 
 
+def stage_count(plan: Any, schedule: Any, ranks: int, virtual_stages: Any) -> int:
+    """How many stages to cut: one per pipe rank, or for "interleaved-1f1b" v per rank (stage k on rank
+    k % ranks), v from the plan's stage count or `virtual_stages` (default 2)."""
+    if schedule != "interleaved-1f1b":
+        if virtual_stages is not None:
+            raise PipelineError(f"autoshard.pipelined: virtual_stages={virtual_stages!r} needs "
+                                f"schedule='interleaved-1f1b' (schedule={schedule!r} runs one stage per pipe rank).")
+        return ranks
+    if virtual_stages is not None and (isinstance(virtual_stages, bool) or not isinstance(virtual_stages, int)
+                                       or virtual_stages < 1):
+        raise PipelineError(f"autoshard.pipelined: virtual_stages must be a positive int, got {virtual_stages!r}.")
+    if plan is None:
+        return ranks * (2 if virtual_stages is None else virtual_stages)
+    n = len(plan.stages)
+    if n % ranks or (virtual_stages is not None and n != ranks * virtual_stages):
+        raise PipelineError(
+            f"autoshard.pipelined: schedule='interleaved-1f1b' runs v stages on each of the {ranks} pipe ranks; the "
+            f"plan has {n} stages (virtual_stages={virtual_stages}). Fix: a plan of v x {ranks} stages, or a 'pipe' "
+            f"axis dividing {n}.")
+    return n
+
+
 def plan_stages(plan: Any, S: int) -> tuple:
     if not getattr(plan, "is_pipeline", False):
         raise PipelineError("autoshard.pipelined: plan= takes a pipeline Plan (autoshard.plan(..., pipeline="

@@ -216,6 +216,8 @@ def pipelined_step(fn: Callable, plan: Plan, mesh: Any, args: tuple, *, num_micr
     call = cap.call
     M = num_microbatches if num_microbatches is not None else plan.microbatches
     schedule = plan.provenance.get("options", {}).get("schedule", "1f1b")
+    if plan.schedule == "interleaved-1f1b":       # v stages per pipe rank: the plan's own schedule
+        schedule = plan.schedule
     kw = dict(mesh=mesh, num_microbatches=M, schedule=schedule, plan=plan, hardware=hardware)
     run = pipelined(call.loss_fn, call.params, call.batch, **kw)     # checks the loss on real values
     if run.program.auto:      # the runtime check ran once: the step's own cut keeps its outcome

@@ -3,17 +3,18 @@ parameters into the runtime's stage rows and the gradients back, by one all-to-a
 
 Storage (`storage_spec`): a leaf's largest dimension divisible by the device count is split over
 every mesh axis (so each device holds 1/N of it), other leaves are replicated. Stage rows: stage k's
-parameters on the devices of pipe rank k (a flat row, or the shard-major group buffers of a 3-D
-stage, `layouts.ShardedCodec`).
+parameters on the devices of its pipe rank (rank k, or k % pipe under interleaved 1F1B, where a
+rank holds the rows of its v stages), as a flat row or the shard-major group buffers of a 3-D
+stage (`layouts.ShardedCodec`).
 
 Left to XLA, stacking ZeRO pieces into pipe-sharded rows is a concatenate of reshaped sharded leaves
 that the SPMD partitioner can only do by replicating the whole buffer (its "involuntary full
 rematerialization"): ~7x the parameter bytes per step on a debug GPT. Here it is explicit, in a
 `shard_map` manual over every axis:
 
-- in: every device packs its pieces of each stage's split leaves into block k of a [pipe, W] buffer;
-  one all-to-all over `pipe` hands block k to pipe rank k, an all-gather over the other axes
-  completes the leaves, and each rank assembles its own row (`lax.switch` on the pipe index, no
+- in: every device packs its pieces of the split leaves of rank r's stages into block r of a [pipe, W]
+  buffer; one all-to-all over `pipe` hands block r to pipe rank r, an all-gather over the other axes
+  completes the leaves, and each rank assembles its own rows (`lax.switch` on the pipe index, no
   collectives inside). Replicated leaves are already everywhere.
 - out: each pipe rank completes its gradient row (all-gather over a 3-D stage's split axes), cuts
   every leaf it owns into the storage pieces of its data coordinates, one per destination pipe
@@ -85,14 +86,17 @@ class Repacker:
         self.others = tuple(a for a in self.mesh.axis_names if a != self.pipe)
         self.sizes = dict(self.mesh.shape)
         self.N, self.S = self.mesh.size, self.program.num_stages
+        sched = self.program.schedule
+        self.rank_of = sched.rank_of                      # blocks and sends go per pipe rank
+        self.on_rank = [sched.stages_on(r) for r in range(len(sched.ranks))]
         if not isinstance(self.codec, ShardedCodec):
             self.width, self.row_dtype = int(stacked.flat.shape[1]), stacked.flat.dtype
         self.dtype = jnp.result_type(*[x.dtype for x in structs]) if structs else jnp.float32
         self.leaves = self._place(structs)
 
     def _place(self, structs: Sequence[Any]) -> tuple[_Stored, ...]:
-        block = [0] * self.S            # per stage: split pieces packed for it (forward)
-        owned = [0] * self.S            # per stage: split pieces it owns (backward)
+        block = [0] * len(self.on_rank)     # per rank: split pieces packed for its stages (forward)
+        owned = [0] * len(self.on_rank)     # per rank: split pieces its stages own (backward)
         repl = 0
         out = []
         for i, x in enumerate(structs):
@@ -106,8 +110,8 @@ class Repacker:
                 continue
             out.append(_Stored(shape, x.dtype, dim, owner, holders, 0))
             for s in holders:
-                block[s] += n
-            owned[owner] += n
+                block[self.rank_of[s]] += n
+            owned[self.rank_of[owner]] += n
         self.block_width = max(1, *block)
         self.owned_width = max(1, *owned)
         self.repl_width = max(1, repl)
@@ -156,19 +160,28 @@ class Repacker:
 
     def _stack_local(self, leaves: tuple[jax.Array, ...]) -> Any:
         send = []
-        for s in range(self.S):        # block s: my pieces of the split leaves stage s holds
-            parts = [x.reshape(-1).astype(self.dtype) for x, lf in zip(leaves, self.leaves, strict=True)
-                     if lf.dim is not None and s in lf.holders]
+        for stages in self.on_rank:    # block r: my pieces of the split leaves rank r's stages hold
+            parts = [x.reshape(-1).astype(self.dtype) for s in stages
+                     for x, lf in zip(leaves, self.leaves, strict=True) if lf.dim is not None and s in lf.holders]
             send.append(_padded(parts, self.block_width, self.dtype))
         got = lax.all_to_all(jnp.stack(send), self.pipe, 0, 0, tiled=False)     # [pipe, W]
         for a in reversed(self.others):
             got = lax.all_gather(got, a, axis=0, tiled=False)                   # [*others, pipe, W]
-        branches = [lambda got, leaves, s=s: self._row(s, got, leaves) for s in range(self.S)]
+        branches = [lambda got, leaves, r=r: self._rows(r, got, leaves) for r in range(len(self.on_rank))]
         return lax.switch(lax.axis_index(self.pipe), branches, got, leaves)
 
-    def _row(self, s: int, got: jax.Array, leaves: tuple[jax.Array, ...]) -> Any:
-        """Stage s's row (this device's part of it) from the gathered blocks and replicated leaves."""
-        tree, at = [], 0
+    def _rows(self, r: int, got: jax.Array, leaves: tuple[jax.Array, ...]) -> Any:
+        """Rank r's rows, one per stage it holds, read from its block in the order they were packed."""
+        rows, at = [], 0
+        for s in self.on_rank[r]:
+            row, at = self._row(s, got, leaves, at)
+            rows.append(row)
+        return jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=0), *rows)
+
+    def _row(self, s: int, got: jax.Array, leaves: tuple[jax.Array, ...], at: int) -> tuple[Any, int]:
+        """Stage s's row (this device's part of it) from the gathered blocks (its pieces from offset
+        `at`) and replicated leaves; and the offset after them."""
+        tree = []
         leading = (*self.others, self.pipe)
         for x, lf in zip(leaves, self.leaves, strict=True):
             if s not in lf.holders:
@@ -182,8 +195,8 @@ class Repacker:
         mine = [k for k, lf in zip(self.run._keys, self.leaves, strict=True) if s in lf.holders]
         stage_tree = dict(zip(mine, tree, strict=True))
         if isinstance(self.codec, ShardedCodec):
-            return self._sharded_row(s, stage_tree)
-        return self.codec[s].pack(stage_tree, self.width, self.row_dtype)[None]
+            return self._sharded_row(s, stage_tree), at
+        return self.codec[s].pack(stage_tree, self.width, self.row_dtype)[None], at
 
     def _sharded_row(self, s: int, stage_tree: Any) -> tuple[jax.Array, ...]:
         """This device's slice of stage s's group buffers (its coordinates on each group's axes)."""
@@ -209,25 +222,30 @@ class Repacker:
                            out_specs=out_specs, check_vma=False)
         return jax.tree.unflatten(self.run._treedef, list(fn(grads.flat)))
 
-    def _full_rows(self, flat: Any) -> Any:
-        """Every device's complete row of its stage (3-D groups gathered over their split axes)."""
+    def _full_rows(self, flat: Any) -> list[Any]:
+        """Every device's complete rows, one per stage of its rank (3-D groups gathered over their
+        split axes)."""
+        v = len(self.on_rank[0])
         if not isinstance(self.codec, ShardedCodec):
-            return flat[0]
-        rows = []
-        for g, buf in enumerate(flat):
-            row = buf[0]
-            for i, a in reversed(list(enumerate(self.codec.axes[g]))):
-                row = lax.all_gather(row, a, axis=i, tiled=True)
-            rows.append(row)
-        return tuple(rows)
+            return [flat[c] for c in range(v)]
+        out = []
+        for c in range(v):
+            rows = []
+            for g, buf in enumerate(flat):
+                row = buf[c]
+                for i, a in reversed(list(enumerate(self.codec.axes[g]))):
+                    row = lax.all_gather(row, a, axis=i, tiled=True)
+                rows.append(row)
+            out.append(tuple(rows))
+        return out
 
     def _unstack_local(self, flat: Any) -> tuple[jax.Array, ...]:
         rows = self._full_rows(flat)
-        branches = [lambda rows, s=s: self._owned_pieces(s, rows) for s in range(self.S)]
+        branches = [lambda rows, r=r: self._owned_pieces(r, rows) for r in range(len(self.on_rank))]
         send, repl = lax.switch(lax.axis_index(self.pipe), branches, rows)
-        got = lax.all_to_all(send, self.pipe, 0, 0, tiled=False)      # [pipe (owner stage), W]
+        got = lax.all_to_all(send, self.pipe, 0, 0, tiled=False)      # [pipe (owner's rank), W]
         repl = lax.psum(repl, self.pipe)
-        out, at = [], [0] * self.S
+        out, at = [], [0] * len(self.on_rank)
         for lf in self.leaves:
             if lf.dim is None:
                 n = math.prod(lf.shape)
@@ -236,23 +254,23 @@ class Repacker:
             n = lf.piece_size(self.N)
             piece_shape = list(lf.shape)
             piece_shape[lf.dim] //= self.N
-            out.append(got[lf.owner, at[lf.owner]:at[lf.owner] + n].reshape(piece_shape).astype(lf.dtype))
-            at[lf.owner] += n
+            r = self.rank_of[lf.owner]
+            out.append(got[r, at[r]:at[r] + n].reshape(piece_shape).astype(lf.dtype))
+            at[r] += n
         return tuple(out)
 
-    def _owned_pieces(self, s: int, rows: Any) -> tuple[jax.Array, jax.Array]:
-        """([pipe, W] storage pieces of stage s's owned split leaves per destination rank, the
-        replicated buffer with stage s's owned replicated leaves)."""
-        if isinstance(self.codec, ShardedCodec):
-            tree = self._unpack_sharded(s, rows)
-        else:
-            tree = self.codec[s].unpack(rows)
-        by_key = tree                      # stage trees are dicts keyed by the leaves' keys
+    def _owned_pieces(self, r: int, rows: list[Any]) -> tuple[jax.Array, jax.Array]:
+        """([pipe, W] storage pieces of the split leaves rank r's stages own, per destination rank; the
+        replicated buffer with the replicated leaves they own)."""
+        sharded = isinstance(self.codec, ShardedCodec)
+        # stage trees are dicts keyed by the leaves' keys
+        trees = {s: self._unpack_sharded(s, rows[c]) if sharded else self.codec[s].unpack(rows[c])
+                 for c, s in enumerate(self.on_rank[r])}
         pieces, repl = [], jnp.zeros((self.repl_width,), self.dtype)
         for k, lf in zip(self.run._keys, self.leaves, strict=True):
-            if lf.owner != s:
+            if lf.owner not in trees:
                 continue
-            g = by_key[k].astype(self.dtype)
+            g = trees[lf.owner][k].astype(self.dtype)
             if lf.dim is None:
                 repl = lax.dynamic_update_slice_in_dim(repl, g.reshape(-1), lf.offset, 0)
             else:

@@ -17,9 +17,15 @@ over ticks runs, on every rank at once, its stage's forward, its backward (the f
 from the stored stage input, then `jax.vjp`) or nothing, chosen by `lax.switch`; after each tick
 activations move forward and input gradients backward along the stage DAG's edges by `ppermute`.
 Parameters of all stages sit in one flat buffer [stages, P] sharded over `pipe`, so a device holds
-one stage's parameters (P = the largest stage's size); stage inputs and incoming gradients sit in
+its stages' parameters (P = the largest stage's size); stage inputs and incoming gradients sit in
 slots reused as soon as their backward has run, so 1F1B holds its in-flight count, not every
 micro-batch. Mesh axes other than `pipe` split each micro-batch (data parallelism inside stages).
+
+Stages outnumber ranks when the schedule places several on one rank (`Schedule.placement`;
+"interleaved-1f1b": S*v stages on S ranks, stage k on rank k % S): the buffer's rows go rank by rank,
+so rank r holds the rows of its v stages and a branch picks its own; the tick table names the stage
+each rank runs; an activation goes to the rank of the next stage, which at a chunk boundary is rank
+S-1 -> rank 0 (the transfers are a ring ppermute), gradients the other way.
 
 This module imports jax; the schedules, validator and simulator it executes are pure.
 """
@@ -41,7 +47,9 @@ from ..core.errors import PipelineError
 from ..pipeline.schedules.registry import schedule as build_schedule
 from ..pipeline.schedules.schedule import Schedule, chain_edges
 from .layouts import FlatCodec, ShardedCodec, Spec, StackedParams, buffer_dtype, check_specs, constrain_to, layout
-from .ticks import Buffers, branches, edge_tables, spmd_body, static_plan
+from .ticks import Buffers, branches, spmd_body, static_plan
+
+INTERLEAVED = "interleaved-1f1b"   # the registered schedule that places several stages per rank
 
 # --- the program --------------------------------------------------------------------------------
 
@@ -63,6 +71,9 @@ class PipelineProgram:
         self.data_axes = data_axes
         self.num_stages = sched.num_stages
         self.num_microbatches = sched.num_microbatches[0]
+        # row i of the stacked parameters holds stage _stage_of_row[i]: each rank's stages in a block
+        self._stage_of_row = tuple(s for r in range(len(sched.ranks)) for s in sched.stages_on(r))
+        self._row_of = tuple(self._stage_of_row.index(s) for s in range(sched.num_stages))
         self.stage_specs = stage_specs
         self.compute_specs = compute_specs
         self._static = static_plan(sched)
@@ -91,7 +102,8 @@ class PipelineProgram:
 
     @property
     def slots(self) -> tuple[int, int]:
-        """(stage-input slots, incoming-gradient slots) every device holds per edge."""
+        """(stage-input slots, incoming-gradient slots) every device holds per in-/out-edge index,
+        shared by the stages of its rank."""
         return self._static.num_in_slots, self._static.num_out_slots
 
     # parameters
@@ -108,23 +120,23 @@ class PipelineProgram:
                 layout(p, f"stage {s}'s parameters")          # the same float-only check
             codec = ShardedCodec.build(dict(enumerate(params)), dict(enumerate(self.stage_specs)), self.mesh,
                                        dict(enumerate(self.compute_specs or self.stage_specs)))
-            rows = [codec.pack(s, p) for s, p in enumerate(params)]
+            rows = [codec.pack(s, params[s]) for s in self._stage_of_row]
             bufs = tuple(jax.device_put(jnp.stack([r[g] for r in rows]), sh)
                          for g, sh in enumerate(codec.stacked_sharding(self.pipe_axis)))
             return StackedParams(bufs, codec)
         layouts = tuple(layout(p, f"stage {s}'s parameters") for s, p in enumerate(params))
         width = max(1, max(lay.size for lay in layouts))
         dtype = buffer_dtype(layouts)
-        rows = jnp.stack([lay.pack(p, width, dtype) for lay, p in zip(layouts, params, strict=True)])
+        rows = jnp.stack([layouts[s].pack(params[s], width, dtype) for s in self._stage_of_row])
         return StackedParams(jax.device_put(rows, NamedSharding(self.mesh, P(self.pipe_axis))), layouts)
 
     def unstack(self, stacked: StackedParams) -> list[Any]:
         self._check_stacked(stacked, "unstack")
         if self.auto:
             codec = stacked.layouts
-            return [codec.unpack(s, tuple(b[s] for b in stacked.flat), constrain=False)
+            return [codec.unpack(s, tuple(b[self._row_of[s]] for b in stacked.flat), constrain=False)
                     for s in range(self.num_stages)]
-        return [lay.unpack(stacked.flat[s]) for s, lay in enumerate(stacked.layouts)]
+        return [lay.unpack(stacked.flat[self._row_of[s]]) for s, lay in enumerate(stacked.layouts)]
 
     def _check_stacked(self, stacked: Any, where: str) -> None:
         if not isinstance(stacked, StackedParams):
@@ -192,9 +204,11 @@ class PipelineProgram:
         return loss, self.unstack(grads)
 
     def _tie_offsets(self, group: tuple[tuple[int, str], ...], codec: Any):
-        """(member stages, buffer group, flat offset per rank (0 off the group), leaf size) of one tied
-        parameter."""
-        offsets = np.zeros(self.num_stages, np.int32)
+        """(member ranks, buffer group, [ranks, K] flat offsets, [ranks, K] parameter rows, [ranks, K]
+        copy-here flags, leaf size) of one tied parameter: K copies at most on one rank (several when
+        a rank holds several of the tied stages)."""
+        rank_of, R = self.schedule.rank_of, len(self.schedule.ranks)
+        per_rank: dict[int, list[tuple[int, int]]] = {}      # rank -> [(offset, row)]
         where = set()
         for s, path in group:
             paths = codec.layouts[s].paths
@@ -202,14 +216,21 @@ class PipelineProgram:
                 raise PipelineError(
                     f"pipeline runtime: tied parameter {path} is not in stage {s}'s parameters "
                     f"(it has {list(paths)[:6]}{' ...' if len(paths) > 6 else ''}).")
-            g, offsets[s], n = codec.tie_slice(s, path)
+            g, off, n = codec.tie_slice(s, path)
+            r = rank_of[s]
+            per_rank.setdefault(r, []).append((off, self.schedule.stages_on(r).index(s)))
             where.add((g, n, codec.tie_kind(s, path)))
         if len(where) != 1:
             raise PipelineError(
                 f"pipeline runtime: tied copies {list(group)} differ in shape, dtype or split: "
                 f"{sorted(map(str, where))}.")
+        K = max(map(len, per_rank.values()))
+        offsets, rows, here = (np.zeros((R, K), np.int32) for _ in range(3))
+        for r, copies in per_rank.items():
+            for k, (off, row) in enumerate(copies):
+                offsets[r, k], rows[r, k], here[r, k] = off, row, 1
         (g, n, _), = where
-        return tuple(s for s, _ in group), g, offsets, n
+        return tuple(sorted(per_rank)), g, offsets, rows, here, n
 
     def _batch_size(self, batch: Any) -> int:
         leaves = jax.tree.leaves(batch)
@@ -258,15 +279,14 @@ class PipelineProgram:
         preds = [sched.predecessors(s) for s in range(S)]
         succs = [sched.successors(s) for s in range(S)]
         pc, ac = self._codecs(params, batch, B, preds, succs)
+        local = tuple(sched.stages_on(sched.rank_of[s]).index(s) for s in range(S)) if st.rows > 1 else ()
         bufs = Buffers(M, preds, succs, pc, ac, st.in_slot.shape[1], st.out_slot.shape[1],
-                        jnp.asarray(st.in_slot), jnp.asarray(st.out_slot))
+                        jnp.asarray(st.in_slot), jnp.asarray(st.out_slot), local)
         fns = branches(bufs, self.stage_fns)
-        kind_t, mb_t = jnp.asarray(st.kind), jnp.asarray(st.microbatch)
-        tables = edge_tables(sched.edges, preds, succs, S)
         pipe = self.pipe_axis
         ties = [self._tie_offsets(group, pc) for group in self.tied]
         reduce_axes = () if self.auto else self.data_axes        # auto axes: XLA reduces over them
-        body = spmd_body(bufs, st, fns, tables, kind_t, mb_t, ties, pipe, reduce_axes)
+        body = spmd_body(bufs, st, fns, ties, pipe, reduce_axes)
         data_spec = (self.data_axes if len(self.data_axes) != 1 else self.data_axes[0]) or None
         p_spec = jax.tree.map(lambda _: P(pipe), params.flat)
         stage_batch = jax.eval_shape(self._stage_batch, batch)
@@ -335,8 +355,11 @@ def pipeline_value_and_grad(stage_fns: Sequence[Callable], mesh: Mesh, *, num_mi
                             batch_globals: Callable[[Any], Any] | None = None) -> PipelineProgram:
     """Build the SPMD pipeline program for `stage_fns` on `mesh` (see the module docstring).
 
-    `schedule`: a registered name ("gpipe", "1f1b", "graph-1f1b") built with `num_microbatches` and
-    `edges` (default: a chain), or a `pipeline.Schedule` (then its own stage DAG and counts are used).
+    `schedule`: a registered name ("gpipe", "1f1b", "graph-1f1b", "interleaved-1f1b") built with
+    `num_microbatches` and `edges` (default: a chain), or a `pipeline.Schedule` (then its own stage
+    DAG, counts and placement are used). One stage per pipe rank, except "interleaved-1f1b": there
+    the stage functions are S*v chunks on S pipe ranks, stage k on rank k % S, and rank r holds the
+    parameters of its v stages.
     `data_axes`: mesh axes splitting each micro-batch; default every axis but `pipe_axis`.
     `tied`: groups of (stage, keystr path in that stage's parameters) holding copies of one parameter
     (tied embeddings): each copy's gradient becomes the group's sum once per step, so copies updated
@@ -354,17 +377,26 @@ def pipeline_value_and_grad(stage_fns: Sequence[Callable], mesh: Mesh, *, num_mi
         raise PipelineError(
             f"pipeline runtime: pipe_axis={pipe_axis!r} is not an axis of the mesh {dict(mesh.shape)}; name the "
             f"mesh axis that holds the stages.")
-    S = len(fns)
-    if mesh.shape[pipe_axis] != S:
+    S, R = len(fns), mesh.shape[pipe_axis]
+    if schedule == INTERLEAVED and S % R:
+        raise PipelineError(
+            f"pipeline runtime: schedule='{INTERLEAVED}' places stage k on pipe rank k % {R}, so the {S} stages must "
+            f"be a multiple of the '{pipe_axis}' axis size {R} (mesh {dict(mesh.shape)}). Fix: give "
+            f"{-(-S // R) * R} stage functions, or a '{pipe_axis}' axis dividing {S}.")
+    if isinstance(schedule, str) and schedule != INTERLEAVED and R != S:
         raise PipelineError(
             f"pipeline runtime: {S} stages need a '{pipe_axis}' axis of size {S}; the mesh {dict(mesh.shape)} has "
-            f"{mesh.shape[pipe_axis]}. Each pipe rank runs one stage.")
+            f"{R}. Each pipe rank runs one stage (schedule='{INTERLEAVED}' runs several per rank).")
     axes = tuple(a for a in mesh.axis_names if a != pipe_axis) if data_axes is None else tuple(data_axes)
     unknown = [a for a in axes if a not in mesh.axis_names or a == pipe_axis]
     if unknown:
         raise PipelineError(
             f"pipeline runtime: data_axes {unknown} are not non-pipe axes of the mesh {dict(mesh.shape)}.")
-    sched = _schedule_for(schedule, S, num_microbatches, edges)
+    sched = _schedule_for(schedule, S, num_microbatches, edges, R)
+    if len(sched.ranks) != R:
+        raise PipelineError(
+            f"pipeline runtime: schedule {sched.name!r} runs on {len(sched.ranks)} ranks; the mesh's '{pipe_axis}' "
+            f"axis has {R} ({dict(mesh.shape)}). Fix: a schedule with one task list per pipe rank.")
     if stage_specs is not None:
         stage_specs, compute_specs = _checked_specs(stage_specs, compute_specs, mesh, pipe_axis, S)
     groups = tuple(tuple((int(st), str(path)) for st, path in group) for group in tied)
@@ -379,9 +411,10 @@ def pipeline_value_and_grad(stage_fns: Sequence[Callable], mesh: Mesh, *, num_mi
 
 
 def _schedule_for(schedule: str | Schedule, S: int, num_microbatches: int | None,
-                  edges: Sequence[tuple[int, int]] | None) -> Schedule:
-    """The validated schedule for S stage functions: the given one, or a registered name built with
-    `num_microbatches` over `edges` (default: a chain)."""
+                  edges: Sequence[tuple[int, int]] | None, ranks: int) -> Schedule:
+    """The validated schedule for S stage functions on `ranks` pipe ranks: the given one, or a
+    registered name built with `num_microbatches` over `edges` (default: a chain); "interleaved-1f1b"
+    gets S / ranks virtual stages per rank."""
     if isinstance(schedule, Schedule):
         sched = schedule
         if edges is not None and tuple(map(tuple, edges)) != tuple(sched.edges):
@@ -399,6 +432,8 @@ def _schedule_for(schedule: str | Schedule, S: int, num_microbatches: int | None
         chain = tuple(chain_edges(S))
         dag = chain if edges is None else tuple(tuple(e) for e in edges)
         opts = {"num_stages": S, "num_microbatches": num_microbatches}
+        if schedule == INTERLEAVED:
+            opts = {"num_stages": ranks, "num_microbatches": num_microbatches, "virtual_stages": S // ranks}
         if dag != chain:
             if schedule != "graph-1f1b":
                 raise PipelineError(

@@ -156,6 +156,10 @@ def cmd_schedule(args: argparse.Namespace, progress: Progress, out: Any) -> int:
     if plan.schedule == "graph-1f1b":   # a stage DAG with per-stage micro-batch counts
         sched = pipeline.schedule(plan.schedule, num_microbatches=[s.microbatches for s in plan.stages],
                                   edges=[(a, s.index) for s in plan.stages for a in s.after])
+    elif plan.schedule == "interleaved-1f1b":   # num_stages counts pipe ranks, each holding v stages
+        pipe = dict(plan.mesh)["pipe"]
+        sched = pipeline.schedule(plan.schedule, num_stages=pipe, num_microbatches=plan.microbatches,
+                                  virtual_stages=len(plan.stages) // pipe)
     else:
         sched = pipeline.schedule(plan.schedule, num_stages=len(plan.stages), num_microbatches=plan.microbatches)
     sim = pipeline.simulate(sched, forward=[s.predicted_forward for s in plan.stages],

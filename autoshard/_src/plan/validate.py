@@ -72,6 +72,31 @@ def check_plan(plan: Any, where: str = "Plan.from_json") -> None:
     if plan.schedule is not None and not isinstance(plan.schedule, str):
         raise _fail(where, f"schedule={plan.schedule!r} must be null (a tensor plan) or a schedule name")
     _check_stages(plan, axes, where)
+    check_interleaved(plan, axes, where)
+
+
+def check_interleaved(plan: Any, axes: Mapping[str, int], where: str) -> None:
+    """A plan with schedule "interleaved-1f1b" runs v stages on each pipe rank (stage k on rank k % pipe):
+    its stages are a chain of v x pipe, and its micro-batches go in groups of pipe."""
+    if plan.schedule != "interleaved-1f1b":
+        return
+    n, pipe = len(plan.stages), axes.get("pipe")
+    name = "schedule='interleaved-1f1b'"
+    if pipe is None:
+        raise _fail(where, f"{name} places stage k on pipe rank k % pipe, but the mesh {dict(axes)} has no 'pipe' "
+                    "axis", "Fix: add a 'pipe' axis to the mesh, or use schedule '1f1b'")
+    if n % pipe:
+        raise _fail(where, f"{name} runs v stages on each of the {pipe} pipe ranks (stage k on rank k % {pipe}); "
+                    f"the plan has {n} stages, not a multiple of {pipe}",
+                    f"Fix: give the plan v x {pipe} stages, or a 'pipe' axis dividing {n}")
+    if plan.microbatches % pipe:
+        raise _fail(where, f"{name} runs micro-batches in groups of the {pipe} pipe ranks; microbatches="
+                    f"{plan.microbatches} is not a multiple of {pipe}",
+                    f"Fix: microbatches={-(-plan.microbatches // pipe) * pipe}")
+    off_chain = [st.index for st in plan.stages if tuple(st.after) != ((st.index - 1,) if st.index else ())]
+    if off_chain:
+        raise _fail(where, f"{name} runs a chain of stages, but stages {off_chain} do not run right after the one "
+                    "before them (after=(i-1,))", "Fix: a chain plan, or schedule 'graph-1f1b' for a DAG")
 
 
 def _check_stages(plan: Any, axes: Mapping[str, int], where: str) -> None:

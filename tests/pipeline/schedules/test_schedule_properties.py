@@ -57,9 +57,13 @@ def _durations(p):
 def test_every_registered_schedule_on_random_chains(name, data):
     p = data.draw(st.integers(1, 8), label="num_stages")
     m = data.draw(st.integers(1, 16), label="num_microbatches")
-    sched = pipeline.schedule(name, num_stages=p, num_microbatches=m)
-    sim = _check_runs(sched, data.draw(_durations(p)))
-    assert all(1 <= peak <= m for peak in sim.peak_inflight)
+    opts = {}
+    if name == "interleaved-1f1b":   # p ranks, v chunks each; micro-batches in groups of p
+        m = p * data.draw(st.integers(1, 4), label="groups")
+        opts["virtual_stages"] = data.draw(st.integers(1, 3), label="virtual_stages")
+    sched = pipeline.schedule(name, num_stages=p, num_microbatches=m, **opts)
+    sim = _check_runs(sched, data.draw(_durations(sched.num_stages)))
+    assert all(1 <= peak <= m * opts.get("virtual_stages", 1) for peak in sim.peak_inflight)
     if name == "1f1b":
         assert sim.peak_inflight == [min(p - s, m) for s in range(p)]
         assert sched.ranks == pipeline.schedule("graph-1f1b", num_stages=p, num_microbatches=m).ranks
@@ -87,11 +91,12 @@ def test_graph_1f1b_on_ragged_microbatch_counts(dag):
 
 
 def _corrupt(sched: Schedule, how: str, data) -> Schedule:
-    r = data.draw(st.integers(0, sched.num_stages - 1), label="rank")
+    r = data.draw(st.integers(0, len(sched.ranks) - 1), label="rank")
     rank = list(sched.ranks[r])
     if how == "swap":  # put a backward before its own forward
-        m = data.draw(st.integers(0, sched.num_microbatches[r] - 1), label="microbatch")
-        i, j = rank.index(Task(r, m, "F")), rank.index(Task(r, m, "B"))
+        s = data.draw(st.sampled_from(sched.stages_on(r)), label="stage")
+        m = data.draw(st.integers(0, sched.num_microbatches[s] - 1), label="microbatch")
+        i, j = rank.index(Task(s, m, "F")), rank.index(Task(s, m, "B"))
         rank[i], rank[j] = rank[j], rank[i]
     elif how == "drop":
         rank.pop(data.draw(st.integers(0, len(rank) - 1), label="dropped"))
@@ -108,6 +113,8 @@ def test_corrupted_schedules_fail_with_the_marked_grid(how, dag, name, data):
     p, edges, counts, k = dag
     if name == "graph-1f1b":
         sched = pipeline.schedule(name, num_stages=p, num_microbatches=counts, edges=edges, k=k)
+    elif name == "interleaved-1f1b":
+        sched = pipeline.schedule(name, num_stages=p, num_microbatches=p * counts[0], virtual_stages=2)
     else:
         sched = pipeline.schedule(name, num_stages=p, num_microbatches=counts[0])
     bad = _corrupt(sched, how, data)

@@ -1,6 +1,6 @@
 """The schedule registry: names -> builders `builder(**options) -> Schedule`.
 
-Built-ins come from the modules that define them (`chain.SCHEDULES`, `graph_1f1b.SCHEDULES`);
+Built-ins come from the modules that define them (`chain`, `graph_1f1b`, `interleaved`: SCHEDULES);
 `register_schedule` adds more from anywhere, and `schedule(name, ...)` builds and validates one.
 """
 
@@ -10,11 +10,12 @@ from collections.abc import Callable
 from typing import Any
 
 from ...core.errors import ScheduleError
-from . import chain, graph_1f1b
+from . import chain, graph_1f1b, interleaved
 from .schedule import Schedule, validate
 
 Builder = Callable[..., Schedule]
-_REGISTRY: dict[str, Builder] = {**chain.SCHEDULES, **graph_1f1b.SCHEDULES}
+_BUILT_IN = {**chain.SCHEDULES, **graph_1f1b.SCHEDULES, **interleaved.SCHEDULES}
+_REGISTRY: dict[str, Builder] = dict(_BUILT_IN)
 
 
 def register_schedule(name: str) -> Callable[[Builder], Builder]:
@@ -31,7 +32,7 @@ def register_schedule(name: str) -> Callable[[Builder], Builder]:
 
 def unregister_schedule(name: str) -> None:
     """Remove a schedule registered with `register_schedule` (built-ins stay)."""
-    if name in chain.SCHEDULES or name in graph_1f1b.SCHEDULES:
+    if name in _BUILT_IN:
         raise ScheduleError(f"unregister_schedule: {name!r} is a built-in schedule and cannot be removed.")
     _REGISTRY.pop(name, None)
 

@@ -1,7 +1,10 @@
 """Pipeline schedules as plain data, and their validator.
 
-A schedule is a DAG of stages plus, per rank (one rank per stage), the ordered list of tasks that
-rank runs. Stage s splits the mini-batch into `num_microbatches[s]` equal micro-batches; micro-batch
+A schedule is a DAG of stages plus, per rank, the ordered list of tasks that rank runs, and a
+placement: the rank of every stage (default: stage s on rank s). Interleaved schedules place several
+stages (virtual stages / model chunks) on one rank, e.g. stage k on rank k % S.
+
+Stage s splits the mini-batch into `num_microbatches[s]` equal micro-batches; micro-batch
 m of a stage with n micro-batches covers the fraction [m/n, (m+1)/n) of the mini-batch, so a
 consumer's micro-batch depends on every producer micro-batch it overlaps (GraphPipe's per-stage
 micro-batch sizes). Chain schedules use edges (0,1), ..., (p-2,p-1) and one count for every stage.
@@ -42,13 +45,31 @@ class Task:
 
 @dataclass(frozen=True)
 class Schedule:
-    """Stage DAG + per-rank task order. Rank r runs stage r; `ranks[r]` is its tasks in order."""
+    """Stage DAG + per-rank task order: `ranks[r]` is rank r's tasks in order, and rank r runs the
+    stages s with `rank_of[s] == r`. `placement` None is the identity (rank r runs stage r); an
+    identity tuple is stored as None, so old schedules and their JSON compare and load unchanged."""
 
     name: str
     num_stages: int
     edges: tuple[tuple[int, int], ...]
     num_microbatches: tuple[int, ...]
     ranks: tuple[tuple[Task, ...], ...]
+    placement: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.placement, (list, tuple)):  # anything else is left for validate() to report
+            placement = tuple(self.placement)
+            identity = placement == tuple(range(len(placement))) and len(placement) == len(self.ranks)
+            object.__setattr__(self, "placement", None if identity else placement)
+
+    @property
+    def rank_of(self) -> tuple[int, ...]:
+        """The rank running each stage."""
+        return tuple(range(self.num_stages)) if self.placement is None else self.placement
+
+    def stages_on(self, rank: int) -> tuple[int, ...]:
+        """The stages placed on `rank`, in stage order."""
+        return tuple(s for s, r in enumerate(self.rank_of) if r == rank)
 
     def predecessors(self, stage: int) -> tuple[int, ...]:
         return tuple(u for u, v in self.edges if v == stage)
@@ -61,13 +82,16 @@ class Schedule:
         return _task_dependencies(self, task, self.predecessors(task.stage), self.successors(task.stage))
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        data = {
             "name": self.name,
             "num_stages": self.num_stages,
             "edges": [list(e) for e in self.edges],
             "num_microbatches": list(self.num_microbatches),
             "ranks": [[t.to_list() for t in rank] for rank in self.ranks],
         }
+        if self.placement is not None:  # identity placements keep the pre-placement format
+            data["placement"] = list(self.placement)
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Schedule:
@@ -78,12 +102,14 @@ class Schedule:
                 edges=tuple((int(u), int(v)) for u, v in data["edges"]),
                 num_microbatches=tuple(int(n) for n in data["num_microbatches"]),
                 ranks=tuple(tuple(Task(int(s), int(m), str(k)) for s, m, k in rank) for rank in data["ranks"]),
+                placement=None if data.get("placement") is None else tuple(int(r) for r in data["placement"]),
             )
         except (KeyError, TypeError, ValueError) as err:
             raise ScheduleError(
                 f"Schedule.from_dict: malformed schedule data ({type(err).__name__}: {err}). Expected keys "
                 "name, num_stages, edges [[u, v], ...], num_microbatches [n_0, ...] and ranks "
-                "[[[stage, microbatch, 'F'|'B'], ...], ...], as written by Schedule.to_dict()."
+                "[[[stage, microbatch, 'F'|'B'], ...], ...] (optional placement [rank of stage 0, ...]), as written "
+                "by Schedule.to_dict()."
             ) from err
         validate(sched)
         return sched
@@ -218,33 +244,58 @@ def _check_dag(sched: Schedule) -> None:
         raise ScheduleError(f"schedule {sched.name!r}: the stage graph has a cycle {cycle}; stages must form a DAG.")
     if len(set(sched.edges)) != len(sched.edges):
         raise ScheduleError(f"schedule {sched.name!r}: duplicate stage edges in {list(sched.edges)}.")
-    if len(sched.ranks) != p:
+    if sched.placement is None and len(sched.ranks) != p:
         raise ScheduleError(
-            f"schedule {sched.name!r}: {len(sched.ranks)} rank task lists for {p} stages; one rank runs one stage."
+            f"schedule {sched.name!r}: {len(sched.ranks)} rank task lists for {p} stages; without a placement "
+            "one rank runs one stage. Fix: give one task list per stage, or placement=(rank of each stage)."
+        )
+    if sched.placement is not None:
+        _check_placement(sched)
+
+
+def _check_placement(sched: Schedule) -> None:
+    place, n = sched.placement, len(sched.ranks)
+    ok = isinstance(place, tuple) and all(isinstance(r, int) and not isinstance(r, bool) for r in place)
+    if not ok or len(place) != sched.num_stages or not all(0 <= r < n for r in place):
+        raise ScheduleError(
+            f"schedule {sched.name!r}: placement={place!r} must give, for each of the {sched.num_stages} stages, "
+            f"the rank 0..{n - 1} that runs it ({n} rank task lists). Fix: one rank index per stage."
+        )
+    empty = sorted(set(range(n)) - set(place))
+    if empty:
+        raise ScheduleError(
+            f"schedule {sched.name!r}: placement={list(place)} leaves ranks {empty} without a stage. Fix: drop "
+            "their task lists or place a stage on each rank."
         )
 
 
 def _check_tasks(sched: Schedule, deps: dict[Task, tuple[Task, ...]]) -> list[_Problem]:
     problems: list[_Problem] = []
     where: dict[Task, list[Cell]] = {}
+    rank_of, p = sched.rank_of, sched.num_stages
     for r, rank in enumerate(sched.ranks):
         for i, task in enumerate(rank):
             cell = (r, i)
             if task.kind not in ("F", "B"):
                 problems.append(_Problem(f"rank {r} step {i}: task kind {task.kind!r} is not 'F' or 'B'.", (cell,)))
-            elif task.stage != r:
+            elif not 0 <= task.stage < p:
+                problems.append(_Problem(f"rank {r} step {i}: stage {task.stage} is not a stage 0..{p - 1}.", (cell,)))
+            elif rank_of[task.stage] != r:
+                on = sched.stages_on(r)
+                here = ("stage " if len(on) == 1 else "stages ") + ", ".join(map(str, on))
                 problems.append(
                     _Problem(
-                        f"rank {r} step {i}: {task.label} belongs to stage {task.stage}, but rank {r} runs stage {r}. "
-                        f"Fix: move it to rank {task.stage}.",
+                        f"rank {r} step {i}: {task.label} belongs to stage {task.stage}, but rank {r} runs "
+                        f"{here}. Fix: move it to rank {rank_of[task.stage]}.",
                         (cell,),
                     )
                 )
-            elif not 0 <= task.microbatch < sched.num_microbatches[r]:
+            elif not 0 <= task.microbatch < sched.num_microbatches[task.stage]:
+                n = sched.num_microbatches[task.stage]
                 problems.append(
                     _Problem(
-                        f"rank {r} step {i}: {task.label} is out of range; stage {r} has "
-                        f"{sched.num_microbatches[r]} micro-batches (0..{sched.num_microbatches[r] - 1}).",
+                        f"rank {r} step {i}: {task.label} is out of range; stage {task.stage} has "
+                        f"{n} micro-batches (0..{n - 1}).",
                         (cell,),
                     )
                 )
@@ -255,7 +306,7 @@ def _check_tasks(sched: Schedule, deps: dict[Task, tuple[Task, ...]]) -> list[_P
             steps = ", ".join(str(i) for _, i in cells)
             problems.append(
                 _Problem(
-                    f"stage {task.stage}: {task.label} runs {len(cells)} times (rank {task.stage}, steps {steps}); "
+                    f"stage {task.stage}: {task.label} runs {len(cells)} times (rank {cells[0][0]}, steps {steps}); "
                     "each micro-batch runs exactly one forward and one backward per stage. Fix: drop the extra.",
                     tuple(cells[1:]),
                 )
@@ -273,7 +324,7 @@ def _check_tasks(sched: Schedule, deps: dict[Task, tuple[Task, ...]]) -> list[_P
         marked = users.get(task, []) + where.get(Task(task.stage, task.microbatch, "F"), [])[: task.kind == "B"]
         problems.append(
             _Problem(
-                f"stage {task.stage}: {task.label} is missing (rank {task.stage} has {have} of "
+                f"stage {task.stage}: {task.label} is missing (rank {rank_of[task.stage]} has {have} of "
                 f"{2 * sched.num_microbatches[task.stage]} tasks); the marked tasks need it. Fix: add it.",
                 tuple(marked),
             )
@@ -283,7 +334,7 @@ def _check_tasks(sched: Schedule, deps: dict[Task, tuple[Task, ...]]) -> list[_P
         if task.kind == "B" and forward and cells[0][1] < forward[0][1]:
             problems.append(
                 _Problem(
-                    f"rank {task.stage}: {task.label} at step {cells[0][1]} comes before its forward "
+                    f"rank {cells[0][0]}: {task.label} at step {cells[0][1]} comes before its forward "
                     f"F{task.microbatch} at step {forward[0][1]}; a backward needs its forward's activations. "
                     f"Fix: put F{task.microbatch} before B{task.microbatch}.",
                     (cells[0],),

@@ -3,7 +3,7 @@
 Each rank runs its tasks in order; a task starts when its rank is free and every dependency has
 finished (plus the transfer time of the stage edge it crosses). Because ranks never reorder, the
 start times follow from one pass over the dependency DAG; the outputs are what the planner compares
-schedules by: makespan, idle (bubble) fraction and peak activation memory per stage.
+schedules by: makespan, idle (bubble) fraction and peak activation memory per rank.
 """
 
 from __future__ import annotations
@@ -30,13 +30,14 @@ class TaskTiming:
 
 @dataclass(frozen=True)
 class SimResult:
-    """Simulated timeline. Per-stage outputs are lists indexed by stage (= rank)."""
+    """Simulated timeline. Per-rank outputs are lists indexed by rank (= stage unless the schedule
+    places several stages on a rank, as interleaved 1F1B does)."""
 
     schedule: Schedule
     makespan: float
     bubble_fraction: float  # 1 - busy / (ranks * makespan): the idle share of all rank-time
-    peak_inflight: list[int]  # most micro-batches whose forward is done and backward is not
-    peak_activation_bytes: list[float] | None  # peak_inflight x activation bytes per micro-batch
+    peak_inflight: list[int]  # per rank: most (stage, micro-batch)s whose forward is done and backward is not
+    peak_activation_bytes: list[float] | None  # per rank: peak of the live (stage, micro-batch)s' bytes
     busy: list[float]  # seconds each rank computes
     timings: tuple[TaskTiming, ...]  # rank by rank, in execution order
 
@@ -88,7 +89,7 @@ def simulate(
     `transfer`: seconds per message across a stage edge (both directions), a scalar, one value per
     `sched.edges` entry, or a mapping {(u, v): seconds} (absent edges cost 0)."""
     validate(sched)
-    p = sched.num_stages
+    p, n_ranks = sched.num_stages, len(sched.ranks)
     if per not in ("microbatch", "minibatch"):
         raise ScheduleError(f"simulate: per must be 'microbatch' or 'minibatch', got {per!r}.")
     scale = [1.0 / n if per == "minibatch" else 1.0 for n in sched.num_microbatches]
@@ -98,9 +99,9 @@ def simulate(
 
     deps = dependency_table(sched)
     end: dict[Task, float] = {}
-    free = [0.0] * p
-    heads = [0] * p
-    timings: list[list[TaskTiming]] = [[] for _ in range(p)]
+    free = [0.0] * n_ranks
+    heads = [0] * n_ranks
+    timings: list[list[TaskTiming]] = [[] for _ in range(n_ranks)]
     remaining = sum(len(rank) for rank in sched.ranks)
     while remaining:
         progressed = False
@@ -108,7 +109,7 @@ def simulate(
             while heads[r] < len(rank) and all(d in end for d in deps[rank[heads[r]]]):
                 task = rank[heads[r]]
                 start = max([free[r]] + [end[d] + _edge_lag(lag, d, task) for d in deps[task]])
-                end[task] = free[r] = start + (tf[r] if task.kind == "F" else tb[r])
+                end[task] = free[r] = start + (tf[task.stage] if task.kind == "F" else tb[task.stage])
                 timings[r].append(TaskTiming(r, task, start, end[task]))
                 heads[r] += 1
                 remaining -= 1
@@ -118,28 +119,31 @@ def simulate(
 
     makespan = max(free, default=0.0)
     busy = [sum(t.end - t.start for t in row) for row in timings]
-    bubble = 1.0 - sum(busy) / (p * makespan) if makespan > 0 else 0.0
-    peaks = [_peak_inflight(rank) for rank in sched.ranks]
+    bubble = 1.0 - sum(busy) / (n_ranks * makespan) if makespan > 0 else 0.0
+    peaks = [_peak_inflight(rank, [1.0] * p) for rank in sched.ranks]
     act = None
     if activation_bytes is not None:
-        per_mb = _per_stage("activation_bytes", activation_bytes, p)
-        act = [peak * a * s for peak, a, s in zip(peaks, per_mb, scale, strict=True)]
+        per_mb = [a * s for a, s in zip(_per_stage("activation_bytes", activation_bytes, p), scale, strict=True)]
+        # one stage on a rank: count x bytes exactly (a running sum of bytes could round differently)
+        act = [peak * per_mb[rank[0].stage] if len({t.stage for t in rank}) == 1 else _peak_inflight(rank, per_mb)
+               for peak, rank in zip(peaks, sched.ranks, strict=True)]
     return SimResult(
         schedule=sched,
         makespan=makespan,
         bubble_fraction=bubble,
-        peak_inflight=peaks,
+        peak_inflight=[int(x) for x in peaks],
         peak_activation_bytes=act,
         busy=busy,
         timings=tuple(t for row in timings for t in row),
     )
 
 
-def _peak_inflight(rank: Sequence[Task]) -> int:
-    """In-flight count depends only on the order: +1 per finished forward, -1 per finished backward."""
-    live = peak = 0
+def _peak_inflight(rank: Sequence[Task], weight: Sequence[float]) -> float:
+    """Peak of the live weight (count or bytes) on one rank; it depends only on the order: + the
+    stage's weight per finished forward, - per finished backward."""
+    live = peak = 0.0
     for task in rank:
-        live += 1 if task.kind == "F" else -1
+        live += weight[task.stage] if task.kind == "F" else -weight[task.stage]
         peak = max(peak, live)
     return peak
 
