@@ -132,22 +132,27 @@ def shape_tables(space: PlanSpace, units: Units, hw: HardwareSpec, cost: CostMod
     except Megatron-LM's (the grid of experts uses them)."""
     modes = tuple(m for m in STORAGE_MODES if m in options.storage_modes)
     spaces = [sp for sp in (space, sp_space) if sp is not None]
-    if options.sequence_parallel == "on" and sp_space is not None:
-        spaces = [sp_space]
+    # sequence_parallel="on": the submesh's plans are the sequence-parallel ones only (none plain)
+    plain_out = options.sequence_parallel == "on" and sp_space is not None
     priced = [_priced(sp, units, hw, cost, options, modes) for sp in spaces]
     vals = {a: np.concatenate([v[a] for v in priced], axis=2) for a in ARRAYS}
-    keep = _undominated(vals)
     offsets = np.cumsum([0] + [sp.plans.shape[0] for sp in spaces])
+    if plain_out:
+        vals = {a: v[:, :, offsets[1]:] for a, v in vals.items()}
+        offsets = np.array([0, 0, offsets[2] - offsets[1]])
+    keep = _undominated(vals)
     experts = [expert_row(sp, megatron_expert(sp.mesh, sp is sp_space)) for sp in spaces]
+    if plain_out:
+        experts[0] = "sequence_parallel='on' leaves only the sequence-parallel plans"
     for o, sp, row in zip(offsets, spaces, experts, strict=False):
         if not isinstance(row, str):
             keep = np.union1d(keep, o + np.flatnonzero((sp.plans == row).all(axis=1))).astype(np.int64)
     kept = [keep[(keep >= offsets[i]) & (keep < offsets[i + 1])] - offsets[i] for i in range(len(spaces))]
-    if not kept[0].size and len(spaces) > 1:      # the plain space entirely dominated: keep its first plan
+    if not kept[0].size and len(spaces) > 1 and not plain_out:   # the plain space all dominated: keep one
         kept[0], keep = np.array([0]), np.union1d(keep, [0]).astype(np.int64)
     bsplit = np.concatenate([_batch_split(sp, sp.plans[k]) for sp, k in zip(spaces, kept, strict=True)])
-    first, sp_part = spaces[0], (spaces[1] if len(spaces) > 1 else None)
-    return ShapeTables(first.mesh, first, first.plans[kept[0]], {a: v[:, :, keep] for a, v in vals.items()},
+    sp_part = spaces[1] if len(spaces) > 1 else None
+    return ShapeTables(space.mesh, space, space.plans[kept[0]], {a: v[:, :, keep] for a, v in vals.items()},
                        bsplit, modes, experts[0], sp_space=sp_part,
                        sp_rows=None if sp_part is None else sp_part.plans[kept[1]],
                        megatron_sp=experts[1] if sp_part is not None else "no sequence-parallel space on this submesh")
