@@ -34,6 +34,7 @@ bytes with XLA:CPU's `cost_analysis()`.
 from __future__ import annotations
 
 import dataclasses
+import heapq
 from collections.abc import Iterable
 
 import numpy as np
@@ -275,20 +276,28 @@ class _Fuser:
                     or self.has_gemm[p] or not self.same_place(self.g.ops[p], r):
                 continue
             others = set().union(*(self.readers(w) for w in self.g.ops[p].outputs)) - {r.index}
-            if not others & self.ancestors(r.index, p):
+            if not self.depends(r.index, others):
                 self.union_into(p, r.index)
 
-    def ancestors(self, r: int, floor: int) -> set[int]:
-        """Ops after `floor` (in program order) that `r` depends on."""
+    def depends(self, r: int, targets: set[int]) -> bool:
+        """Does op `r` depend on any op in `targets`? Ops come in program order, so only ancestors
+        after the first target can lead to one; the lowest index is expanded first, which reaches a
+        forward op read again in the backward pass without walking every later layer (those pairs
+        made the whole-set walk quadratic in depth)."""
+        if not targets:
+            return False
+        floor = min(targets)
         seen: set[int] = set()
-        stack = [r]
-        while stack:
-            for v in self.g.ops[stack.pop()].inputs:
+        heap = [r]
+        while heap:
+            for v in self.g.ops[heapq.heappop(heap)].inputs:
                 q = self.g.values[v].producer
-                if q is not None and q > floor and q not in seen:
+                if q is not None and q >= floor and q not in seen:
+                    if q in targets:
+                        return True
                     seen.add(q)
-                    stack.append(q)
-        return seen
+                    heapq.heappush(heap, q)
+        return False
 
     def _epilogue(self, op: Op) -> None:
         for v in op.inputs:
@@ -345,7 +354,7 @@ class _Fuser:
                         or not self.same_place(ops[c], op) or not reads_r & self.group_reads(root):
                     continue
                 others = set().union(*(self.readers(v) for v in op.outputs)) - set(self.members(root))
-                if not others & self.ancestors(root, r):
+                if not self.depends(root, others):
                     self.union_into(r, root)
                     self.member_lists[root] += self.member_lists.pop(r)
                     break
