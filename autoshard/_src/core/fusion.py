@@ -120,6 +120,8 @@ class _Fuser:
         self.has_gemm = [op.primitive in GEMM_OPS for op in graph.ops]
         self.outputs = set(graph.outputs)
         self.reader_cache: dict[int, frozenset[int]] = {}
+        self.producer_cache: dict[int, frozenset[int]] = {}
+        self.reads_cache: dict[int, tuple[int, ...]] = {}
 
     # --- aliases -----------------------------------------------------------------------------
     def source(self, v: int) -> int:
@@ -130,15 +132,21 @@ class _Fuser:
                 return v
             v = self.g.ops[p].inputs[0]
 
-    def producers(self, v: int) -> set[int]:
+    def producers(self, v: int) -> frozenset[int]:
         """The ops whose results a read of `v` touches: its producer, or, through a broadcast that
-        runs inside its reader, that broadcast's producers."""
-        p = self.g.values[self.source(v)].producer
-        if p is None:
-            return set()
-        if self.inline[p]:
-            return set().union(*(self.producers(w) for w in self.g.ops[p].inputs))
-        return {p}
+        runs inside its reader, that broadcast's producers. Cached: asked only after `find_inline`
+        (kinds and `inline` settled); a broadcast chain is walked once, not once per reader."""
+        hit = self.producer_cache.get(v)
+        if hit is None:
+            p = self.g.values[self.source(v)].producer
+            if p is None:
+                hit = frozenset()
+            elif self.inline[p]:
+                hit = frozenset().union(*(self.producers(w) for w in self.g.ops[p].inputs))
+            else:
+                hit = frozenset((p,))
+            self.producer_cache[v] = hit
+        return hit
 
     def readers(self, v: int) -> frozenset[int]:
         """Ops reading `v`, looking through alias ops and through the broadcasts and iotas that run
@@ -322,9 +330,15 @@ class _Fuser:
         return sum(d > 1 for d in src.shape) <= 1
 
     # --- bytes -------------------------------------------------------------------------------
-    def reads(self, v: int) -> Iterable[int]:
+    def reads(self, v: int) -> tuple[int, ...]:
         """The materialised values a read of `v` touches (a broadcast run in place reads its input;
-        literals are immediates)."""
+        literals are immediates). Cached, as `producers`."""
+        hit = self.reads_cache.get(v)
+        if hit is None:
+            hit = self.reads_cache[v] = tuple(self._reads(v))
+        return hit
+
+    def _reads(self, v: int) -> Iterable[int]:
         v = self.source(v)
         p = self.g.values[v].producer
         if p is not None and self.inline[p]:
@@ -388,27 +402,29 @@ class _Fuser:
             self.normalisation_diamonds()
         ops, n = self.g.ops, len(self.g.ops)
         group = np.array([-1 if self.cls[i] in ("alias", "dead") or inline[i] else self.find(i) for i in range(n)])
+        gl = group.tolist()                     # plain ints: indexing the array per read is slow
+        values = self.g.values
         moved: list[list[int]] = [[] for _ in range(n)]
         seen: set[tuple[int, int]] = set()        # (fusion, value) reads already priced
         for op in ops:
             i = op.index
-            gi = group[i]
+            gi = gl[i]
             if gi < 0:
                 continue
             for v in op.inputs:
                 for w in self.reads(v):
-                    p = self.g.values[w].producer
-                    if (p is None or group[p] != gi) and (gi, w) not in seen:
+                    p = values[w].producer
+                    if (p is None or gl[p] != gi) and (gi, w) not in seen:
                         seen.add((gi, w))
                         moved[i].append(w)
             for v in op.outputs:
-                if self.returned(v) or any(group[r] != gi for r in self.readers(v)):
+                if self.returned(v) or any(gl[r] != gi for r in self.readers(v)):
                     moved[i].append(v)
-        nbytes = np.array([float(sum(self.g.values[v].nbytes for v in vs)) for vs in moved])
+        nbytes = np.array([float(sum(values[v].nbytes for v in vs)) for vs in moved])
         last: dict[int, int] = {}
-        for i in range(n):
-            if group[i] >= 0:
-                last[int(group[i])] = i
+        for i, gi in enumerate(gl):
+            if gi >= 0:
+                last[gi] = i
         launches = np.zeros(n)
         launches[list(last.values())] = 1.0
         return Fusion(group, nbytes, launches, tuple(tuple(vs) for vs in moved))
