@@ -158,16 +158,16 @@ class _Fuser:
         return hit
 
     def _readers(self, v: int) -> set[int]:
+        # through a view or an inlined broadcast: its results' readers, cached too (their readers come
+        # later in program order, so their kinds are settled whenever `v`'s are)
         out: set[int] = set()
-        stack, seen = [v], {v}
-        while stack:
-            for c in self.g.values[stack.pop()].consumers:
-                if self.cls[c] == "alias" or self.inline[c]:
-                    fresh = [w for w in self.g.ops[c].outputs if w not in seen]
-                    seen.update(fresh)
-                    stack.extend(fresh)
-                elif self.cls[c] != "dead":
-                    out.add(c)
+        cls, inline = self.cls, self.inline
+        for c in self.g.values[v].consumers:
+            if cls[c] == "alias" or inline[c]:
+                for w in self.g.ops[c].outputs:
+                    out |= self.readers(w)
+            elif cls[c] != "dead":
+                out.add(c)
         return out
 
     def returned(self, v: int) -> bool:
