@@ -244,9 +244,8 @@ class _Fuser:
     def sole_reader(self, p: int) -> int | None:
         """The one op reading all of `p`'s outputs, if there is one (a returned output is also
         written by the fusion, as a second result)."""
-        readers: set[int] = set()
-        for v in self.g.ops[p].outputs:
-            readers |= self.readers(v)
+        outs = self.g.ops[p].outputs
+        readers = self.readers(outs[0]) if len(outs) == 1 else frozenset().union(*map(self.readers, outs))
         return next(iter(readers)) if len(readers) == 1 else None
 
     def group(self) -> None:
