@@ -242,8 +242,13 @@ def fingerprint(graph: OpGraph) -> str:
         val = graph.values[v]
         h.update(f"{kp}:{val.shape}:{val.dtype};".encode())
     h.update(b"|")
+    typed: dict[tuple, str] = {}      # layers repeat a few signatures: each is formatted once
     for op in graph.ops:
-        h.update(f"{op.module}/{op.primitive}{op.in_shapes}{op.in_dtypes}{op.out_shapes}{op.out_dtypes};".encode())
+        key = (op.in_shapes, op.in_dtypes, op.out_shapes, op.out_dtypes)   # tuples (Op's contract)
+        sig = typed.get(key)
+        if sig is None:
+            sig = typed[key] = f"{op.in_shapes}{op.in_dtypes}{op.out_shapes}{op.out_dtypes}"
+        h.update(f"{op.module}/{op.primitive}{sig};".encode())
     return h.hexdigest()[:16]
 
 
