@@ -34,6 +34,7 @@ bytes with XLA:CPU's `cost_analysis()`.
 from __future__ import annotations
 
 import dataclasses
+import heapq
 from collections.abc import Iterable
 
 import numpy as np
@@ -119,6 +120,8 @@ class _Fuser:
         self.has_gemm = [op.primitive in GEMM_OPS for op in graph.ops]
         self.outputs = set(graph.outputs)
         self.reader_cache: dict[int, frozenset[int]] = {}
+        self.producer_cache: dict[int, frozenset[int]] = {}
+        self.reads_cache: dict[int, tuple[int, ...]] = {}
 
     # --- aliases -----------------------------------------------------------------------------
     def source(self, v: int) -> int:
@@ -129,15 +132,21 @@ class _Fuser:
                 return v
             v = self.g.ops[p].inputs[0]
 
-    def producers(self, v: int) -> set[int]:
+    def producers(self, v: int) -> frozenset[int]:
         """The ops whose results a read of `v` touches: its producer, or, through a broadcast that
-        runs inside its reader, that broadcast's producers."""
-        p = self.g.values[self.source(v)].producer
-        if p is None:
-            return set()
-        if self.inline[p]:
-            return set().union(*(self.producers(w) for w in self.g.ops[p].inputs))
-        return {p}
+        runs inside its reader, that broadcast's producers. Cached: asked only after `find_inline`
+        (kinds and `inline` settled); a broadcast chain is walked once, not once per reader."""
+        hit = self.producer_cache.get(v)
+        if hit is None:
+            p = self.g.values[self.source(v)].producer
+            if p is None:
+                hit = frozenset()
+            elif self.inline[p]:
+                hit = frozenset().union(*(self.producers(w) for w in self.g.ops[p].inputs))
+            else:
+                hit = frozenset((p,))
+            self.producer_cache[v] = hit
+        return hit
 
     def readers(self, v: int) -> frozenset[int]:
         """Ops reading `v`, looking through alias ops and through the broadcasts and iotas that run
@@ -149,16 +158,16 @@ class _Fuser:
         return hit
 
     def _readers(self, v: int) -> set[int]:
+        # through a view or an inlined broadcast: its results' readers, cached too (their readers come
+        # later in program order, so their kinds are settled whenever `v`'s are)
         out: set[int] = set()
-        stack, seen = [v], {v}
-        while stack:
-            for c in self.g.values[stack.pop()].consumers:
-                if self.cls[c] == "alias" or self.inline[c]:
-                    fresh = [w for w in self.g.ops[c].outputs if w not in seen]
-                    seen.update(fresh)
-                    stack.extend(fresh)
-                elif self.cls[c] != "dead":
-                    out.add(c)
+        cls, inline = self.cls, self.inline
+        for c in self.g.values[v].consumers:
+            if cls[c] == "alias" or inline[c]:
+                for w in self.g.ops[c].outputs:
+                    out |= self.readers(w)
+            elif cls[c] != "dead":
+                out.add(c)
         return out
 
     def returned(self, v: int) -> bool:
@@ -235,9 +244,8 @@ class _Fuser:
     def sole_reader(self, p: int) -> int | None:
         """The one op reading all of `p`'s outputs, if there is one (a returned output is also
         written by the fusion, as a second result)."""
-        readers: set[int] = set()
-        for v in self.g.ops[p].outputs:
-            readers |= self.readers(v)
+        outs = self.g.ops[p].outputs
+        readers = self.readers(outs[0]) if len(outs) == 1 else frozenset().union(*map(self.readers, outs))
         return next(iter(readers)) if len(readers) == 1 else None
 
     def group(self) -> None:
@@ -275,20 +283,28 @@ class _Fuser:
                     or self.has_gemm[p] or not self.same_place(self.g.ops[p], r):
                 continue
             others = set().union(*(self.readers(w) for w in self.g.ops[p].outputs)) - {r.index}
-            if not others & self.ancestors(r.index, p):
+            if not self.depends(r.index, others):
                 self.union_into(p, r.index)
 
-    def ancestors(self, r: int, floor: int) -> set[int]:
-        """Ops after `floor` (in program order) that `r` depends on."""
+    def depends(self, r: int, targets: set[int]) -> bool:
+        """Does op `r` depend on any op in `targets`? Ops come in program order, so only ancestors
+        after the first target can lead to one; the lowest index is expanded first, which reaches a
+        forward op read again in the backward pass without walking every later layer (those pairs
+        made the whole-set walk quadratic in depth)."""
+        if not targets:
+            return False
+        floor = min(targets)
         seen: set[int] = set()
-        stack = [r]
-        while stack:
-            for v in self.g.ops[stack.pop()].inputs:
+        heap = [r]
+        while heap:
+            for v in self.g.ops[heapq.heappop(heap)].inputs:
                 q = self.g.values[v].producer
-                if q is not None and q > floor and q not in seen:
+                if q is not None and q >= floor and q not in seen:
+                    if q in targets:
+                        return True
                     seen.add(q)
-                    stack.append(q)
-        return seen
+                    heapq.heappush(heap, q)
+        return False
 
     def _epilogue(self, op: Op) -> None:
         for v in op.inputs:
@@ -313,9 +329,15 @@ class _Fuser:
         return sum(d > 1 for d in src.shape) <= 1
 
     # --- bytes -------------------------------------------------------------------------------
-    def reads(self, v: int) -> Iterable[int]:
+    def reads(self, v: int) -> tuple[int, ...]:
         """The materialised values a read of `v` touches (a broadcast run in place reads its input;
-        literals are immediates)."""
+        literals are immediates). Cached, as `producers`."""
+        hit = self.reads_cache.get(v)
+        if hit is None:
+            hit = self.reads_cache[v] = tuple(self._reads(v))
+        return hit
+
+    def _reads(self, v: int) -> Iterable[int]:
         v = self.source(v)
         p = self.g.values[v].producer
         if p is not None and self.inline[p]:
@@ -345,7 +367,7 @@ class _Fuser:
                         or not self.same_place(ops[c], op) or not reads_r & self.group_reads(root):
                     continue
                 others = set().union(*(self.readers(v) for v in op.outputs)) - set(self.members(root))
-                if not others & self.ancestors(root, r):
+                if not self.depends(root, others):
                     self.union_into(r, root)
                     self.member_lists[root] += self.member_lists.pop(r)
                     break
@@ -379,27 +401,29 @@ class _Fuser:
             self.normalisation_diamonds()
         ops, n = self.g.ops, len(self.g.ops)
         group = np.array([-1 if self.cls[i] in ("alias", "dead") or inline[i] else self.find(i) for i in range(n)])
+        gl = group.tolist()                     # plain ints: indexing the array per read is slow
+        values = self.g.values
         moved: list[list[int]] = [[] for _ in range(n)]
         seen: set[tuple[int, int]] = set()        # (fusion, value) reads already priced
         for op in ops:
             i = op.index
-            gi = group[i]
+            gi = gl[i]
             if gi < 0:
                 continue
             for v in op.inputs:
                 for w in self.reads(v):
-                    p = self.g.values[w].producer
-                    if (p is None or group[p] != gi) and (gi, w) not in seen:
+                    p = values[w].producer
+                    if (p is None or gl[p] != gi) and (gi, w) not in seen:
                         seen.add((gi, w))
                         moved[i].append(w)
             for v in op.outputs:
-                if self.returned(v) or any(group[r] != gi for r in self.readers(v)):
+                if self.returned(v) or any(gl[r] != gi for r in self.readers(v)):
                     moved[i].append(v)
-        nbytes = np.array([float(sum(self.g.values[v].nbytes for v in vs)) for vs in moved])
+        nbytes = np.array([float(sum(values[v].nbytes for v in vs)) for vs in moved])
         last: dict[int, int] = {}
-        for i in range(n):
-            if group[i] >= 0:
-                last[int(group[i])] = i
+        for i, gi in enumerate(gl):
+            if gi >= 0:
+                last[gi] = i
         launches = np.zeros(n)
         launches[list(last.values())] = 1.0
         return Fusion(group, nbytes, launches, tuple(tuple(vs) for vs in moved))

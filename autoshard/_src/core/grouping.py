@@ -99,6 +99,17 @@ class Grouping:
             object.__setattr__(self, "_op_block_cache", cache)
         return cache
 
+    def memo(self, key: tuple, make):
+        """`make()`, computed once per grouping and `key`: the analyses of its blocks (representative
+        instances, factors, periods) that every planner of one step asks for again."""
+        cache = self.__dict__.get("_memo")
+        if cache is None:
+            cache = {}
+            object.__setattr__(self, "_memo", cache)
+        if key not in cache:
+            cache[key] = make()
+        return cache[key]
+
     def summary(self) -> dict:
         """JSON-able summary (for benches and the CLI)."""
         g = self.graph

@@ -8,7 +8,7 @@ import time
 from typing import Any
 
 from ..core.errors import InfeasiblePlanError, PlanError
-from ..core.graph import OpGraph, fingerprint, op_keys
+from ..core.graph import OpGraph, collector_paused, fingerprint, op_keys
 from ..core.grouping import Grouping, group
 from ..core.hardware import HardwareSpec, hardware_dict
 from ..core.mesh import MeshSpec, candidate_meshes, mesh_spec
@@ -36,6 +36,12 @@ def tensor_plan(graph: OpGraph, *, mesh: Any, hw: HardwareSpec, options: SearchO
                 devices: int | None = None, grouping: Grouping | None = None) -> Plan:
     """The tensor sharding plan of the traced step `graph` on `mesh` (a MeshSpec, or "auto": every
     factorisation of `devices`, the fastest feasible wins). Raises InfeasiblePlanError when nothing fits."""
+    with collector_paused():
+        return _tensor_plan(graph, mesh, hw, options, devices, grouping)
+
+
+def _tensor_plan(graph: OpGraph, mesh: Any, hw: HardwareSpec, options: SearchOptions, devices: int | None,
+                 grouping: Grouping | None) -> Plan:
     grouping = grouping if grouping is not None else group(graph)
     if isinstance(mesh, str):
         if mesh != "auto":

@@ -13,7 +13,13 @@ from .factors import corresponding_ops
 
 def instance_maps(graph: OpGraph, grouping: Grouping, periods: tuple[int, ...]) -> dict[int, int]:
     """Op index → the corresponding op of its representative instance (instance k of a type
-    with period p takes the factors of instance k mod p)."""
+    with period p takes the factors of instance k mod p). Computed once per grouping: do not modify."""
+    if graph is not grouping.graph:
+        return _instance_maps(graph, grouping, periods)
+    return grouping.memo(("instance_maps", tuple(periods)), lambda: _instance_maps(graph, grouping, periods))
+
+
+def _instance_maps(graph: OpGraph, grouping: Grouping, periods: tuple[int, ...]) -> dict[int, int]:
     out: dict[int, int] = {}
     for bt, period in zip(grouping.block_types, periods, strict=True):
         for k, inst in enumerate(bt.instances):
@@ -27,7 +33,14 @@ def instance_maps(graph: OpGraph, grouping: Grouping, periods: tuple[int, ...]) 
 
 def input_maps(graph: OpGraph, grouping: Grouping, periods: tuple[int, ...]) -> dict[int, int]:
     """Input value → the corresponding input of its block type's first instance, matched by role,
-    shape, dtype and keypath with the instance's own path components removed."""
+    shape, dtype and keypath with the instance's own path components removed. Computed once per
+    grouping: do not modify."""
+    if graph is not grouping.graph:
+        return _input_maps(graph, grouping, periods)
+    return grouping.memo(("input_maps", tuple(periods)), lambda: _input_maps(graph, grouping, periods))
+
+
+def _input_maps(graph: OpGraph, grouping: Grouping, periods: tuple[int, ...]) -> dict[int, int]:
     def strip(parts: tuple, path: str) -> tuple:
         # remove the instance's own path components ("block_3", or "blocks", "3" in nnx); the
         # keypath may lack leading scope names (linen's "GPT"), so try the path's suffixes

@@ -31,14 +31,16 @@ REDUCE_SCATTERED = frozenset({"dot_general", "conv_general_dilated"})
 
 
 def analyze(graph: OpGraph, ops: Iterable[int], same_ops: Sequence[tuple[int, int]] = (),
-            tensor_parallel: tuple[FactorGraph, Collection[int]] | None = None) -> FactorGraph:
+            tensor_parallel: tuple[FactorGraph, Collection[int]] | None = None,
+            linked: FactorGraph | None = None) -> FactorGraph:
     """Factors of the subgraph made of `ops` (indices), with its mixture-of-experts layers cut into
     regions; `same_ops` pairs corresponding ops of two instances of one block type.
 
     `tensor_parallel`: (this subgraph's uncut factor graph, the factors Megatron splits in it): cut the
-    residual stream from the tensor-parallel regions too, so sequence parallelism is in the space."""
+    residual stream from the tensor-parallel regions too, so sequence parallelism is in the space.
+    `linked`: `link_factors(graph, ops, same_ops)` when the caller has it (read, not modified)."""
     ops = sorted(set(ops))
-    fg = link_factors(graph, ops, same_ops)
+    fg = linked if linked is not None else link_factors(graph, ops, same_ops)
     subs = _expert_cuts(graph, ops, fg)
     expert_values = frozenset(v for per_op in subs.values() for v, _ in per_op.values())
     kept: dict[int, tuple[int, ...]] = {}

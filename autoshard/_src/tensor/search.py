@@ -153,7 +153,16 @@ def with_sequence_parallel(result: SearchResult, grouping: Grouping) -> SearchRe
 def sequence_parallel_analysis(graph: OpGraph, grouping: Grouping, analysed: Analysis) -> Analysis | None:
     """`analysed` with the residual stream cut from the tensor-parallel regions (regions.py), so the
     sequence can be split over the tensor-parallel axes outside them; None without such regions (or
-    with mixture-of-experts regions)."""
+    with mixture-of-experts regions). Computed once per grouping and `analysed`."""
+    if graph is not grouping.graph:
+        return _sequence_parallel_analysis(graph, grouping, analysed)
+    # keyed by identity, `analysed` kept beside the result so a recycled id cannot match
+    hit = grouping.memo(("sequence_parallel", id(analysed)),
+                        lambda: (analysed, _sequence_parallel_analysis(graph, grouping, analysed)))
+    return hit[1] if hit[0] is analysed else _sequence_parallel_analysis(graph, grouping, analysed)
+
+
+def _sequence_parallel_analysis(graph: OpGraph, grouping: Grouping, analysed: Analysis) -> Analysis | None:
     if analysed.fg.sequence:
         return analysed
     if analysed.fg.cuts:
@@ -165,7 +174,8 @@ def sequence_parallel_analysis(graph: OpGraph, grouping: Grouping, analysed: Ana
     tp = [f for f in tensor_parallel_factors(graph, analysed.fg, analysed.in_map) if f not in batch]
     if not tp:
         return None
-    fg = analyze(graph, ops, pairs, (analysed.fg, tp))
+    # analysed.fg is these ops' factor graph without cuts: analyze starts from it instead of relinking
+    fg = analyze(graph, ops, pairs, (analysed.fg, tp), linked=analysed.fg)
     if not fg.sequence:
         return None
     return dataclasses.replace(analysed, fg=fg)
@@ -221,6 +231,14 @@ class Analysis:
 
 
 def analysis(graph: OpGraph, grouping: Grouping) -> Analysis:
+    """The mesh-independent part of a search, computed once per grouping (the tensor, 3-D and expert
+    planners of one step share it; do not modify)."""
+    if graph is not grouping.graph:
+        return _analysis(graph, grouping)
+    return grouping.memo(("analysis",), lambda: _analysis(graph, grouping))
+
+
+def _analysis(graph: OpGraph, grouping: Grouping) -> Analysis:
     weights, ops, pairs, periods = _analysed_ops(graph, grouping)
     fg = analyze(graph, ops, pairs)
     grad_ops = _grad_ops(graph, [i for i, w in weights.items() if w > 0])
@@ -244,7 +262,14 @@ def _analysed_ops(graph: OpGraph, grouping: Grouping
                   ) -> tuple[dict[int, float], list[int], list[tuple[int, int]], list[int]]:
     """The ops to analyse (the remainder and representative instances of each block type) with
     the weight each stands for, the pairs of corresponding ops linking instances, and the period
-    of each block type."""
+    of each block type (once per grouping: finding a period links factors too)."""
+    if graph is not grouping.graph:
+        return _find_analysed_ops(graph, grouping)
+    return grouping.memo(("analysed_ops",), lambda: _find_analysed_ops(graph, grouping))
+
+
+def _find_analysed_ops(graph: OpGraph, grouping: Grouping
+                       ) -> tuple[dict[int, float], list[int], list[tuple[int, int]], list[int]]:
     weights: dict[int, float] = {}
     ops: list[int] = []
     pairs: list[tuple[int, int]] = []
