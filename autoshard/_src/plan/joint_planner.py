@@ -198,7 +198,8 @@ def _summary(res: JointResult, best: JointPoint) -> dict[str, Any]:
             "megatron_grid_points": grid.points, "megatron_grid_reason": grid.reason,
             "runnable": best.runnable,
             "runnable_alternative": None if best.runnable else point_summary(res.runnable),
-            "points": res.points, "candidates": res.candidates, "units": len(res.units), "unit_labels": tuple(res.units.labels),
+            "points": res.points, "candidates": res.candidates, "units": len(res.units),
+            "unit_labels": tuple(res.units.labels),
             "search_seconds": res.seconds, "notes": tuple(res.notes)}
 
 
