@@ -53,7 +53,7 @@ CASES = [
     ("unknown pipeline option", lambda t: (None, dict(pipeline="rannc", pipeline_options={"blocks": 4})),
      ConfigError, r"\['blocks'\] are unknown.*valid: \['k'"),
     ("remat policy unknown", lambda t: (None, dict(mesh="auto", devices=8, pipeline_options={"remat": ["most"]})),
-     ConfigError, r"remat=\['most'\] must be one or a non-empty list of \['none', 'dots', 'full'\]"),
+     ConfigError, r"remat=\['most'\] must be one or a non-empty list of \['none', 'selective', 'dots', 'full'\]"),
     ("num_microbatches with graphpipe", lambda t: (None, dict(pipeline="graphpipe", num_microbatches=2)),
      ConfigError, r"num_microbatches=2 with pipeline='graphpipe'.*pipeline='rannc'"),
     ("pipeline_options not a table", lambda t: (None, dict(pipeline="rannc", pipeline_options=[("k", 2)])),

@@ -1,7 +1,8 @@
 """Rematerialisation as planned: a loss evaluated block by block, each block under `jax.checkpoint`.
 
-The 3-D planner gives each stage a remat policy: "none", "dots" (keep the matmul outputs, recompute
-the rest in the backward pass) or "full" (keep only each block's inputs). The user's loss has no
+The 3-D planner gives each stage a remat policy: "none", "selective" (recompute only the attention
+scores and probabilities, Korthikanti et al. 2022), "dots" (keep the matmul outputs, recompute the
+rest in the backward pass) or "full" (keep only each block's inputs). The user's loss has no
 block boundaries we could wrap, so the loss is traced, its eqns are grouped by the repeated block
 instance their module belongs to (the grouping's instances: the plan's unit labels, e.g.
 "GPT/block_3"), and every maximal run of eqns of one block runs as one `jax.checkpoint`ed function
@@ -9,19 +10,29 @@ of the values it reads. Eqns outside every block (embeddings, the head, the loss
 
     run = remat_loss(loss_fn, "full", labels)      # same values and gradients as loss_fn
     loss, grads = jax.value_and_grad(run)(params, batch)
+
+"selective" finds the attention cores of the loss (core.attention, on `trace.flat_graph` of the
+program) and checkpoints each block holding one with a policy that saves every value except those on
+its cores' [.., Sq, Skv] grid or its softmax rows: jax.checkpoint policies see a primitive and its
+operand shapes, not which eqn it came from, and the softmax's own residuals live inside jax's
+differentiation rules, where no name can be attached. Blocks without attention run as under "none".
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 
+from ..core.attention import attention_cores, recomputed_ops
 from ..core.attribution import parse_scope
 from . import compat as jc
+from .trace import flat_graph
 
 POLICIES: dict[str, Any] = {"dots": jax.checkpoint_policies.dots_saveable, "full": None}
+NAMES = ("none", "selective", *POLICIES)      # selective's policy depends on the block: selective_policy
 
 
 def block_labels(labels: Sequence[str]) -> tuple[str, ...]:
@@ -65,19 +76,53 @@ def run_eqns(prog: Any, order: Sequence[int], env: dict, blocks: Sequence[str | 
         for e in order:
             _bind(prog, e, env, guard, after)
         return
-    if policy not in POLICIES:
-        raise ValueError(f"remat policy {policy!r}: valid 'none', {', '.join(map(repr, POLICIES))}")
+    if policy not in NAMES:
+        raise ValueError(f"remat policy {policy!r}: valid {', '.join(map(repr, NAMES))}")
     readers: dict[Any, set[int]] = {}
     for e, fe in enumerate(prog.eqns):
         for a in fe.inputs:
             if not jc.is_literal(a):
                 readers.setdefault(a, set()).add(e)
+    grids = attention_grids(prog) if policy == "selective" else {}
     for label, run in _runs(order, blocks):
-        if label is None:
+        shapes = frozenset().union(*(grids.get(e, ()) for e in run))
+        if label is None or (policy == "selective" and not shapes):
             for e in run:
                 _bind(prog, e, env, guard, after)
             continue
-        _checkpointed(prog, run, env, readers, keep, policy, guard, after)
+        chosen = selective_policy(shapes) if policy == "selective" else POLICIES[policy]
+        _checkpointed(prog, run, env, readers, keep, chosen, guard, after)
+
+
+def attention_grids(prog: Any) -> dict[int, frozenset[tuple[int, ...]]]:
+    """Per flat eqn holding ops selective remat recomputes (`core.attention.recomputed_ops`): the
+    shapes of those ops' outputs on their core's grid (Sq x Skv per row) or rows (one per row)."""
+    graph, owner = flat_graph(prog)
+    out: dict[int, set[tuple[int, ...]]] = {}
+    for core in attention_cores(graph):
+        n = math.prod(graph.values[graph.ops[core.scores].outputs[0]].shape)
+        on_grid = (n, n // core.dims[3])
+        for o in recomputed_ops(graph, core):
+            shapes = {graph.values[w].shape for w in graph.ops[o].outputs}
+            out.setdefault(owner[o], set()).update(s for s in shapes if math.prod(s) in on_grid)
+    return {e: frozenset(s) for e, s in out.items() if s}
+
+
+def selective_policy(grids: frozenset[tuple[int, ...]]) -> Callable:
+    """A jax.checkpoint policy saving every result but those shaped as an attention grid in `grids`.
+    A matmul reading such a value (probabilities x V) is saved whatever its shape: its output is
+    what selective recompute keeps (head_dim == Skv would otherwise match)."""
+    def saveable(prim: Any, *avals: Any, **params: Any) -> bool:
+        if prim.name == "dot_general" and any(tuple(getattr(a, "shape", ())) in grids for a in avals):
+            return True
+        try:
+            outs = prim.abstract_eval(*avals, **params)
+        except Exception:     # a primitive without a shape rule here: keep its result (as "none")
+            return True
+        outs = outs[0] if isinstance(outs, tuple) and len(outs) == 2 and isinstance(outs[1], frozenset | set) else outs
+        outs = outs if isinstance(outs, list | tuple) else (outs,)
+        return not any(tuple(getattr(a, "shape", ())) in grids for a in outs)
+    return saveable
 
 
 def _runs(order: Sequence[int], blocks: Sequence[str | None]) -> list[tuple[str | None, list[int]]]:
@@ -90,7 +135,7 @@ def _runs(order: Sequence[int], blocks: Sequence[str | None]) -> list[tuple[str 
     return runs
 
 
-def _checkpointed(prog: Any, run: list[int], env: dict, readers: dict, keep: set, policy: str,
+def _checkpointed(prog: Any, run: list[int], env: dict, readers: dict, keep: set, policy: Callable | None,
                   guard: Callable | None, after: Callable | None) -> None:
     inside = set(run)
     made = {k for e in run for k in prog.eqns[e].outputs}
@@ -107,7 +152,7 @@ def _checkpointed(prog: Any, run: list[int], env: dict, readers: dict, keep: set
             _bind(prog, e, local, guard, after)
         return tuple(local[k] for k in outs)
 
-    values = jax.checkpoint(block, policy=POLICIES[policy])(*[env[k] for k in ins])
+    values = jax.checkpoint(block, policy=policy)(*[env[k] for k in ins])
     env.update(zip(outs, values, strict=True))
 
 

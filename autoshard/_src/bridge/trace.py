@@ -279,6 +279,39 @@ def eqn_flops(eqn: Any, scope: str = "") -> float:
     return float(sum(op.flops * op.repeat for op in b.ops))
 
 
+def flat_graph(prog: jc.FlatProgram) -> tuple[OpGraph, list[int]]:
+    """The OpGraph of a flattened program (`compat.flatten_calls`) and, per op, the index of the flat
+    eqn it comes from: eqns the flat program keeps whole (a custom_jvp, a scan) are expanded into
+    their ops here, as `trace` does, so the core analyses (attention cores) see inside them."""
+    b = _Builder()
+    env: dict = {}
+    inputs: list[int] = []
+    owner: list[int] = []
+    top = _Scope("", "", ())
+    for e, fe in enumerate(prog.eqns):
+        in_ids = []
+        for key, atom in zip(fe.inputs, fe.eqn.invars, strict=True):
+            if jc.is_literal(key):
+                in_ids.append(b.new_value(atom, "literal"))
+                continue
+            if key not in env:
+                env[key] = b.new_value(atom, "const" if key in prog.consts else "input")
+                inputs.append(env[key])
+            in_ids.append(env[key])
+        name, scope = fe.eqn.primitive.name, top.enter(fe.scope)
+        outs = b._expand(fe.eqn, name, in_ids, scope, ())
+        if outs is None:
+            outs = b.add_op(name, in_ids, list(fe.eqn.outvars), scope, (), _simple_params(name, fe.eqn.params),
+                            in_atoms=list(fe.eqn.invars))
+        owner.extend([e] * (len(b.ops) - len(owner)))
+        env.update(zip(fe.outputs, outs, strict=True))
+    outputs = [env[k] for k in prog.outputs if not jc.is_literal(k) and k in env]
+    graph = OpGraph(ops=b.ops, values=b.values, inputs=inputs, outputs=outputs, output_keypaths=[""] * len(outputs),
+                    output_keypath_parts=[()] * len(outputs), carried=b.carried)
+    infer_phases(graph, ())
+    return graph, owner
+
+
 @dataclasses.dataclass(frozen=True)
 class Traced:
     """One trace of a step, shared by everything that needs it: the OpGraph (planning and the

@@ -362,6 +362,35 @@ class _Finder:
         return out
 
 
+def recomputed_ops(graph: OpGraph, core: AttentionCore) -> frozenset[int]:
+    """The forward ops selective recompute re-runs in the backward pass (Korthikanti et al. 2022,
+    arXiv:2205.05198 §4): the scores matmul, scale / mask / bias, softmax and dropout of `core`, all
+    but the values matmul, whose output the backward keeps. Dropout's random bits (drawn on the grid
+    from a key, not from the scores) join when only the core reads them: regenerated, not saved."""
+    out = set(core.forward) - {core.values}
+    n = math.prod(graph.values[graph.ops[core.scores].outputs[0]].shape)
+    stack = [w for i in out for w in graph.ops[i].inputs]
+    while stack:
+        p = graph.values[stack.pop()].producer
+        if p is None or p in out or graph.ops[p].phase != "forward" or graph.ops[p].primitive == "dot_general":
+            continue
+        op = graph.ops[p]
+        grid = all(math.prod(graph.values[w].shape) == n for w in op.outputs)
+        readers = {c for w in op.outputs for c in graph.values[w].consumers if graph.ops[c].phase == "forward"}
+        if grid and readers <= out:
+            out.add(p)
+            stack.extend(op.inputs)
+    return frozenset(out)
+
+
+def selective_ops(graph: OpGraph) -> frozenset[int]:
+    """`recomputed_ops` of every attention core of `graph` (cached: empty without attention)."""
+    hit = graph.cache.get("selective")
+    if hit is None:
+        hit = graph.cache["selective"] = frozenset().union(*(recomputed_ops(graph, c) for c in attention_cores(graph)))
+    return hit
+
+
 # --- pricing ---------------------------------------------------------------------------------------
 LSE_ITEMSIZE = 4          # FlashAttention keeps the log-sum-exp in float32
 

@@ -10,12 +10,18 @@ micro-batch and the memory are linear in the kind arrays of `ShapeTables`:
     value = f + b + tail / M                      (the step spreads over the M micro-batches)
     memory = static + transient(r) + q * held(r)  (held: saved activations per micro-batch in flight)
 
-remat 'none' keeps every saved activation; 'dots' keeps the matmul outputs and each unit's input
-and recomputes the rest (jax.checkpoint_policies.dots_saveable); 'full' keeps only each unit's
-input and recomputes its forward in the backward pass, one unit at a time (its activations are the
-transient). Per composition the choices are sorted by value once; the best choice for any q is the
-first whose memory allows q micro-batches in flight, found by binary search on the running
-maximum of that allowance.
+remat 'none' keeps every saved activation; 'selective' keeps all but the attention scores and
+probabilities ([B, H, S, S] each: Korthikanti et al. 2022, arXiv:2205.05198 §4) and reruns their
+forward (scores matmul, mask, softmax, dropout) in the backward pass, one unit at a time (the
+recomputed scores are the transient); 'dots' keeps the matmul outputs and each unit's input and
+recomputes the rest (jax.checkpoint_policies.dots_saveable); 'full' keeps only each unit's input
+and recomputes its forward in the backward pass, one unit at a time (its activations are the
+transient). Without attention 'selective' costs what 'none' does, and ties go to the policy
+listed first in REMAT (fewest recomputes), so it is never chosen there.
+
+Per composition the choices are sorted by value once; the best choice for any q is the first whose
+memory allows q micro-batches in flight, found by binary search on the running maximum of that
+allowance.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ import numpy as np
 
 from .tables import ShapeTables
 
-REMAT = ("none", "dots", "full")
+REMAT = ("none", "selective", "dots", "full")    # by how much they recompute: ties keep the first
 
 
 class SortedParts:
@@ -96,6 +102,7 @@ def compositions(tables: ShapeTables, comps: np.ndarray, kind_inputs: np.ndarray
     # the largest unit's activations: recomputed one unit at a time under remat
     out["unit_acts"] = np.where(present[:, :, None, None], v["acts"][None], 0.0).max(axis=1)
     out["unit_rest"] = np.where(present[:, :, None, None], (v["acts"] - v["acts_dots"])[None], 0.0).max(axis=1)
+    out["unit_attn"] = np.where(present[:, :, None, None], v["acts_attn"][None], 0.0).max(axis=1)
     out = {name: np.ascontiguousarray(np.transpose(a, (0, 2, 1))) for name, a in out.items()}
     out["inputs"] = np.broadcast_to((comps @ kind_inputs)[:, None, None] / tables.batch_split[None, :, None],
                                     out["fwd"].shape)
@@ -116,6 +123,8 @@ def choice_table(c: dict[str, np.ndarray], microbatches: int, budget: float, rem
     static = c["static"]
     acts, acts_dots, data, inputs = c["acts"], c["acts_dots"], c["data"], c["inputs"]
     parts = {"none": lambda: (b_base, phi * (acts + data), 0.0 * acts),
+             "selective": lambda: (b_base + phi * c["fwd_attn"], phi * (acts - c["acts_attn"] + data),
+                                   phi * c["unit_attn"]),
              "dots": lambda: (b_base + phi * (fwd - dots), phi * (acts_dots + inputs + data), phi * c["unit_rest"]),
              "full": lambda: (b_base + phi * fwd, phi * (inputs + data), phi * c["unit_acts"])}
     per_remat = [parts[r]() for r in remat]

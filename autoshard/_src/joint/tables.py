@@ -9,6 +9,7 @@ array          what (per device, at the traced batch)              scales with
 =============  =================================================  ======================
 fwd, bwd       forward / backward compute + tensor-parallel comm   micro-batch size
 fwd_dots       forward matmul compute                              micro-batch size
+fwd_attn       forward attention scores + softmax compute          micro-batch size
 const          weight-only forward+backward ops (transposes)       per micro-batch
 gather         ZeRO-3 parameter all-gathers                        per micro-batch
 sync           gradient all-reduce over the stage's data axes      per step
@@ -17,6 +18,7 @@ static         parameters + gradients + optimizer state (+ ZeRO-3  held
                gathered copies, saved weight-only values)
 acts           forward values the backward reads                   size x micro-batches in flight
 acts_dots      the matmul outputs among them                       (remat 'dots' keeps only these)
+acts_attn      the attention scores / probabilities among them     (remat 'selective' drops these)
 data           the batch inputs the unit reads                     size x in flight
 =============  =================================================  ======================
 
@@ -26,6 +28,10 @@ regions, its sequence split over their axes; Korthikanti et al. 2022), priced by
 evaluator: each stage chooses sequence parallelism or not like any other plan, and no tensor search
 runs beside the 3-D search. Plans that another plan beats on every array of every kind are dropped
 (they can never be a stage's best choice, whatever its units), which keeps the stage search small.
+
+`fwd_attn` / `acts_attn` price the ops `core.attention.recomputed_ops` names; under
+`attention="flash"` both are 0: FlashAttention saves no [B, H, S, S] tensor and its backward
+already recomputes the scores (priced in `bwd`), so selective remat is remat 'none' there.
 """
 
 from __future__ import annotations
@@ -43,7 +49,8 @@ from ..tensor.memory import kept_share
 from ..tensor.search import STORAGE_MODES, PlanSpace, SearchOptions
 from .units import Units
 
-ARRAYS = ("fwd", "bwd", "fwd_dots", "const", "gather", "sync", "step", "static", "acts", "acts_dots", "data")
+ARRAYS = ("fwd", "bwd", "fwd_dots", "fwd_attn", "const", "gather", "sync", "step", "static", "acts", "acts_dots",
+          "acts_attn", "data")
 
 
 @dataclasses.dataclass
@@ -91,8 +98,8 @@ class ShapeTables:
 def _evaluators(space: PlanSpace, hw: HardwareSpec, cost: CostModel, options: SearchOptions, kind) -> dict:
     """One evaluator per slice of `kind` (built once; each storage mode is a separate evaluation)."""
     sl = kind.slices
-    out = {name: space.evaluator(hw, cost, options, sl[name], ()) for name in ("fwd", "fwd_dots", "bwd", "const",
-                                                                                "step")}
+    out = {name: space.evaluator(hw, cost, options, sl[name], ()) for name in ("fwd", "fwd_dots", "fwd_attn", "bwd",
+                                                                                "const", "step")}
     out["held"] = space.evaluator(hw, cost, options, {}, kind.inputs, accumulate=True)
     return out
 
@@ -167,10 +174,14 @@ def _priced(space: PlanSpace, units: Units, hw: HardwareSpec, cost: CostModel, o
     for k, kind in enumerate(units.kinds):
         evs = _evaluators(space, hw, cost, options, kind)
         for z, storage in enumerate(modes):
-            fwd, dots, bwd, const, step, held = (evs[n].evaluate(plans, storage) for n in
-                                                 ("fwd", "fwd_dots", "bwd", "const", "step", "held"))
+            fwd, dots, attn, bwd, const, step, held = (evs[n].evaluate(plans, storage) for n in
+                                                       ("fwd", "fwd_dots", "fwd_attn", "bwd", "const", "step", "held"))
             vals["fwd"][k, z] = fwd["compute"] + fwd["fwd_comm"] + fwd["bwd_comm"]
             vals["fwd_dots"][k, z] = dots["compute"]
+            if options.attention != "flash":     # see the module docstring
+                # the rerun forward re-issues its forward collectives (none inside a heads-parallel region)
+                vals["fwd_attn"][k, z] = attn["compute"] + attn["fwd_comm"]
+                vals["acts_attn"][k, z] = attn["activations"]
             vals["bwd"][k, z] = bwd["compute"] + bwd["fwd_comm"] + bwd["bwd_comm"]
             vals["const"][k, z] = const["compute"] + const["fwd_comm"] + const["bwd_comm"] + const["grad_sync"]
             vals["sync"][k, z] = bwd["grad_sync"]

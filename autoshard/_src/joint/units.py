@@ -19,6 +19,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from ..core.attention import selective_ops
 from ..core.graph import OpGraph
 from ..core.grouping import Grouping
 from ..core.liveness import live_ops
@@ -27,15 +28,16 @@ from ..tensor.experts import batch_factors, region_twins
 from ..tensor.instances import instance_maps
 from ..tensor.search import Analysis
 
-SLICES = ("fwd", "fwd_dots", "bwd", "const", "step")
+SLICES = ("fwd", "fwd_dots", "fwd_attn", "bwd", "const", "step")
 
 
 @dataclasses.dataclass(frozen=True)
 class UnitKind:
     """Ops that price one unit of this kind (analysed ops: the factor graph knows them), split by
-    how their cost scales: per micro-batch with its size (`fwd`, `bwd`; `fwd_dots` the forward
-    matmuls among `fwd`), per micro-batch whatever its size (`const`: weight transposes), once per
-    step (`step`: the optimizer). `inputs`: the parameters, state and data the unit reads."""
+    how their cost scales: per micro-batch with its size (`fwd`, `bwd`; among `fwd`, `fwd_dots` its
+    matmuls and `fwd_attn` its attention scores and softmax, what selective remat reruns), per
+    micro-batch whatever its size (`const`: weight transposes), once per step (`step`: the optimizer).
+    `inputs`: the parameters, state and data the unit reads."""
 
     key: tuple
     slices: dict[str, dict[int, float]]
@@ -159,6 +161,7 @@ def _kind(graph: OpGraph, key: tuple, ops: Sequence[int], dep: np.ndarray) -> Un
     slices: dict[str, dict[int, float]] = {s: {} for s in SLICES}
     inputs: set[int] = set()
     live = live_ops(graph)
+    attn = selective_ops(graph)
     for o in ops:
         if not live[o]:        # XLA deletes it: no slice prices it
             continue
@@ -168,6 +171,8 @@ def _kind(graph: OpGraph, key: tuple, ops: Sequence[int], dep: np.ndarray) -> Un
             slices["fwd"][o] = w
             if op.primitive == "dot_general":
                 slices["fwd_dots"][o] = w
+            if o in attn:
+                slices["fwd_attn"][o] = w
         elif op.phase == "backward" and dep[o]:
             slices["bwd"][o] = w
         elif op.phase in ("forward", "backward"):

@@ -73,7 +73,9 @@ class Stage:
     factors: tuple[Factor, ...] = ()         # logical dims -> mesh axes of its submesh
     storage: str = "replicated"              # replicated | zero1 | zero3
     activation_constraints: tuple[tuple[str, Spec], ...] = ()   # (op key, spec of output 0), see op_keys
-    remat: str = "none"                      # none | dots (keep matmul outputs) | full (recompute the forward)
+    # none | selective (recompute the attention scores / softmax) | dots (keep matmul outputs) |
+    # full (recompute the forward); see joint/stage_choice.py
+    remat: str = "none"
     param_specs: tuple[tuple[str, Spec], ...] = ()   # 3-D stages: (keypath, spec) of its parameters
     batch_axes: tuple[str, ...] = ()         # 3-D stages: the submesh axes splitting its micro-batch
 

@@ -20,7 +20,7 @@ from ..core.mesh import MeshSpec
 from .specs import Spec, spec_str
 
 STORAGE_MODES = ("replicated", "zero1", "zero3")
-REMAT_POLICIES = ("none", "dots", "full")
+REMAT_POLICIES = ("none", "selective", "dots", "full")
 _FIX = "Fix: re-plan with autoshard.plan(step, *args, ...) and save plan.to_json(), or correct the file"
 
 
