@@ -27,13 +27,30 @@ allowance.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 import numpy as np
 
+from ..core.attention import selective_ops
+from ..core.graph import OpGraph
 from .tables import ShapeTables
+from .units import Units
 
 REMAT = ("none", "selective", "dots", "full")    # by how much they recompute: ties keep the first
 
+
+
+def remat_notes(graph: OpGraph, units: Units, stages: Sequence) -> tuple[str, ...]:
+    """A line per stage (`JointStage`s) whose remat 'selective' has nothing to recompute: none of its
+    units holds an attention core, so it keeps every activation, as 'none' (the search itself never
+    prefers it there; a caller's remat='selective' can force it)."""
+    attn = selective_ops(graph)
+    out = []
+    for i, s in enumerate(stages):
+        if s.remat == "selective" and not any(o in attn for u in range(s.start, s.stop) for o in units.ops[u]):
+            out.append(f"stage {i} ({units.labels[s.start]} .. {units.labels[s.stop - 1]}): remat 'selective' "
+                       "finds no attention scores to recompute there, so it runs as 'none' (keeps every activation)")
+    return tuple(out)
 
 class SortedParts:
     """One part (f, b, tail, memory terms) of every choice, read in each composition's sorted order:

@@ -29,7 +29,7 @@ from ..core.mesh import MeshSpec
 from ..core.version import VERSION
 from ..joint.search import JointResult, joint_search
 from ..joint.space import INTERLEAVED, SCHEDULES, VIRTUAL, JointOptions, JointPoint, submesh
-from ..joint.stage_choice import REMAT
+from ..joint.stage_choice import REMAT, remat_notes
 from ..pipeline.costs import traced_batch
 from ..tensor.instances import instance_maps
 from ..tensor.search import PlanSpace, SearchOptions, search
@@ -166,10 +166,12 @@ def joint_plan(graph: OpGraph, *, devices: int, hw: HardwareSpec, options: Searc
     summary = _summary(res, best)
     if joint is not None and joint.stages is not None and joint.shape is not None:
         summary["fixed_shape"] = f"pipe {joint.stages} x data {joint.shape[0]} x model {joint.shape[1]}"
+    notes = remat_notes(graph, res.units, best.stages)
     if _tensor_point(best):
         plan = _tensor_plan(graph, grouping, res, best, hw, options)
-        return dataclasses.replace(plan, predicted={**plan.predicted, "3d": summary})
-    return _staged_plan(graph, grouping, res, best, hw, options, summary)
+        return dataclasses.replace(plan, predicted={**plan.predicted, "3d": summary}, warnings=plan.warnings + notes)
+    plan = _staged_plan(graph, grouping, res, best, hw, options, summary)
+    return dataclasses.replace(plan, warnings=plan.warnings + notes)
 
 
 def _tensor_point(p: JointPoint) -> bool:
