@@ -1,0 +1,101 @@
+"""Selective activation recompute in the 3-D tables (Korthikanti et al. 2022, arXiv:2205.05198 §4):
+per unit kind, the forward compute of the attention scores / mask / softmax (`fwd_attn`) and the
+bytes of those ops' outputs the backward reads (`acts_attn`), priced on a traced tiny GPT whose
+scores tensors ([B, H, S, S]) dwarf everything else (S >> d_model)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import autoshard
+import models
+from autoshard._src.bridge.trace import trace
+from autoshard._src.core.attention import attention_cores, recomputed_ops
+from autoshard._src.core.cost import AnalyticalCostModel
+from autoshard._src.core.hardware import get_hardware
+from autoshard._src.joint.space import submesh
+from autoshard._src.joint.stage_choice import REMAT, choice_table, compositions
+from autoshard._src.joint.tables import shape_tables
+from autoshard._src.joint.units import build_units
+from autoshard._src.tensor.search import SearchOptions, analysis, plan_space
+
+H100 = get_hardware("h100-sxm")
+B, S, HEADS, LAYERS = 2, 128, 2, 2
+F32 = 4
+
+
+def tables_of(name: str, attention: str = "as_traced", **config):
+    m = models.get(name, "debug", **config)
+    g = trace(m.train_step, *m.abstract_state())
+    gr = autoshard.group(g)
+    an = analysis(g, gr)
+    units = build_units(g, gr, an)
+    mesh, opts = submesh(1, 1), SearchOptions(attention=attention)
+    t = shape_tables(plan_space(g, gr, mesh, opts, analysed=an), units, H100, AnalyticalCostModel(mesh, H100), opts)
+    return g, units, t
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    return tables_of("gpt", seq_len=S, d_model=16, num_heads=HEADS, num_layers=LAYERS, batch_size=B, vocab_size=32)
+
+
+def _choices(units, t, microbatches=1):
+    """(b, held, transient) per remat policy of the whole chain as one stage, plan 0, replicated."""
+    comps = np.bincount(units.kind_of, minlength=len(units.kinds))[None, :].astype(float)
+    c = compositions(t, comps, np.zeros(len(units.kinds)))
+    ct = choice_table(c, microbatches, np.inf, REMAT, np.ones(t.n_plans, dtype=bool), 1.0)
+    P, Z, R = ct.shape
+    out = {}
+    for k in range(P * Z * R):
+        flat = int(ct.order[0, k])
+        if flat // R == 0:                         # plan 0, storage mode 0
+            out[REMAT[flat % R]] = (float(ct.b[0, k]), float(ct.held[0, k]), float(ct.transient[0, k]), k)
+    return out
+
+
+def test_freed_bytes_follow_from_the_shapes(gpt):
+    """The backward of XLA's softmax attention reads the causal mask broadcast to the grid (bool), the
+    exponentials and the probabilities (f32 grids), and two [B, H, S, 1] row values (1 / sum, and
+    1 / sum^2); selective recompute frees exactly those, per block."""
+    g, units, t = gpt
+    grid = B * HEADS * S * S
+    per_block = grid * (1 + F32 + F32) + 2 * B * HEADS * S * F32
+    np.testing.assert_allclose(t.values["acts_attn"][:, 0, 0], per_block)
+    assert len(attention_cores(g)) == LAYERS
+    # the recomputed ops are the scores matmul through the softmax, never the values matmul
+    for core in attention_cores(g):
+        ops = recomputed_ops(g, core)
+        assert core.scores in ops and core.values not in ops
+        assert {g.ops[i].primitive for i in ops} >= {"dot_general", "exp", "reduce_max", "reduce_sum", "div"}
+
+
+def test_selective_lies_between_none_and_full(gpt):
+    _, units, t = gpt
+    ch = _choices(units, t)
+    none, sel, full = ch["none"], ch["selective"], ch["full"]
+    assert full[1] < sel[1] < none[1]
+    acts, attn = t.values["acts"].sum(axis=0)[0, 0], t.values["acts_attn"].sum(axis=0)[0, 0]
+    assert none[1] - sel[1] == pytest.approx(attn) and attn > 0.4 * acts     # scores dominate at S >> d
+    # the recompute: the attention's forward only, a small part of what 'full' reruns
+    extra_sel, extra_full = sel[0] - none[0], full[0] - none[0]
+    assert extra_sel == pytest.approx(t.values["fwd_attn"].sum(axis=0)[0, 0]) and 0 < extra_sel < 0.25 * extra_full
+    # the recomputed scores of one block at a time are the transient
+    assert sel[2] == pytest.approx(t.values["acts_attn"][:, 0, 0].max())
+
+
+def test_without_attention_selective_is_none_and_never_chosen():
+    g, units, t = tables_of("mlp")
+    assert not attention_cores(g)
+    assert not t.values["fwd_attn"].any() and not t.values["acts_attn"].any()
+    ch = _choices(units, t)
+    assert ch["selective"][:3] == ch["none"][:3]
+    assert ch["none"][3] < ch["selective"][3]          # ties keep 'none' (listed first)
+
+
+def test_flash_attention_leaves_nothing_to_recompute():
+    """FlashAttention saves no grid and recomputes the scores in its own backward: selective is 'none'."""
+    _, units, t = tables_of("gpt", "flash", seq_len=S, d_model=16, num_heads=HEADS, num_layers=LAYERS, batch_size=B,
+                            vocab_size=32)
+    assert not t.values["fwd_attn"].any() and not t.values["acts_attn"].any()
