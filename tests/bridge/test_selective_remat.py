@@ -1,0 +1,132 @@
+"""remat "selective" as emitted (bridge/remat.py): each block holding attention runs under a
+jax.checkpoint policy that drops exactly the [B, H, Sq, Skv] scores / probabilities (and their softmax
+rows) from the saved residuals; gradients equal the step's; a block without attention runs as "none"."""
+
+from __future__ import annotations
+
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax._src.ad_checkpoint import saved_residuals
+
+import autoshard
+import models
+from autoshard._src.bridge import compat as jc
+from autoshard._src.bridge.remat import attention_grids, remat_loss
+
+from .._reference import run_steps
+from .test_three_d import make_step
+
+B, S, D, HEADS = 2, 64, 8, 2
+
+
+class HandBlock(nn.Module):
+    """Causal attention written out: einsum scores, scale, jnp.where mask, softmax, einsum values."""
+
+    @nn.compact
+    def __call__(self, x):
+        q, k, v = (nn.Dense(D, name=n)(x).reshape(B, S, HEADS, D // HEADS) for n in "qkv")
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(D // HEADS)
+        s = jnp.where(jnp.tril(jnp.ones((S, S), bool)), s, -1e9)
+        o = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v).reshape(B, S, D)
+        return x + nn.Dense(D, name="o")(jnp.tanh(o))
+
+
+class FlaxBlock(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        y = nn.MultiHeadDotProductAttention(num_heads=HEADS, qkv_features=D, name="mha")(x, x)
+        return x + jnp.tanh(y)
+
+
+class MlpBlock(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return x + jnp.tanh(nn.Dense(D, name="fc")(x))
+
+
+class Net(nn.Module):
+    block: type
+
+    @nn.compact
+    def __call__(self, x):
+        for i in range(2):
+            x = self.block(name=f"block_{i}")(x)
+        return jnp.mean(x ** 2)
+
+
+def setup(block):
+    net = Net(block)
+    x = jax.random.normal(jax.random.key(1), (B, S, D))
+    params = net.init(jax.random.key(0), x)["params"]
+    return (lambda p, x: net.apply({"params": p}, x)), params, x, ("Net/block_0", "Net/block_1")
+
+
+def residuals(loss, params, x):
+    """(bytes of everything saved, shapes saved) of `loss`'s backward, arguments excluded."""
+    saved = [a for a, src in saved_residuals(loss, params, x) if "argument" not in src]
+    return sum(math.prod(a.shape) * a.dtype.itemsize for a in saved), [tuple(a.shape) for a in saved]
+
+
+@pytest.mark.parametrize("block", [HandBlock, FlaxBlock])
+def test_only_the_scores_are_recomputed(block):
+    loss, params, x, labels = setup(block)
+    grid = (B, HEADS, S, S)
+    prog = jc.flatten_calls(jax.make_jaxpr(loss)(params, x))
+    assert set().union(*attention_grids(prog).values()) >= {grid}
+    got = {}
+    for policy in ("none", "selective", "full"):
+        run = remat_loss(loss, policy, labels)
+        got[policy] = residuals(run, params, x)
+        grads = jax.grad(run)(params, x)
+        for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(jax.grad(loss)(params, x)), strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    (none, none_shapes), (sel, sel_shapes), (full, _) = got["none"], got["selective"], got["full"]
+    assert none_shapes.count(grid) >= 2 * 2          # per block at least the exponentials and probabilities
+    assert grid not in sel_shapes
+    # everything else stays saved: selective frees at least the f32 grids, and keeps more than full
+    assert none - sel >= 2 * 2 * math.prod(grid) * 4 and sel > full
+
+
+def test_without_attention_selective_runs_as_none():
+    loss, params, x, labels = setup(MlpBlock)
+    prog = jc.flatten_calls(jax.make_jaxpr(loss)(params, x))
+    assert attention_grids(prog) == {}
+    run = remat_loss(loss, "selective", labels)
+    assert "checkpoint" not in str(jax.make_jaxpr(run)(params, x)) and "remat" not in str(jax.make_jaxpr(run)(params, x))
+    assert residuals(run, params, x) == residuals(loss, params, x)
+
+
+def _train(plan_kw, steps=3):
+    m = models.get("gpt", "debug")
+    params, batch = m.init(jax.random.key(0)), m.batch()
+    step = make_step(m)
+    fast = autoshard.autoshard(step, **plan_kw)
+    got, p1, _ = run_steps(fast, params, m.optimizer.init(params), batch, steps)
+    want, p2, _ = run_steps(jax.jit(step), params, m.optimizer.init(params), batch, steps)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p2), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+    return fast, m, params, batch
+
+
+@pytest.mark.slow
+def test_3d_plan_with_selective_remat_trains_like_one_device():
+    fast, *_ = _train(dict(mesh={"pipe": 2, "data": 2}, pipeline="auto", num_microbatches=2, hardware="cpu-sim",
+                           pipeline_options={"remat": "selective"}))
+    plan = fast.plan
+    assert plan.is_pipeline and all(st.remat == "selective" for st in plan.stages)
+    assert "checkpoint" in fast.pipelined.program.checked_hlo      # the blocks ran under their policy
+    assert "selective" in plan.explain()
+
+
+@pytest.mark.slow
+def test_tensor_plan_with_selective_remat_trains_like_one_device():
+    fast, m, params, batch = _train(dict(mesh={"pipe": 1, "data": 2, "model": 2}, pipeline="auto", num_microbatches=1,
+                                         hardware="cpu-sim", pipeline_options={"remat": "selective"}))
+    assert not fast.plan.is_pipeline and fast.plan.stages[0].remat == "selective"
+    assert "checkpoint" in fast.lower(params, m.optimizer.init(params), batch).compile().as_text()
