@@ -99,3 +99,36 @@ def test_flash_attention_leaves_nothing_to_recompute():
     _, units, t = tables_of("gpt", "flash", seq_len=S, d_model=16, num_heads=HEADS, num_layers=LAYERS, batch_size=B,
                             vocab_size=32)
     assert not t.values["fwd_attn"].any() and not t.values["acts_attn"].any()
+
+
+def _live_residuals(fun, params, batch):
+    """The arrays the backward of `fun` reads (jax.vjp's residuals the DCE'd backward jaxpr uses)."""
+    import jax
+    from jax._src.interpreters import partial_eval as pe
+
+    _, vjp = jax.vjp(lambda p: fun(p, batch), params)
+    closed = jax.make_jaxpr(vjp)(np.float32(1.0))
+    _, used = pe.dce_jaxpr(pe.convert_constvars_jaxpr(closed.jaxpr), [True] * len(closed.jaxpr.outvars),
+                           instantiate=True)
+    return [np.asarray(c) for c, u in zip(closed.consts, used, strict=False) if u]
+
+
+def test_priced_bytes_are_what_jax_saves():
+    """jax's own residuals of the same GPT's loss on the [B, H, S, ...] attention grid and rows: under
+    'none' as many bytes as priced (`acts_attn`), under 'selective' none. jax.vjp also hands the
+    backward an all-zero f32 grid per block (jnp.where's cotangent fill): a constant in the compiled
+    step, so neither counted here nor priced."""
+    import jax
+
+    from autoshard._src.bridge.remat import remat_loss
+
+    m = models.get("gpt", "debug", seq_len=S, d_model=16, num_heads=HEADS, num_layers=LAYERS, batch_size=B,
+                   vocab_size=32)
+    params, batch = m.init(jax.random.key(0)), m.batch()
+    _, _, t = tables_of("gpt", seq_len=S, d_model=16, num_heads=HEADS, num_layers=LAYERS, batch_size=B, vocab_size=32)
+    labels = tuple(f"GPT/block_{i}" for i in range(LAYERS))
+    on_grid = {}
+    for policy in ("none", "selective"):
+        res = _live_residuals(remat_loss(m.loss, policy, labels), params, batch)
+        on_grid[policy] = sum(r.nbytes for r in res if r.shape[:3] == (B, HEADS, S) and r.any())
+    assert on_grid["none"] == t.values["acts_attn"][:, 0, 0].sum() and on_grid["selective"] == 0
