@@ -132,3 +132,17 @@ def test_priced_bytes_are_what_jax_saves():
         res = _live_residuals(remat_loss(m.loss, policy, labels), params, batch)
         on_grid[policy] = sum(r.nbytes for r in res if r.shape[:3] == (B, HEADS, S) and r.any())
     assert on_grid["none"] == t.values["acts_attn"][:, 0, 0].sum() and on_grid["selective"] == 0
+
+
+def test_forced_selective_without_attention_says_it_runs_as_none():
+    m = models.get("mlp", "debug")
+    plan = autoshard.plan(m.train_step, *m.abstract_state(), mesh={"pipe": 2, "data": 2}, pipeline="auto",
+                          num_microbatches=2, hardware="cpu-sim", pipeline_options={"remat": "selective"})
+    assert all(st.remat == "selective" for st in plan.stages)
+    notes = [w for w in plan.warnings if "remat 'selective'" in w]
+    assert len(notes) == len(plan.stages) and all("runs as 'none'" in w for w in notes)
+    assert "runs as 'none'" in plan.explain()
+    gpt = models.get("gpt", "debug")
+    plan = autoshard.plan(gpt.train_step, *gpt.abstract_state(), mesh={"pipe": 2, "data": 2}, pipeline="auto",
+                          num_microbatches=2, hardware="cpu-sim", pipeline_options={"remat": "selective"})
+    assert not [w for w in plan.warnings if "remat 'selective'" in w]

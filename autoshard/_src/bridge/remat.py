@@ -94,9 +94,22 @@ def run_eqns(prog: Any, order: Sequence[int], env: dict, blocks: Sequence[str | 
         _checkpointed(prog, run, env, readers, keep, chosen, guard, after)
 
 
+_GRIDS: dict[int, tuple[Any, dict]] = {}      # id(prog.eqns) -> (its eqns, grids): every stage of a cut reads one
+
+
 def attention_grids(prog: Any) -> dict[int, frozenset[tuple[int, ...]]]:
     """Per flat eqn holding ops selective remat recomputes (`core.attention.recomputed_ops`): the
     shapes of those ops' outputs on their core's grid (Sq x Skv per row) or rows (one per row)."""
+    hit = _GRIDS.get(id(prog.eqns))
+    if hit is not None and hit[0] is prog.eqns:
+        return hit[1]
+    if len(_GRIDS) >= 8:
+        _GRIDS.pop(next(iter(_GRIDS)))
+    grids = _GRIDS[id(prog.eqns)] = (prog.eqns, _attention_grids(prog))
+    return grids[1]
+
+
+def _attention_grids(prog: Any) -> dict[int, frozenset[tuple[int, ...]]]:
     graph, owner = flat_graph(prog)
     out: dict[int, set[tuple[int, ...]]] = {}
     for core in attention_cores(graph):
