@@ -85,6 +85,21 @@ def test_selective_lies_between_none_and_full(gpt):
     assert sel[2] == pytest.approx(t.values["acts_attn"][:, 0, 0].max())
 
 
+def test_a_budget_between_selective_and_none_chooses_selective(gpt):
+    """Memory for the activations minus the scores, not for all of them: selective, the cheapest
+    policy that fits (dots and full recompute more)."""
+    _, units, t = gpt
+    comps = np.bincount(units.kind_of, minlength=len(units.kinds))[None, :].astype(float)
+    c = compositions(t, comps, np.zeros(len(units.kinds)))
+    valid = np.ones(t.n_plans, dtype=bool)
+    static = float(c["static"][0, 0, 0])
+    ch = _choices(units, t)
+    for room, want in ((ch["none"][1], "none"), (ch["selective"][1] + ch["selective"][2], "selective")):
+        ct = choice_table(c, 1, static + 1.01 * room, REMAT, valid, 1.0)
+        _, pos = ct.best(np.array([1.0]))
+        assert REMAT[int(ct.order[0, pos[0, 0]]) % len(REMAT)] == want
+
+
 def test_without_attention_selective_is_none_and_never_chosen():
     g, units, t = tables_of("mlp")
     assert not attention_cores(g)
