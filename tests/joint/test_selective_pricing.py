@@ -121,7 +121,7 @@ def _live_residuals(fun, params, batch):
     import jax
     from jax._src.interpreters import partial_eval as pe
 
-    _, vjp = jax.vjp(lambda p: fun(p, batch), params)
+    vjp = jax.jit(lambda p, b: jax.vjp(lambda q: fun(q, b), p)[1])(params, batch)     # jitted: not op by op
     closed = jax.make_jaxpr(vjp)(np.float32(1.0))
     _, used = pe.dce_jaxpr(pe.convert_constvars_jaxpr(closed.jaxpr), [True] * len(closed.jaxpr.outvars),
                            instantiate=True)
@@ -139,7 +139,7 @@ def test_priced_bytes_are_what_jax_saves():
 
     m = models.get("gpt", "debug", seq_len=S, d_model=16, num_heads=HEADS, num_layers=LAYERS, batch_size=B,
                    vocab_size=32)
-    params, batch = m.init(jax.random.key(0)), m.batch()
+    params, batch = jax.jit(m.init)(jax.random.key(0)), m.batch()
     _, _, t = tables_of("gpt", seq_len=S, d_model=16, num_heads=HEADS, num_layers=LAYERS, batch_size=B, vocab_size=32)
     labels = tuple(f"GPT/block_{i}" for i in range(LAYERS))
     on_grid = {}
