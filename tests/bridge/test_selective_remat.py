@@ -1,10 +1,17 @@
 """remat "selective" as emitted (bridge/remat.py): each block holding attention runs under a
 jax.checkpoint policy that drops exactly the [B, H, Sq, Skv] scores / probabilities (and their softmax
-rows) from the saved residuals; gradients equal the step's; a block without attention runs as "none"."""
+rows) from the saved residuals; gradients equal the step's; a block without attention runs as "none".
+
+What is saved is checked on jax's residuals and the lowered program, not on XLA:CPU's
+`memory_analysis()`: XLA:CPU's temp bytes do not drop under any remat policy (a GPT at S=256, 6
+layers: none 30.4 MB, selective 31.0 MB, full 31.8 MB), and it merges the recomputed scores matmul
+with the forward one (the lowered program has it, the compiled one not)."""
 
 from __future__ import annotations
 
 import math
+import re
+from collections import Counter
 
 import flax.linen as nn
 import jax
@@ -90,6 +97,27 @@ def test_only_the_scores_are_recomputed(block):
     assert grid not in sel_shapes
     # everything else stays saved: selective frees at least the f32 grids, and keeps more than full
     assert none - sel >= 2 * 2 * math.prod(grid) * 4 and sel > full
+
+
+def test_the_lowered_step_reruns_the_scores_matmul_and_softmax_only():
+    """Per block, selective adds one [B, H, S, S] matmul (the scores) and one exp (the softmax) to the
+    lowered step and no other matmul; full reruns every forward matmul."""
+    layers, seq = 2, 64
+    m = models.get("gpt", "debug", seq_len=seq, d_model=16, num_heads=HEADS, num_layers=layers, batch_size=B,
+                   vocab_size=32)
+    params, batch = jax.jit(m.init)(jax.random.key(0)), m.batch()
+    labels = tuple(f"GPT/block_{i}" for i in range(layers))
+    grid = f"tensor<{B}x{HEADS}x{seq}x{seq}xf32>"
+
+    def counts(policy):
+        text = jax.jit(jax.value_and_grad(remat_loss(m.loss, policy, labels))).lower(params, batch).as_text()
+        dots = Counter(re.findall(r"stablehlo.dot_general .*-> (tensor<[^>]*>)", text))
+        return dots, text.count("stablehlo.exponential")
+
+    (none, exp_none), (sel, exp_sel), (full, _) = counts("none"), counts("selective"), counts("full")
+    assert sel - none == Counter({grid: layers}) and not none - sel
+    assert exp_sel == exp_none + layers
+    assert sum((full - none).values()) > 3 * layers
 
 
 def test_without_attention_selective_runs_as_none():
