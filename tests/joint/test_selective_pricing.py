@@ -157,6 +157,7 @@ def test_forced_selective_without_attention_says_it_runs_as_none():
     notes = [w for w in plan.warnings if "remat 'selective'" in w]
     assert len(notes) == len(plan.stages) and all("runs as 'none'" in w for w in notes)
     assert "runs as 'none'" in plan.explain()
+    assert autoshard.Plan.from_json(plan.to_json()).stages[0].remat == "selective"     # a valid policy in files
     gpt = models.get("gpt", "debug")
     plan = autoshard.plan(gpt.train_step, *gpt.abstract_state(), mesh={"pipe": 2, "data": 2}, pipeline="auto",
                           num_microbatches=2, hardware="cpu-sim", pipeline_options={"remat": "selective"})
