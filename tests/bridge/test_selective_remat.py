@@ -24,6 +24,8 @@ import autoshard
 import models
 from autoshard._src.bridge import compat as jc
 from autoshard._src.bridge.remat import attention_grids, remat_loss
+from autoshard._src.bridge.trace import trace
+from autoshard._src.core.attention import attention_cores, recomputed_ops
 
 from .._reference import run_steps
 from .test_three_d import make_step
@@ -118,6 +120,36 @@ def test_the_lowered_step_reruns_the_scores_matmul_and_softmax_only():
     assert sel - none == Counter({grid: layers}) and not none - sel
     assert exp_sel == exp_none + layers
     assert sum((full - none).values()) > 3 * layers
+
+
+class DropoutBlock(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        y = nn.MultiHeadDotProductAttention(num_heads=HEADS, qkv_features=D, dropout_rate=0.1, broadcast_dropout=False,
+                                            deterministic=False, name="mha")(x, x)
+        return x + jnp.tanh(y)
+
+
+def test_dropout_on_the_probabilities_is_regenerated_not_saved():
+    """The dropout mask's random bits, drawn on the grid from a key the step takes, are recomputed
+    (priced among the recomputed ops; emitted: no grid residual, the same gradients)."""
+    net = Net(DropoutBlock)
+    x = jax.random.normal(jax.random.key(1), (B, S, D))
+    params = net.init({"params": jax.random.key(0), "dropout": jax.random.key(2)}, x)["params"]
+
+    def loss(p, x, key):
+        return net.apply({"params": p}, x, rngs={"dropout": key})
+
+    key = jax.random.key(3)
+    graph = trace(lambda p, x, k: jax.value_and_grad(loss)(p, x, k), params, x, key)
+    for core in attention_cores(graph):
+        assert "random_bits" in {graph.ops[i].primitive for i in recomputed_ops(graph, core)}
+    run = remat_loss(loss, "selective", ("Net/block_0", "Net/block_1"))
+    saved = [tuple(a.shape) for a, src in saved_residuals(run, params, x, key) if "argument" not in src]
+    assert (B, HEADS, S, S) not in saved
+    for a, b in zip(jax.tree.leaves(jax.grad(run)(params, x, key)), jax.tree.leaves(jax.grad(loss)(params, x, key)),
+                    strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
 def test_without_attention_selective_runs_as_none():
