@@ -9,6 +9,7 @@ with the forward one (the lowered program has it, the compiled one not)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from collections import Counter
@@ -181,8 +182,16 @@ def test_3d_plan_with_selective_remat_trains_like_one_device():
                            pipeline_options={"remat": "selective"}))
     plan = fast.plan
     assert plan.is_pipeline and all(st.remat == "selective" for st in plan.stages)
-    assert "checkpoint" in fast.pipelined.program.checked_hlo      # the blocks ran under their policy
     assert "selective" in plan.explain()
+    # the same plan without remat: the stages' compiled programs rerun the softmax (one exp per block more)
+    # and at most the scores matmul (XLA:CPU may merge its rerun with the forward's), no other matmul
+    plain = dataclasses.replace(plan, stages=tuple(dataclasses.replace(st, remat="none") for st in plan.stages))
+    none, *_ = _train(dict(plan=plain, hardware="cpu-sim"), steps=1)
+    hlo = {r: f.pipelined.program.checked_hlo for r, f in (("selective", fast), ("none", none))}
+    ops = {r: Counter(re.findall(r"= \S+ (\w[\w-]*)\(", text)) for r, text in hlo.items()}
+    blocks = len(plan.predicted["3d"]["unit_labels"])
+    assert ops["selective"]["exponential"] == ops["none"]["exponential"] + blocks
+    assert ops["none"]["dot"] <= ops["selective"]["dot"] <= ops["none"]["dot"] + blocks
 
 
 @pytest.mark.slow
