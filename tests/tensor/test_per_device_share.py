@@ -138,7 +138,7 @@ def test_3d_search_chosen_point_prices_each_op_at_its_share():
     assert res.best is not None
     check_units("gpt", graph, res.units)
     for s, st in enumerate(res.best.stages):
-        space = res.tables[(st.data, st.model)].space
+        space = res.tables[(st.data, st.model)].space_of(st.sequence_parallel)
         axes_of = {f: tuple(n for k, n in enumerate(space.mesh.names) if m >> k & 1)
                    for f, m in zip(space.candidates, st.row, strict=True) if m}
         kinds = sorted({res.units.kind_of[u] for u in range(st.start, st.stop)})
