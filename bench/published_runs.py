@@ -5,9 +5,10 @@ Korthikanti et al. 2022 (arXiv 2205.05198), 4 models x {full recompute, sequence
 recompute} -- is planned through the public API with its shape fixed:
 
     autoshard.plan(step, *abstract_args, mesh={"pipe": PP, "data": DP, "model": TP}, hardware="a100-sxm",
-                   pipeline="auto", schedule="1f1b", num_microbatches=M,
-                   pipeline_options={"expert": "megatron", "remat": "full"},
-                   search={"storage_modes": ("replicated",)}, memory_budget=<no limit>)
+                   pipeline="auto", schedule="1f1b" | "interleaved-1f1b", num_microbatches=M,
+                   pipeline_options={"expert": "megatron", "remat": "full" | "selective", "virtual_stages": v},
+                   search={"storage_modes": ("replicated",), "sequence_parallel": "off" | "on"},
+                   memory_budget=<no limit>)
 
 i.e. Megatron-LM's tensor plan (heads / FFN / vocabulary on `model`, batch on `data`), PP uniform
 stages, M = GBS / (DP x MBS) micro-batches, 1F1B, full recompute, no ZeRO (Megatron of 2021 had no
@@ -16,9 +17,11 @@ parameters, the zoo GPT is float16 throughout), seq 2048, vocab 51200, batch GBS
 The memory budget is lifted so the configuration is priced whatever the memory model says; the
 predicted memory per device is reported beside the 80 GB of the A100s.
 
-What cannot be expressed yet, priced as the closest point and marked "not expressible yet":
-interleaved 1F1B (v > 1: priced as v = 1, more bubble), sequence parallelism + selective recompute
-(priced as full recompute without sequence parallelism, more compute).
+Every row is priced exactly as published (issue 31): interleaved 1F1B with its v virtual stages per
+rank (`schedule="interleaved-1f1b"`, `virtual_stages=v`), and KORT's second setting as sequence
+parallelism (`search={"sequence_parallel": "on"}`: Megatron-SP's plan) with selective recompute
+(`remat="selective"`: the attention scores and softmax recomputed, everything else saved); the
+full-recompute rows with sequence parallelism off.
 
 Measured step: SC'21 gives TFLOP/s per GPU counted by its Eq. (3) (recomputed forward included),
 F = 96 B s L h^2 (1 + s/(6h) + V/(16 L h)) with B = GBS, so step = F / (TFLOP/s x GPUs); KORT gives the
@@ -174,19 +177,20 @@ def build_model(run: Run, which: str) -> models.Model:
 
 # --- the predicted step's terms (internal: the 3-D search's per-kind evaluators) ---------------------
 
-def _kind_costs(srch, tables, row, storage: str) -> list[dict[str, float]]:
+def _kind_costs(srch, space, row, storage: str) -> list[dict[str, float]]:
     """Per unit kind, at the traced batch per device: the cost parts the 3-D tables sum into fwd / bwd /
-    const / sync / step (joint/tables.py), kept apart."""
+    const / sync / step (joint/tables.py), kept apart. `space`: the submesh's plain or sequence-parallel space."""
     from autoshard._src.joint.tables import _evaluators
 
     out = []
     for kind in srch.units.kinds:
-        evs = _evaluators(tables.space, srch.hw, srch.cost(tables.mesh), srch.options, kind)
+        evs = _evaluators(space, srch.hw, srch.cost(space.mesh), srch.options, kind)
         r = {n: {k: float(v[0]) for k, v in evs[n].evaluate(row[None], storage).items() if v.ndim == 1}
-             for n in ("fwd", "fwd_dots", "bwd", "const", "step", "held")}
+             for n in ("fwd", "fwd_dots", "fwd_attn", "bwd", "const", "step", "held")}
         comm = lambda d: d["fwd_comm"] + d["bwd_comm"]  # noqa: E731
         out.append({"fwd_compute": r["fwd"]["compute"], "fwd_dots": r["fwd_dots"]["compute"],
-                    "fwd_comm": comm(r["fwd"]),
+                    "fwd_comm": comm(r["fwd"]), "attn_compute": r["fwd_attn"]["compute"],
+                    "attn_comm": r["fwd_attn"]["fwd_comm"],
                     "bwd_compute": r["bwd"]["compute"], "bwd_comm": comm(r["bwd"]),
                     "const_compute": r["const"]["compute"], "const_comm": comm(r["const"]),
                     "const_sync": r["const"]["grad_sync"], "sync": r["bwd"]["grad_sync"],
@@ -196,15 +200,17 @@ def _kind_costs(srch, tables, row, storage: str) -> list[dict[str, float]]:
     return out
 
 
-def _stage_terms(srch, kinds: list[dict], start: int, stop: int, M: int, send_f, send_b) -> dict[str, float]:
+def _stage_terms(srch, kinds: list[dict], start: int, stop: int, M: int, sends, remat: str) -> dict[str, float]:
     """One stage's seconds per micro-batch (compute, tp comm, p2p, per-micro-batch sync) and per step
-    (exposed gradient sync, optimizer) under full recompute, as joint/stage_choice.py composes them."""
-    U = len(srch.units)
+    (exposed gradient sync, optimizer) under `remat` ("full": the forward again in the backward,
+    "selective": the attention scores / softmax again), as joint/stage_choice.py composes them."""
+    U, (send_f, send_b) = len(srch.units), sends
     tot = {k: sum(kinds[srch.units.kind_of[u]][k] for u in range(start, stop)) for k in kinds[0]}
     phi = 1.0 / M
-    # full remat: the forward (its tensor-parallel all-reduces included) runs again in the backward
-    compute = 2 * phi * tot["fwd_compute"] + phi * tot["bwd_compute"] + tot["const_compute"]
-    tp = 2 * phi * tot["fwd_comm"] + phi * tot["bwd_comm"] + tot["const_comm"]
+    again = ((tot["fwd_compute"], tot["fwd_comm"]) if remat == "full" else
+             (tot["attn_compute"], tot["attn_comm"]) if remat == "selective" else (0.0, 0.0))
+    compute = phi * (tot["fwd_compute"] + again[0] + tot["bwd_compute"]) + tot["const_compute"]
+    tp = phi * (tot["fwd_comm"] + again[1] + tot["bwd_comm"]) + tot["const_comm"]
     p2p = (float(send_f[stop]) if stop < U else 0.0) + (float(send_b[start]) if start > 0 else 0.0)
     bwd = phi * (tot["bwd_compute"] + tot["bwd_comm"])
     exposed = max(0.0, tot["sync"] - srch.options.overlap * bwd)
@@ -215,38 +221,51 @@ def _stage_terms(srch, kinds: list[dict], start: int, stop: int, M: int, send_f,
             "bwd_over_fwd": tot["bwd_compute"] / tot["fwd_compute"] if tot["fwd_compute"] else 0.0}
 
 
+def _per_rank(stages: list[dict], ranks: int) -> list[dict]:
+    """Interleaved stages summed per rank (stage k on rank k % ranks); unchanged when one per rank."""
+    ratios = ("fwd_matmul_share", "bwd_over_fwd")      # shares: averaged over a rank's stages, not summed
+    return [{k: (sum(st[k] for st in stages[r::ranks]) / (1 if k not in ratios else len(stages[r::ranks])))
+             for k in stages[0]} for r in range(ranks)]
+
+
 def step_terms(model: models.Model, run: Run, plan) -> dict:
-    """The plan's predicted step split into its terms for the slowest stage, plus a consistency check
+    """The plan's predicted step split into its terms for the slowest rank, plus a consistency check
     against the plan's own per-stage forward + backward."""
     from autoshard._src.bridge.api import hardware_of
     from autoshard._src.core.cost import AnalyticalCostModel
     from autoshard._src.joint.space import SearchState
     from autoshard._src.plan.joint_planner import fixed_shape_options
 
-    cfg = autoshard.Config.make(**plan_kwargs(run))
+    kw = plan_kwargs(run)
+    cfg = autoshard.Config.make(**kw)
     hw, M = hardware_of(cfg), run.microbatches
     graph = autoshard.trace(model.train_step, *model.abstract_state())
-    joint = fixed_shape_options(cfg.mesh, "1f1b", M, cfg.pipeline_options)
+    joint = fixed_shape_options(cfg.mesh, kw["schedule"], M, cfg.pipeline_options)
     srch = SearchState(graph, autoshard.group(graph), run.gpus, hw, cfg.search, joint,
                        lambda mesh: AnalyticalCostModel(mesh, hw))
     tables = srch.table(run.dp, run.tp)
-    if isinstance(tables.megatron, str):
-        return {"error": f"no Megatron row: {tables.megatron}"}
-    kinds = _kind_costs(srch, tables, tables.megatron, "replicated")
-    send_f, send_b = srch.sends(run.dp, M, run.dp * run.tp)
+    sp = run.setting == "sp+sel"
+    row = tables.megatron_sp if sp else tables.megatron
+    if isinstance(row, str):
+        return {"error": f"no Megatron row: {row}"}
+    kinds = _kind_costs(srch, tables.space_of(sp), row, "replicated")
+    sends = srch.sends(run.dp, M, run.dp * run.tp)
     chosen = plan.predicted["3d"]["chosen"]
     bounds = [0]
     for n in chosen["units_per_stage"]:
         bounds.append(bounds[-1] + n)
-    stages = [_stage_terms(srch, kinds, i, j, M, send_f, send_b) for i, j in zip(bounds[:-1], bounds[1:], strict=True)]
-    slow = max(stages, key=lambda s: s["per_microbatch"])
-    tail = max(stages, key=lambda s: s["exposed_sync"] + s["optimizer"])
+    remat = cfg.pipeline_options["remat"]
+    stages = [_stage_terms(srch, kinds, i, j, M, sends, remat) for i, j in zip(bounds[:-1], bounds[1:], strict=True)]
     step = chosen["step_time"]
     if len(stages) == 1:     # a one-stage point is built as a tensor plan: its stage times hold the tail too
+        slow = stages[0]
         mismatch = abs(M * slow["per_microbatch"] + slow["exposed_sync"] + slow["optimizer"] - step) / step
     else:
         planned = [s.predicted_forward + s.predicted_backward for s in plan.stages]
         mismatch = max(abs(a["per_microbatch"] - b) / b for a, b in zip(stages, planned, strict=True))
+    ranks = _per_rank(stages, len(stages) // run.v)
+    slow = max(ranks, key=lambda s: s["per_microbatch"])
+    tail = max(ranks, key=lambda s: s["exposed_sync"] + s["optimizer"])
     terms = {"compute": M * slow["compute"], "tp comm": M * slow["tp_comm"], "p2p sends": M * slow["p2p"],
              "grad sync": M * slow["mb_sync"] + tail["exposed_sync"], "zero-3 gather": M * slow["gather"],
              "optimizer": tail["optimizer"]}
