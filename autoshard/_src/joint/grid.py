@@ -110,19 +110,18 @@ def _grid_points(srch: SearchState, tables, plans: list[int], storage: str, d: i
     U, n = len(srch.units), S * virtual
     bounds = [s * U // n for s in range(n + 1)]
     qs = inflight(schedule, S, M, virtual)
-    valid = np.zeros(tables.n_plans, dtype=bool)
-    valid[plans] = True
     ids = [int(srch.comp_id[bounds[s], bounds[s + 1]]) for s in range(n)]
     distinct = sorted(set(ids))
     combos = srch.combos[(d, t)]
-    ct = choice_table({k: a[distinct] for k, a in combos.items()}, M, np.inf, srch.joint.remat, valid,
-                      srch.options.overlap)
+    # only Megatron's plans (the arrays are [compositions, plans, storage]): a table of a few choices
+    ct = choice_table({k: a[distinct][:, plans] for k, a in combos.items()}, M, np.inf, srch.joint.remat,
+                      np.ones(len(plans), dtype=bool), srch.options.overlap)
     send_f, send_b = srch.sends(d, M, d * t)
     z, R = tables.storage_modes.index(storage), len(srch.joint.remat)
     out = []
     for remat in (r for r in ("none", "selective", "full") if r in srch.joint.remat):
-        for r_idx in plans:         # Megatron-LM without / with sequence parallelism
-            flat = (r_idx * len(tables.storage_modes) + z) * R + srch.joint.remat.index(remat)
+        for p_idx, r_idx in enumerate(plans):         # Megatron-LM without / with sequence parallelism
+            flat = (p_idx * len(tables.storage_modes) + z) * R + srch.joint.remat.index(remat)
             out.append(_grid_point(srch, tables, ct, distinct, ids, flat, r_idx, (storage, remat), bounds, qs,
                                    (send_f, send_b), d, t, M, schedule, virtual))
     return out

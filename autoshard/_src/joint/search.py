@@ -33,7 +33,7 @@ from ..core.hardware import HardwareSpec
 from ..core.mesh import MeshSpec
 from ..tensor.search import SearchOptions
 from .grid import GridResult, megatron_grid
-from .partition import best_split
+from .partition import _reachable, best_split
 from .space import (
     INTERLEAVED,
     SIMULATED,
@@ -175,7 +175,11 @@ def _equal_points(srch: SearchState, counts: list[int], max_model: int) -> tuple
         tables = srch.tables[(d, t)]
         valid = (srch.batch // M) % tables.batch_split.astype(np.int64) == 0
         # a rank holds its v stages: each stage's choice fits 1/v of the budget
-        ct = choice_table(srch.combos[(d, t)], M, srch.budget / v, joint.remat, valid, options.overlap)
+        ct = choice_table(srch.combos[(d, t)], M, srch.budget / v, joint.remat, valid, options.overlap,
+                          fits=lambda most, live=live: any(_splittable(srch, most, c) for c in live))
+        if ct is None:
+            n_points += len(live)
+            continue
         for c in live:
             if bounds.prunes(c):
                 continue
@@ -185,6 +189,16 @@ def _equal_points(srch: SearchState, counts: list[int], max_model: int) -> tuple
                 bounds.add(p)
                 found.append((c.key, p))
     return [p for _, p in sorted(found, key=lambda kp: kp[0])], n_points, len(cands)
+
+
+def _splittable(srch: SearchState, most: np.ndarray, c: _Candidate) -> bool:
+    """Whether some split of the unit chain gives every stage of `c` a choice that fits its in-flight
+    micro-batches (`most[u]`: the most any choice of composition u allows): the memory side of
+    `_point`, without sorting any choices."""
+    valid = srch.comp_id >= 0
+    per = np.where(valid, most[np.where(valid, srch.comp_id, 0)], -np.inf)
+    cost = [np.where(per >= q, 0.0, np.inf) for q in inflight(c.schedule, c.S, c.M, c.virtual)]
+    return _reachable(cost, 0.0)
 
 
 def joint_search(graph: OpGraph, grouping: Grouping, devices: int, hw: HardwareSpec,

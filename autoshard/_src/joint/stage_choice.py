@@ -27,7 +27,7 @@ allowance.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -121,15 +121,19 @@ def compositions(tables: ShapeTables, comps: np.ndarray, kind_inputs: np.ndarray
     out["unit_rest"] = np.where(present[:, :, None, None], (v["acts"] - v["acts_dots"])[None], 0.0).max(axis=1)
     out["unit_attn"] = np.where(present[:, :, None, None], v["acts_attn"][None], 0.0).max(axis=1)
     out = {name: np.ascontiguousarray(np.transpose(a, (0, 2, 1))) for name, a in out.items()}
-    out["inputs"] = np.broadcast_to((comps @ kind_inputs)[:, None, None] / tables.batch_split[None, :, None],
+    split = tables.batch_split * (tables.sequence_split if tables.sequence_split is not None else 1.0)
+    out["inputs"] = np.broadcast_to((comps @ kind_inputs)[:, None, None] / split[None, :, None],
                                     out["fwd"].shape)
     return out
 
 
 def choice_table(c: dict[str, np.ndarray], microbatches: int, budget: float, remat: tuple[str, ...],
-                 valid_plans: np.ndarray, overlap: float) -> ChoiceTable:
+                 valid_plans: np.ndarray, overlap: float,
+                 fits: Callable[[np.ndarray], bool] | None = None) -> ChoiceTable | None:
     """Every (plan, storage, remat) of every composition of `c` (`compositions`) at M = `microbatches`.
-    `valid_plans[p]`: the plan splits a micro-batch evenly."""
+    `valid_plans[p]`: the plan splits a micro-batch evenly. `fits(most)`, given the most micro-batches
+    in flight any choice of each composition allows, says whether any point could use the table: None
+    is returned without sorting when it cannot (most of a large search's tables do not fit memory)."""
     phi = 1.0 / microbatches
     # the [U, P, Z] arrays are plan-major, so every [U, P, Z, R] array below is already laid out as
     # the flat [U, X] choices (the search builds ~300 tables: no copies per array)
@@ -157,6 +161,8 @@ def choice_table(c: dict[str, np.ndarray], microbatches: int, budget: float, rem
     allow[~np.isfinite(value)] = -np.inf
     U, P, Z, R = b.shape
     X = P * Z * R
+    if fits is not None and not fits(allow.reshape(U, X).max(axis=1)):
+        return None
     fv = value.reshape(U, X)
     order = np.argsort(fv, axis=1, kind="stable")    # stable: ties keep fewer splits
     at = order + (np.arange(U) * X)[:, None]         # flat positions of the sorted choices

@@ -70,6 +70,7 @@ class ShapeTables:
     sp_space: PlanSpace | None = None
     sp_rows: np.ndarray | None = None
     megatron_sp: np.ndarray | str = "no sequence-parallel space on this submesh"
+    sequence_split: np.ndarray | None = None    # [plans] devices the residual stream's sequence is split over
 
     @property
     def n_plans(self) -> int:
@@ -159,10 +160,14 @@ def shape_tables(space: PlanSpace, units: Units, hw: HardwareSpec, cost: CostMod
         kept[0], keep = np.array([0]), np.union1d(keep, [0]).astype(np.int64)
     bsplit = np.concatenate([_batch_split(sp, sp.plans[k]) for sp, k in zip(spaces, kept, strict=True)])
     sp_part = spaces[1] if len(spaces) > 1 else None
+    seq = np.ones(len(keep))
+    if sp_part is not None:      # a stage's kept unit inputs (the stream) are split along the sequence too
+        seq[kept[0].size:] = _split(sp_part, sp_part.plans[kept[1]], sp_part.fg.sequence)
     return ShapeTables(space.mesh, space, space.plans[kept[0]], {a: v[:, :, keep] for a, v in vals.items()},
                        bsplit, modes, experts[0], sp_space=sp_part,
                        sp_rows=None if sp_part is None else sp_part.plans[kept[1]],
-                       megatron_sp=experts[1] if sp_part is not None else "no sequence-parallel space on this submesh")
+                       megatron_sp=experts[1] if sp_part is not None else "no sequence-parallel space on this submesh",
+                       sequence_split=seq)
 
 
 def _priced(space: PlanSpace, units: Units, hw: HardwareSpec, cost: CostModel, options: SearchOptions,
@@ -224,8 +229,13 @@ def _undominated(vals: dict[str, np.ndarray]) -> np.ndarray:
 
 def _batch_split(space: PlanSpace, rows: np.ndarray) -> np.ndarray:
     """Devices each plan splits the batch over (1 when the batch stays whole)."""
+    return _split(space, rows, batch_factors(space.graph, space.fg))
+
+
+def _split(space: PlanSpace, rows: np.ndarray, factors) -> np.ndarray:
+    """Devices each plan splits `factors` over together (1 when it leaves them whole)."""
     cidx = {f: i for i, f in enumerate(space.candidates)}
-    bf = [cidx[f] for f in batch_factors(space.graph, space.fg) if f in cidx]
+    bf = [cidx[f] for f in factors if f in cidx]
     sizes = space.mesh.sizes
     out = np.ones(rows.shape[0])
     for r in range(rows.shape[0]):

@@ -130,6 +130,11 @@ class _Shared:
         return coll
 
 
+# what _build_groups / _build_tensors / _build_reshards set (read-only afterwards)
+_BUILT = ("partial_cuts", "gemm_costs", "phase_work", "fused", "op_loops", "groups", "gathers", "data", "params",
+          "gathered", "state", "acts", "cut_copies", "backward_values", "reshards")
+
+
 class _Evaluator(MemoryModel):
     """Vectorised cost and memory of many plans over one factor graph."""
 
@@ -158,9 +163,17 @@ class _Evaluator(MemoryModel):
         shared = shared if shared is not None else _Shared()
         self.coll = shared.collective_tables(mesh, cost)
         self._cmasks = shared.cmasks
-        self._build_groups(weights, grad_ops)
-        self._build_tensors(weights, grad_ops)
-        self._build_reshards(weights)
+        # the summaries read the candidates, not the mesh: shared by every mesh with the same candidates
+        key = (cands, tuple(sorted(weights.items())), grad_ops, tuple(self.inputs), self.fused_update, accumulate,
+               options.attention, repr(hw), id(in_map))
+        built = fg.builds.get(key)
+        if built is None or built[0] is not in_map:
+            self._build_groups(weights, grad_ops)
+            self._build_tensors(weights, grad_ops)
+            self._build_reshards(weights)
+            fg.builds[key] = (in_map, {k: getattr(self, k) for k in _BUILT})
+        else:
+            self.__dict__.update(built[1])
 
     # --- summaries -------------------------------------------------------------------------
     def _cmask(self, factors) -> tuple[int, ...]:

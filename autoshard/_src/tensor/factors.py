@@ -105,6 +105,9 @@ class FactorGraph:
     # the residual stream's token dims cut from tensor-parallel regions (sequence parallelism splits them)
     sequence: frozenset[int] = frozenset()
     expert_cuts: frozenset[int] = frozenset()     # the values cut at MoE dispatch / combine
+    # evaluator summaries built over this graph, by what they depend on (tensor.evaluator): the 3-D
+    # search builds the same ones for every submesh shape whose candidate factors agree
+    builds: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
     def value_factors(self, value: int, rank: int | None = None) -> tuple:
         shape = self.graph.values[value].shape
