@@ -249,7 +249,7 @@ def step_terms(model: models.Model, run: Run, plan) -> dict:
     if isinstance(row, str):
         return {"error": f"no Megatron row: {row}"}
     kinds = _kind_costs(srch, tables.space_of(sp), row, "replicated")
-    sends = srch.sends(run.dp, M, run.dp * run.tp)
+    sends = srch.sends(run.dp, M, run.dp * run.tp, run.tp)
     chosen = plan.predicted["3d"]["chosen"]
     bounds = [0]
     for n in chosen["units_per_stage"]:

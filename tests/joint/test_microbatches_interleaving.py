@@ -50,7 +50,7 @@ def test_pruning_by_the_lower_bound_never_changes_the_result(graph, monkeypatch,
     monkeypatch.setattr(search_mod._Bounds, "prunes", lambda self, c: False)
     full = joint_search(g, gr, 4, H100, options)
     assert _summary(pruned) == _summary(full)
-    assert pruned.points <= full.points == full.candidates
+    assert pruned.points <= full.points and pruned.candidates == full.candidates
 
 
 def test_the_bound_is_below_every_point_of_its_candidate(graph):

@@ -116,7 +116,7 @@ def _grid_points(srch: SearchState, tables, plans: list[int], storage: str, d: i
     # only Megatron's plans (the arrays are [compositions, plans, storage]): a table of a few choices
     ct = choice_table({k: a[distinct][:, plans] for k, a in combos.items()}, M, np.inf, srch.joint.remat,
                       np.ones(len(plans), dtype=bool), srch.options.overlap)
-    send_f, send_b = srch.sends(d, M, d * t)
+    send_f, send_b = srch.sends(d, M, d * t, t)
     z, R = tables.storage_modes.index(storage), len(srch.joint.remat)
     out = []
     for remat in (r for r in ("none", "selective", "full") if r in srch.joint.remat):

@@ -76,7 +76,7 @@ def _point(srch: SearchState, tables: ShapeTables, ct: ChoiceTable, d: int, t: i
     qs = inflight(schedule, S, M, virtual)
     distinct = sorted(set(qs))
     val, pos = ct.best(np.array(distinct))
-    send_f, send_b = srch.sends(d, M, d * t)
+    send_f, send_b = srch.sends(d, M, d * t, t)
     extra = send_f[None, :] + send_b[:, None]                        # [i, j]
     extra[0, :] -= send_b[0]
     extra[:, U] -= send_f[U]

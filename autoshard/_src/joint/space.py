@@ -219,13 +219,27 @@ class SearchState:
                    else (hw.intra_node_bandwidth, hw.intra_node_latency))
         return alpha_beta("collective-permute", 2, bw, lat, hw.collective_efficiency["collective-permute"])
 
-    def sends(self, d: int, M: int, per_stage: int) -> tuple[np.ndarray, np.ndarray]:
-        """(seconds a stage ending before unit j sends forward, a stage starting at unit i sends back)."""
+    def gather(self, model: int) -> tuple[float, float]:
+        """(latency s, s per full-buffer byte) of an all-gather over `model` devices inside a node."""
+        hw = self.hw
+        return alpha_beta("all-gather", model, hw.intra_node_bandwidth, hw.intra_node_latency,
+                          hw.collective_efficiency["all-gather"])
+
+    def sends(self, d: int, M: int, per_stage: int, model: int = 1) -> tuple[np.ndarray, np.ndarray]:
+        """(seconds a stage ending before unit j sends forward, a stage starting at unit i sends back).
+        With a model axis of `model` devices each sends 1/model of the boundary activation over its own
+        link and the receivers all-gather it inside their node (Megatron-LM's scatter/gather, Narayanan
+        et al. SC'21 §4.1; a sequence-parallel stream is split that way already)."""
         alpha, beta = self.p2p(per_stage)
-        fwd_bytes = self.units.cut_dep / (M * d) + self.units.cut_const
-        bwd_bytes = self.units.cut_dep / (M * d)
+        per = self.units.cut_dep / (M * d)
+        gather = np.zeros_like(per)
+        if model > 1:
+            a_g, b_g = self.gather(model)
+            gather = np.where(per > 0, a_g + b_g * per, 0.0)
+        fwd_bytes = per / model + self.units.cut_const
+        bwd_bytes = per / model
         t = lambda b: np.where(b > 0, alpha + beta * b, 0.0)  # noqa: E731
-        return t(fwd_bytes), t(bwd_bytes)
+        return t(fwd_bytes) + gather, t(bwd_bytes) + gather
 
 
 def lower_bound_work(srch: SearchState, tables: ShapeTables, M: int, valid: np.ndarray) -> float:

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -63,6 +63,9 @@ class ChainProblem:
     intra: tuple[float, float]
     inter: tuple[float, float]
     positions: tuple[int, ...] = ()
+    # (latency s, s per full-buffer byte) of an all-gather over n devices of a node: the receivers'
+    # half of Megatron's scatter/gather send (None: every device sends the whole boundary tensor)
+    gather: Callable[[int], tuple[float, float]] | None = None
 
     @property
     def units(self) -> int:
@@ -72,14 +75,15 @@ class ChainProblem:
         """Micro-batches a stage keeps in flight with `to_go` stages from it to the end."""
         return min(to_go, self.microbatches) if self.schedule == "1f1b" else self.microbatches
 
-    def shape_class(self, k: int) -> tuple[int, bool]:
-        """What a transfer to or from a stage on shape k depends on: its data degree, and whether
-        it fills whole nodes (then its neighbours sit on other nodes)."""
+    def shape_class(self, k: int) -> tuple[int, bool, int]:
+        """What a transfer to or from a stage on shape k depends on: its data degree, whether it fills
+        whole nodes (then its neighbours sit on other nodes), and its model degree (scatter/gather)."""
         d, t = self.shapes[k]
-        return d, self.devices > self.devices_per_node and d * t >= self.devices_per_node
+        return d, self.devices > self.devices_per_node and d * t >= self.devices_per_node, \
+            (t if self.gather is not None else 1)
 
 
-def send_seconds(pb: ChainProblem, boundary: int, before: tuple[int, bool], after: tuple[int, bool],
+def send_seconds(pb: ChainProblem, boundary: int, before: tuple[int, bool, int], after: tuple[int, bool, int],
                  ) -> tuple[np.ndarray, np.ndarray]:
     """(forward, backward) seconds of the transfer at unit `boundary` (an array of boundaries)
     between a stage of class `before` and one of class `after` (`shape_class`).
@@ -87,13 +91,18 @@ def send_seconds(pb: ChainProblem, boundary: int, before: tuple[int, bool], afte
     Each stage splits its micro-batch over its own data degree. When the two degrees differ the
     boundary tensor is resharded on the way; it is priced with the larger of the two per-device
     byte counts, the one of the side with fewer data shards (equal degrees: the equal search's
-    cost). A send across nodes when either stage fills whole nodes."""
-    d = min(before[0], after[0])
+    cost). A send across nodes when either stage fills whole nodes. With model degrees, each of the
+    smaller degree's devices sends its part and the receivers all-gather it (`SearchState.sends`)."""
+    d, m = min(before[0], after[0]), min(before[2], after[2])
     alpha, beta = pb.inter if before[1] or after[1] else pb.intra
     dep = np.asarray(pb.cut_dep)[boundary] / (pb.microbatches * d)
-    fwd_bytes, bwd_bytes = dep + np.asarray(pb.cut_const)[boundary], dep
+    gather = 0.0
+    if m > 1 and pb.gather is not None:
+        a_g, b_g = pb.gather(m)
+        gather = np.where(dep > 0, a_g + b_g * dep, 0.0)
+    fwd_bytes, bwd_bytes = dep / m + np.asarray(pb.cut_const)[boundary], dep / m
     seconds = lambda b: np.where(b > 0, alpha + beta * b, 0.0)  # noqa: E731
-    return seconds(fwd_bytes), seconds(bwd_bytes)
+    return seconds(fwd_bytes) + gather, seconds(bwd_bytes) + gather
 
 
 def stage_times(pb: ChainProblem, stages: Sequence[Stage]) -> list[float]:

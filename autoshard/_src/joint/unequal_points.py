@@ -86,7 +86,7 @@ def best_unequal(srch: SearchState, shapes: list[tuple[int, int]], M: int, sched
         tables.append(ct)
     node = srch.hw.devices_per_node
     pb = ChainProblem(tuple(shapes), values, srch.comp_id, levels, schedule, M, srch.N, node,
-                      srch.units.cut_dep, srch.units.cut_const, srch.p2p(1), srch.p2p(node))
+                      srch.units.cut_dep, srch.units.cut_const, srch.p2p(1), srch.p2p(node), gather=srch.gather)
     found = solve(pb, bound)
     return None if found is None else _as_point(srch, pb, found, tables)
 
