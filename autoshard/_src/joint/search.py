@@ -127,12 +127,16 @@ def _candidates(srch: SearchState, S: int, d: int, t: int, tables: ShapeTables) 
         valid = (srch.batch // M) % tables.batch_split.astype(np.int64) == 0
         if not valid.any():
             continue
-        work = lower_bound_work(srch, tables, M, valid)
+        work: dict[int, float] = {}
         for si, sched in enumerate(joint.schedules if S > 1 else joint.schedules[:1]):
             for v in (joint.virtual if sched == INTERLEAVED else (1,)):
                 if sched == INTERLEAVED and (M % S or U < S * v or v < 2):
                     continue
-                bound = work * (M * v + S - 1) / (S * v)
+                if v not in work:      # a rank holds its v stages: each fits 1/v of the budget
+                    work[v] = lower_bound_work(srch, tables, M, valid, srch.budget / v)
+                if math.isinf(work[v]):
+                    continue           # some unit fits no stage: no split of this point can fit
+                bound = work[v] * (M * v + S - 1) / (S * v)
                 out.append(_Candidate(bound, (S, t, M, si, v), S, d, t, M, sched, v))
     return out
 
@@ -167,28 +171,52 @@ def _equal_points(srch: SearchState, counts: list[int], max_model: int) -> tuple
     groups: dict[tuple, list[_Candidate]] = {}
     for c in sorted(cands):         # one choice table per (d, t, M, v): its candidates together
         groups.setdefault((c.d, c.t, c.M, c.virtual), []).append(c)
-    bounds, found, n_points = _Bounds(), [], 0
+    bounds, floor, found, n_points = _Bounds(), _MemoryFloor(), [], 0
     for (d, t, M, v), group in groups.items():      # in order of each group's least bound
-        live = [c for c in group if not bounds.prunes(c)]
-        if not live:
-            continue
         tables = srch.tables[(d, t)]
         valid = (srch.batch // M) % tables.batch_split.astype(np.int64) == 0
+        live = [c for c in group if not bounds.prunes(c) and not floor.skips(c, valid)]
+        if not live:
+            continue
+        fits: dict[_Candidate, bool] = {}
+
+        def any_fits(most, live=live, fits=fits):
+            fits.update((c, _splittable(srch, most, c)) for c in live)
+            return any(fits.values())
+
         # a rank holds its v stages: each stage's choice fits 1/v of the budget
         ct = choice_table(srch.combos[(d, t)], M, srch.budget / v, joint.remat, valid, options.overlap,
-                          fits=lambda most, live=live: any(_splittable(srch, most, c) for c in live))
-        if ct is None:
-            n_points += len(live)
-            continue
+                          fits=any_fits)
         for c in live:
             if bounds.prunes(c):
                 continue
             n_points += 1
-            p = _point(srch, tables, ct, d, t, c.S, M, c.schedule, v)
+            p = _point(srch, tables, ct, d, t, c.S, M, c.schedule, v) if fits[c] else None
             if p is not None:
                 bounds.add(p)
                 found.append((c.key, p))
+            else:
+                floor.record(c, valid)
     return [p for _, p in sorted(found, key=lambda kp: kp[0])], n_points, len(cands)
+
+
+class _MemoryFloor:
+    """Per (submesh, schedule, v): the largest micro-batch count found not to fit memory. Fewer, larger
+    micro-batches need at least as much memory for every choice (in-flight count times micro-batch size
+    never shrinks), so they do not fit either -- unless they admit plans the larger count did not (the
+    batch splitting evenly over more devices)."""
+
+    def __init__(self) -> None:
+        self.seen: dict[tuple, tuple[int, np.ndarray]] = {}
+
+    def record(self, c: _Candidate, valid: np.ndarray) -> None:
+        key = (c.d, c.t, c.schedule, c.virtual)
+        if key not in self.seen or c.M > self.seen[key][0]:
+            self.seen[key] = (c.M, valid)
+
+    def skips(self, c: _Candidate, valid: np.ndarray) -> bool:
+        hit = self.seen.get((c.d, c.t, c.schedule, c.virtual))
+        return hit is not None and c.M < hit[0] and not (valid & ~hit[1]).any()
 
 
 def _splittable(srch: SearchState, most: np.ndarray, c: _Candidate) -> bool:

@@ -4,6 +4,7 @@ the point/stage types (pure: no jax import). See `search` for the space itself."
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 
 import numpy as np
@@ -16,7 +17,7 @@ from ..core.mesh import MeshSpec, mesh_spec
 from ..pipeline.costs import traced_batch
 from ..tensor.search import SearchOptions, analysis, plan_space, sequence_parallel_analysis
 from .chain_sim import chain_makespan, interleaved_inflight
-from .stage_choice import REMAT, compositions
+from .stage_choice import REMAT, choice_table, compositions
 from .tables import ShapeTables, shape_tables
 from .units import build_units, kinds_per_range
 
@@ -183,6 +184,7 @@ class SearchState:
                          tuple(self.units.kind_of)) if default_cost else None
         self.tables: dict[tuple[int, int], ShapeTables] = {}
         self.combos: dict[tuple[int, int], dict[str, np.ndarray]] = {}
+        self.kind_combos: dict[int, dict[str, np.ndarray]] = {}      # id(tables) -> one unit of each kind
 
     def table(self, d: int, t: int) -> ShapeTables:
         if (d, t) in self.tables:
@@ -202,7 +204,11 @@ class SearchState:
             self.combos[(d, t)] = compositions(self.tables[(d, t)], self.comps, self.kind_inputs)
             if key is not None:
                 self.graph.cache[key] = (self.tables[(d, t)], self.combos[(d, t)])
-        return self.tables[(d, t)]
+        tables = self.tables[(d, t)]
+        if id(tables) not in self.kind_combos:
+            K = len(self.units.kinds)
+            self.kind_combos[id(tables)] = compositions(tables, np.eye(K), self.kind_inputs)
+        return tables
 
     def sp_analysed(self):
         """The step's sequence-parallel analysis (None: off, or no regions to cut the stream from)."""
@@ -242,14 +248,22 @@ class SearchState:
         return t(fwd_bytes) + gather, t(bwd_bytes) + gather
 
 
-def lower_bound_work(srch: SearchState, tables: ShapeTables, M: int, valid: np.ndarray) -> float:
+def lower_bound_work(srch: SearchState, tables: ShapeTables, M: int, valid: np.ndarray,
+                     budget: float = math.inf) -> float:
     """A lower bound on the stages' summed time per micro-batch at M micro-batches: every unit at its
-    kind's cheapest plan and storage, no recomputation, no sends, no exposed gradient sync. The
-    formula Σ v_s / v + (M v - 1) max v_s is at least (M v + S - 1) / (S v) times that sum."""
-    v = tables.values
-    per_mb = (v["fwd"] + v["bwd"] + v["step"]) / M + v["gather"] + v["const"]       # [K, Z, P]
-    per_kind = np.where(valid[None, None, :], per_mb, np.inf).min(axis=(1, 2))
-    return float(srch.kind_counts @ per_kind)
+    kind's cheapest choice (plan, storage, remat) that fits `budget` alone with one micro-batch in
+    flight -- a stage's choice holds for all its units and its memory is at least any one unit's --
+    without sends or exposed gradient sync (inf when some kind fits nowhere). The formula
+    Σ v_s / v + (M v - 1) max v_s is at least (M v + S - 1) / (S v) times that sum."""
+    if math.isinf(budget):
+        v = tables.values
+        per_mb = (v["fwd"] + v["bwd"] + v["step"]) / M + v["gather"] + v["const"]       # [K, Z, P]
+        per_kind = np.where(valid[None, None, :], per_mb, np.inf).min(axis=(1, 2))
+    else:
+        kinds = {**srch.kind_combos[id(tables)], "sync": np.zeros_like(srch.kind_combos[id(tables)]["sync"])}
+        ct = choice_table(kinds, M, budget, srch.joint.remat, valid, 0.0)
+        per_kind = ct.best(np.array([1.0]))[0][0]
+    return float(srch.kind_counts @ per_kind) if np.isfinite(per_kind).all() else math.inf
 
 
 def inflight(schedule: str, S: int, M: int, virtual: int = 1) -> list[int]:

@@ -134,6 +134,23 @@ def choice_table(c: dict[str, np.ndarray], microbatches: int, budget: float, rem
     `valid_plans[p]`: the plan splits a micro-batch evenly. `fits(most)`, given the most micro-batches
     in flight any choice of each composition allows, says whether any point could use the table: None
     is returned without sorting when it cannot (most of a large search's tables do not fit memory)."""
+    P = c["fwd"].shape[1]
+    keep = np.flatnonzero(valid_plans)
+    if keep.size == P:
+        return _table(c, microbatches, budget, remat, overlap, fits)
+    # only the plans that split a micro-batch evenly (the others can never be chosen): a smaller
+    # table, its choices renumbered over all P plans for `split_choice`
+    sub = _table({k: a[:, keep] for k, a in c.items()}, microbatches, budget, remat, overlap, fits)
+    if sub is None:
+        return None
+    _, Z, R = sub.shape
+    p, rest = np.divmod(sub.order, Z * R)
+    return dataclasses.replace(sub, order=keep[p] * (Z * R) + rest, shape=(P, Z, R))
+
+
+def _table(c: dict[str, np.ndarray], microbatches: int, budget: float, remat: tuple[str, ...], overlap: float,
+           fits: Callable[[np.ndarray], bool] | None) -> ChoiceTable | None:
+    """`choice_table` over plans that are all valid."""
     phi = 1.0 / microbatches
     # the [U, P, Z] arrays are plan-major, so every [U, P, Z, R] array below is already laid out as
     # the flat [U, X] choices (the search builds ~300 tables: no copies per array)
@@ -152,8 +169,6 @@ def choice_table(c: dict[str, np.ndarray], microbatches: int, budget: float, rem
     b, held, transient = (np.stack([pr[i] for pr in per_remat], axis=-1) for i in range(3))    # [U, P, Z, R]
     value = np.add(f[..., None], b)
     value += (tail / microbatches)[..., None]
-    if not valid_plans.all():
-        value[:, ~valid_plans] = np.inf
     # micro-batches in flight the memory allows: room / held, or +-inf when a choice holds nothing
     room = budget - static[..., None] - transient
     allow = np.where(room >= 0, np.inf, -np.inf)
