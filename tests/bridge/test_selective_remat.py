@@ -21,15 +21,13 @@ import numpy as np
 import pytest
 from jax._src.ad_checkpoint import saved_residuals
 
-import autoshard
 import models
 from autoshard._src.bridge import compat as jc
 from autoshard._src.bridge.remat import attention_grids, remat_loss
 from autoshard._src.bridge.trace import trace
 from autoshard._src.core.attention import attention_cores, recomputed_ops
 
-from .._reference import run_steps
-from .test_three_d import make_step
+from .test_three_d import train_both
 
 B, S, D, HEADS = 2, 64, 8, 2
 
@@ -164,16 +162,7 @@ def test_without_attention_selective_runs_as_none():
 
 
 def _train(plan_kw, steps=3):
-    m = models.get("gpt", "debug")
-    params, batch = m.init(jax.random.key(0)), m.batch()
-    step = make_step(m)
-    fast = autoshard.autoshard(step, **plan_kw)
-    got, p1, _ = run_steps(fast, params, m.optimizer.init(params), batch, steps)
-    want, p2, _ = run_steps(jax.jit(step), params, m.optimizer.init(params), batch, steps)
-    np.testing.assert_allclose(got, want, rtol=1e-5)
-    for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p2), strict=True):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
-    return fast, m, params, batch
+    return train_both("gpt", steps, **plan_kw)
 
 
 @pytest.mark.slow
