@@ -235,17 +235,19 @@ class SearchState:
         """(seconds a stage ending before unit j sends forward, a stage starting at unit i sends back).
         With a model axis of `model` devices each sends 1/model of the boundary activation over its own
         link and the receivers all-gather it inside their node (Megatron-LM's scatter/gather, Narayanan
-        et al. SC'21 §4.1; a sequence-parallel stream is split that way already)."""
+        et al. SC'21 §4.1; a sequence-parallel stream is split that way already) when that is faster
+        than sending it whole."""
         alpha, beta = self.p2p(per_stage)
         per = self.units.cut_dep / (M * d)
         gather = np.zeros_like(per)
         if model > 1:
             a_g, b_g = self.gather(model)
             gather = np.where(per > 0, a_g + b_g * per, 0.0)
-        fwd_bytes = per / model + self.units.cut_const
-        bwd_bytes = per / model
         t = lambda b: np.where(b > 0, alpha + beta * b, 0.0)  # noqa: E731
-        return t(fwd_bytes) + gather, t(bwd_bytes) + gather
+        const = self.units.cut_const
+        # the scatter/gather pays an all-gather's latency: small activations go whole
+        return (np.minimum(t(per + const), t(per / model + const) + gather),
+                np.minimum(t(per), t(per / model) + gather))
 
 
 def lower_bound_work(srch: SearchState, tables: ShapeTables, M: int, valid: np.ndarray,

@@ -100,9 +100,10 @@ def send_seconds(pb: ChainProblem, boundary: int, before: tuple[int, bool, int],
     if m > 1 and pb.gather is not None:
         a_g, b_g = pb.gather(m)
         gather = np.where(dep > 0, a_g + b_g * dep, 0.0)
-    fwd_bytes, bwd_bytes = dep / m + np.asarray(pb.cut_const)[boundary], dep / m
+    const = np.asarray(pb.cut_const)[boundary]
     seconds = lambda b: np.where(b > 0, alpha + beta * b, 0.0)  # noqa: E731
-    return seconds(fwd_bytes) + gather, seconds(bwd_bytes) + gather
+    return (np.minimum(seconds(dep + const), seconds(dep / m + const) + gather),
+            np.minimum(seconds(dep), seconds(dep / m) + gather))
 
 
 def stage_times(pb: ChainProblem, stages: Sequence[Stage]) -> list[float]:
