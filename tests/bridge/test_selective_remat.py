@@ -80,7 +80,7 @@ def residuals(loss, params, x):
     return sum(math.prod(a.shape) * a.dtype.itemsize for a in saved), [tuple(a.shape) for a in saved]
 
 
-@pytest.mark.parametrize("block", [HandBlock, FlaxBlock])
+@pytest.mark.parametrize("block", [pytest.param(HandBlock, marks=pytest.mark.slow), FlaxBlock])
 def test_only_the_scores_are_recomputed(block):
     loss, params, x, labels = setup(block)
     grid = (B, HEADS, S, S)

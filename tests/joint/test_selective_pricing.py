@@ -128,6 +128,7 @@ def _live_residuals(fun, params, batch):
     return [np.asarray(c) for c, u in zip(closed.consts, used, strict=False) if u]
 
 
+@pytest.mark.slow
 def test_priced_bytes_are_what_jax_saves():
     """jax's own residuals of the same GPT's loss on the [B, H, S, ...] attention grid and rows: under
     'none' as many bytes as priced (`acts_attn`), under 'selective' none. jax.vjp also hands the
