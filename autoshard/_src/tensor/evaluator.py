@@ -21,6 +21,7 @@ from ..core.attention import ATTENTION_MODES, priced_fusion
 from ..core.collectives import KINDS
 from ..core.cost import CostModel
 from ..core.errors import ConfigError
+from ..core.fusion import window_fusion
 from ..core.graph import OpGraph, nbytes
 from ..core.hardware import HardwareSpec
 from ..core.kernels import compute_dtype
@@ -138,8 +139,9 @@ class _Evaluator(MemoryModel):
                  hw: HardwareSpec, cost: CostModel, options: SearchOptions,
                  in_map: dict[int, int], inputs: Sequence[int] | None = None,
                  fused_update: bool | None = None, shared: _Shared | None = None,
-                 accumulate: bool = False) -> None:
+                 accumulate: bool = False, window: tuple[tuple[int, ...], tuple[int, ...]] | None = None) -> None:
         self.graph, self.fg, self.mesh, self.hw, self.cost = graph, fg, mesh, hw, cost
+        self.window = window        # (scope, core): `weights` prices core ops only (window_fusion)
         self.in_map = in_map
         # the inputs whose bytes count (parameters, state, data): all, or a pipeline stage's own
         self.inputs = list(graph.inputs) if inputs is None else list(inputs)
@@ -186,7 +188,10 @@ class _Evaluator(MemoryModel):
         bandwidth = hw.memory_bandwidth * (hw.kernels.bandwidth_efficiency if hw.kernels is not None else 1.0)
         self.phase_work: dict[str, float] = defaultdict(float)     # roofline seconds by phase
         # HBM bytes and kernels after XLA's fusion (attention as FlashAttention with attention="flash")
-        fused = self.fused = priced_fusion(self.graph, hw.kernels is not None, self.options.attention)
+        gpu = hw.kernels is not None
+        fused = self.fused = (window_fusion(self.graph, gpu, *self.window)
+                              if self.window is not None and self.options.attention == "as_traced"
+                              else priced_fusion(self.graph, gpu, self.options.attention))
         scale = fused.scale if fused.scale is not None else np.ones(len(self.graph.ops))
         unlinked = unlinked_batch_loops(self.graph, self.fg)       # batch-sized dims no factor links
         self.op_loops: list[tuple[int, float, tuple[int, ...]]] = []   # (op, executions, dividing candidates)
