@@ -211,7 +211,11 @@ def activation_constraints(graph: OpGraph, op_map: dict[int, int], fg: Any, axes
     pinned = {u for v in getattr(fg, "expert_cuts", ()) for c in graph.values[v].consumers
               for u in graph.ops[c].inputs if u != v and graph.values[u].producer is not None}
     out = []
-    for op in (graph.ops if ops is None else (graph.ops[i] for i in sorted(ops))):
+    todo = graph.ops if ops is None else [graph.ops[i] for i in sorted(ops)]
+    if not cut_after and not pinned:         # only matmuls, gathers, convolutions of the pinned phases
+        phases = ("forward", "backward") if backward_too else ("forward",)
+        todo = [op for op in todo if op.primitive in _CONSTRAINED and op.phase in phases]
+    for op in todo:
         if op.nested and op.index not in escaping:
             continue
         src = op_map.get(op.index, op.index)
