@@ -40,7 +40,7 @@ from collections.abc import Iterable
 import numpy as np
 
 from .graph import Op, OpGraph
-from .liveness import live_ops
+from .liveness import is_live, live_ops
 
 ALIAS_OPS = frozenset({"reshape", "squeeze", "expand_dims", "stop_gradient", "bitcast"})
 KERNEL_OPS = frozenset({
@@ -148,17 +148,19 @@ def op_class(op: Op) -> str:
 class _Fuser:
     def __init__(self, graph: OpGraph, gpu: bool, scope: tuple[int, ...] | None = None) -> None:
         self.g, self.gpu = graph, gpu
-        self.live = live = live_ops(graph)       # dead ops (XLA deletes them) read nothing and start nothing
         ops = graph.ops
         n = len(ops)
         # the ops fused (all, or a window: window_fusion); tables are lazy for a window
         self.scope = range(n) if scope is None else scope
         self.inside = self.scope if scope is None else frozenset(scope)
+        # dead ops (XLA deletes them) read nothing and start nothing
         if scope is None:
+            live = live_ops(graph)
             self.cls = [op_class(op) if live[op.index] else "dead" for op in ops]
             self.has_gemm = [op.primitive in GEMM_OPS for op in ops]
         else:
-            self.cls = _Lazy(lambda i: op_class(ops[i]) if live[i] else "dead")
+            alive = is_live(graph)
+            self.cls = _Lazy(lambda i: op_class(ops[i]) if alive(i) else "dead")
             self.has_gemm = _Lazy(lambda i: ops[i].primitive in GEMM_OPS)
         self.parent = list(range(n))
         self.outputs = set(graph.outputs)

@@ -15,6 +15,7 @@ from ..core.mesh import MeshSpec, candidate_meshes, mesh_spec
 from ..core.version import VERSION
 from ..pipeline.costs import traced_batch
 from ..tensor.experts import EXPERTS, expert_assignments
+from ..tensor.factors import PHASES
 from ..tensor.instances import input_maps, instance_maps
 from ..tensor.regions import REDUCE_SCATTERED
 from ..tensor.search import (
@@ -315,7 +316,10 @@ def build_plan(graph: OpGraph, grouping: Grouping, mesh: MeshSpec, hw: HardwareS
         else:
             out_specs.append(tuple(() for _ in graph.values[vid].shape))
 
-    constraints = activation_constraints(graph, instance_maps(graph, grouping, res.periods), fg, axes_of)
+    # without region cuts only the pinned phases' ops are constrained: only those are mapped (phase by phase)
+    phases = PHASES if getattr(fg, "cuts", ()) or getattr(fg, "expert_cuts", ()) else \
+        ("forward", "backward") if any(axes_of.get(f) for f in getattr(fg, "sequence", ())) else ("forward",)
+    constraints = activation_constraints(graph, instance_maps(graph, grouping, res.periods, phases), fg, axes_of)
 
     warnings = tuple(f"unknown primitive '{graph.ops[i].primitive}' in module "
                      f"'{graph.ops[i].module or '(root)'}': its operands are replicated"
