@@ -520,4 +520,7 @@ class _Fuser:
         for i, vs in moved.items():
             nbytes[i] = float(sum(values[v].nbytes for v in vs))
         launches[list(last.values())] = 1.0
-        return Fusion(group, nbytes, launches, tuple(tuple(moved.get(i, ())) for i in range(n)))
+        moved_t: list[tuple[int, ...]] = [()] * n
+        for i, vs in moved.items():
+            moved_t[i] = tuple(vs)
+        return Fusion(group, nbytes, launches, tuple(moved_t))

@@ -295,14 +295,24 @@ class _Evaluator(MemoryModel):
         # layer of a 96-layer model adds bytes to the same few entries
         tensors: dict[tuple, float] = defaultdict(float)
         self.data: list[tuple[tuple[int, ...], float]] = []
+        dims_of: dict[int, tuple[int, ...]] = {}      # per representative input (layers share one)
+
+        def dims_for(v: int) -> tuple[int, ...]:
+            src, shape = self.in_map.get(v, v), g.values[v].shape
+            if g.values[src].shape != shape:
+                return (-1,) * len(shape)
+            hit = dims_of.get(src)
+            if hit is None:
+                hit = dims_of[src] = tuple(self.cidx.get(f, -1) if f is not None else -1
+                                           for f in fg.value_factors(src))
+            return hit
         for v in self.inputs:
             val = g.values[v]
-            src = self.in_map.get(v, v)
-            fs = fg.value_factors(src) if g.values[src].shape == val.shape else (None,) * len(val.shape)
             if val.role in ("parameter", "state"):
-                dims = tuple(self.cidx.get(f, -1) if f is not None else -1 for f in fs)
-                tensors[(val.role, dims, val.shape)] += val.nbytes
+                tensors[(val.role, dims_for(v), val.shape)] += val.nbytes
             else:
+                src = self.in_map.get(v, v)
+                fs = fg.value_factors(src) if g.values[src].shape == val.shape else (None,) * len(val.shape)
                 self.data.append((self._cmask(fs), val.nbytes))
         self.params = [(dims, shape, b) for (role, dims, shape), b in sorted(tensors.items()) if role == "parameter"]
         # ZeRO-3 gathers a parameter once per forward use (XLA keeps the gathered copy for the
@@ -313,11 +323,8 @@ class _Evaluator(MemoryModel):
             val = g.values[v]
             if val.role != "parameter":
                 continue
-            src = self.in_map.get(v, v)
-            fs = fg.value_factors(src) if g.values[src].shape == val.shape else (None,) * len(val.shape)
-            dims = tuple(self.cidx.get(f, -1) if f is not None else -1 for f in fs)
             uses = {g.ops[c].module for c in val.consumers if g.ops[c].phase == "forward"}
-            gathered[(dims, val.shape)] += val.nbytes * max(1, len(uses))
+            gathered[(dims_for(v), val.shape)] += val.nbytes * max(1, len(uses))
         self.gathered = [(dims, shape, b) for (dims, shape), b in sorted(gathered.items())]
         self.state = [(dims, shape, b) for (role, dims, shape), b in sorted(tensors.items()) if role == "state"]
         # activations kept for the backward pass (residuals), per instance weight
