@@ -8,14 +8,13 @@ import time
 from typing import Any
 
 from ..core.errors import InfeasiblePlanError, PlanError
-from ..core.graph import OpGraph, collector_paused, fingerprint, op_keys
+from ..core.graph import PHASES, OpGraph, collector_paused, fingerprint, op_keys
 from ..core.grouping import Grouping, group
 from ..core.hardware import HardwareSpec, hardware_dict
 from ..core.mesh import MeshSpec, candidate_meshes, mesh_spec
 from ..core.version import VERSION
 from ..pipeline.costs import traced_batch
 from ..tensor.experts import EXPERTS, expert_assignments
-from ..tensor.factors import PHASES
 from ..tensor.instances import input_maps, instance_maps
 from ..tensor.regions import REDUCE_SCATTERED
 from ..tensor.search import (
@@ -206,18 +205,13 @@ def activation_constraints(graph: OpGraph, op_map: dict[int, int], fg: Any, axes
     # with the sequence split outside the tensor-parallel regions XLA may also gather a region's big
     # activations for a weight gradient instead of the stream's cotangent: pin the backward matmuls too
     backward_too = any(axes_of.get(f) for f in getattr(fg, "sequence", ()))
-    escaping = _escaping(graph) if cut_after else set()
-    # the other operands of an MoE dispatch / combine (routing weights, masks) keep their planned
-    # layout even when it is replicated: left free, XLA shards them like the experts and gathers back
-    pinned = {u for v in getattr(fg, "expert_cuts", ()) for c in graph.values[v].consumers
-              for u in graph.ops[c].inputs if u != v and graph.values[u].producer is not None}
+    pinned = _pinned(graph, fg)
     out = []
     todo = graph.ops if ops is None else [graph.ops[i] for i in sorted(ops)]
-    if not cut_after and not pinned:         # only matmuls, gathers, convolutions of the pinned phases
-        phases = ("forward", "backward") if backward_too else ("forward",)
-        todo = [op for op in todo if op.primitive in _CONSTRAINED and op.phase in phases]
+    phases = constrained_phases(graph, fg, axes_of)     # an op maps to one of its own phase
+    todo = [op for op in todo if op.phase in phases and (cut_after or pinned or op.primitive in _CONSTRAINED)]
     for op in todo:
-        if op.nested and op.index not in escaping:
+        if op.nested and not (cut_after and _escapes(graph, op)):
             continue
         src = op_map.get(op.index, op.index)
         if src not in fg.op_factors or not graph.ops[src].outputs:
@@ -241,16 +235,31 @@ def activation_constraints(graph: OpGraph, op_map: dict[int, int], fg: Any, axes
     return out
 
 
-def _escaping(graph: OpGraph) -> set[int]:
-    """Nested ops whose output leaves their enclosing call (`jnp.take`'s `jit(_take)` gather): emission
+def _escapes(graph: OpGraph, op) -> bool:
+    """Does a nested op's output leave its enclosing call (`jnp.take`'s `jit(_take)` gather)? Emission
     constrains the call's output of that shape."""
-    out: set[int] = set()
-    for op in graph.ops:
-        if op.nested and op.outputs:
-            v = op.outputs[0]
-            if v in graph.outputs or any(graph.ops[c].top_eqn != op.top_eqn for c in graph.values[v].consumers):
-                out.add(op.index)
-    return out
+    if not op.nested or not op.outputs:
+        return False
+    v = op.outputs[0]
+    return v in graph.outputs or any(graph.ops[c].top_eqn != op.top_eqn for c in graph.values[v].consumers)
+
+
+def _pinned(graph: OpGraph, fg: Any) -> set[int]:
+    """The other operands of an MoE dispatch / combine (routing weights, masks): they keep their planned
+    layout even when it is replicated (left free, XLA shards them like the experts and gathers back)."""
+    return {u for v in getattr(fg, "expert_cuts", ()) for c in graph.values[v].consumers
+            for u in graph.ops[c].inputs if u != v and graph.values[u].producer is not None}
+
+
+def constrained_phases(graph: OpGraph, fg: Any, axes_of: dict[int, tuple[str, ...]]) -> frozenset[str]:
+    """The phases of the ops `activation_constraints` may constrain: the forward pass (and the backward
+    with a split sequence), and those of the ops making region boundaries and pinned operands."""
+    phases = {"forward", "backward"} if any(axes_of.get(f) for f in getattr(fg, "sequence", ())) else {"forward"}
+    values = graph.values
+    for v in (*(v for v, _, _ in getattr(fg, "cuts", ())), *_pinned(graph, fg)):
+        if values[v].producer is not None:
+            phases.add(graph.ops[values[v].producer].phase)
+    return frozenset(phases)
 
 
 def reshard_steps(spec: list[tuple[str, ...]], target: list[tuple[str, ...]]) -> list[tuple[tuple[str, ...], ...]]:
@@ -316,9 +325,8 @@ def build_plan(graph: OpGraph, grouping: Grouping, mesh: MeshSpec, hw: HardwareS
         else:
             out_specs.append(tuple(() for _ in graph.values[vid].shape))
 
-    # without region cuts only the pinned phases' ops are constrained: only those are mapped (phase by phase)
-    phases = PHASES if getattr(fg, "cuts", ()) or getattr(fg, "expert_cuts", ()) else \
-        ("forward", "backward") if any(axes_of.get(f) for f in getattr(fg, "sequence", ())) else ("forward",)
+    # only the constrained phases' ops are mapped (ops correspond phase by phase)
+    phases = tuple(p for p in PHASES if p in constrained_phases(graph, fg, axes_of))
     constraints = activation_constraints(graph, instance_maps(graph, grouping, res.periods, phases), fg, axes_of)
 
     warnings = tuple(f"unknown primitive '{graph.ops[i].primitive}' in module "

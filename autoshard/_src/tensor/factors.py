@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 
-from ..core.graph import Op, OpGraph, nbytes
+from ..core.graph import PHASES, Op, OpGraph, nbytes
 
 ELEMENTWISE = frozenset({
     "add", "sub", "mul", "div", "max", "min", "pow", "integer_pow", "select_n", "tanh", "exp",
@@ -513,9 +513,6 @@ def factor_shards(factors: Sequence, axes_of: dict[int, tuple[str, ...]], sizes:
 
 def size_of(shape: Sequence[int]) -> int:
     return int(np.prod(shape, dtype=np.int64)) if shape else 1
-
-
-PHASES = ("forward", "backward", "optimizer", "other")
 
 
 def corresponding_ops(graph: OpGraph, a: Sequence[int], b: Sequence[int],

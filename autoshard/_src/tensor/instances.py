@@ -6,9 +6,9 @@ takes the factors of instance k mod p. These maps carry that over to every op an
 
 from __future__ import annotations
 
-from ..core.graph import OpGraph
+from ..core.graph import PHASES, OpGraph
 from ..core.grouping import Grouping
-from .factors import PHASES, corresponding_ops
+from .factors import corresponding_ops
 
 
 def instance_maps(graph: OpGraph, grouping: Grouping, periods: tuple[int, ...],
