@@ -69,3 +69,12 @@ def test_window_fusion_defers_to_a_cached_whole_graph_fusion():
     g.cache.clear()
     g.cache[("fusion", True)] = full = _Fuser(g, True).run()
     assert window_fusion(g, True, scope, core) is full
+
+
+def test_op_keys_of_some_ops_are_their_whole_graph_keys():
+    from autoshard._src.core.graph import op_keys, op_keys_of
+
+    g, _ = _traced("gpt", {"num_layers": 2})
+    full = op_keys(g)
+    some = list(range(0, len(g.ops), 7))
+    assert op_keys_of(g, some) == {i: full[i] for i in some}

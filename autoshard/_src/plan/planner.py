@@ -8,7 +8,7 @@ import time
 from typing import Any
 
 from ..core.errors import InfeasiblePlanError, PlanError
-from ..core.graph import PHASES, OpGraph, collector_paused, fingerprint, op_keys
+from ..core.graph import PHASES, OpGraph, collector_paused, fingerprint, op_keys_of
 from ..core.grouping import Grouping, group
 from ..core.hardware import HardwareSpec, hardware_dict
 from ..core.mesh import MeshSpec, candidate_meshes, mesh_spec
@@ -200,7 +200,6 @@ def activation_constraints(graph: OpGraph, op_map: dict[int, int], fg: Any, axes
     at a region boundary (an MoE dispatch or expert output) gets a second entry for the same op: the
     layout its consumers read, so XLA reshards it in place (an all-to-all) before any transpose. `keys`:
     `op_keys(graph)`, for callers asking once per stage (it walks the whole graph)."""
-    keys = keys if keys is not None else op_keys(graph)
     cut_after = {v: after for v, _, after in getattr(fg, "cuts", ())}
     # with the sequence split outside the tensor-parallel regions XLA may also gather a region's big
     # activations for a weight gradient instead of the stream's cotangent: pin the backward matmuls too
@@ -210,6 +209,7 @@ def activation_constraints(graph: OpGraph, op_map: dict[int, int], fg: Any, axes
     todo = graph.ops if ops is None else [graph.ops[i] for i in sorted(ops)]
     phases = constrained_phases(graph, fg, axes_of)     # an op maps to one of its own phase
     todo = [op for op in todo if op.phase in phases and (cut_after or pinned or op.primitive in _CONSTRAINED)]
+    keys = keys if keys is not None else op_keys_of(graph, (op.index for op in todo))
     for op in todo:
         if op.nested and not (cut_after and _escapes(graph, op)):
             continue
