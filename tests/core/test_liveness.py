@@ -47,3 +47,20 @@ def test_loop_carried_value_is_live_while_its_loop_runs():
     assert live_ops(g).tolist() == [True, True, False]
     assert dead is not None
 
+
+
+def test_the_walk_to_a_root_agrees_with_the_whole_graph_marking():
+    # a traced step (dead cotangent broadcasts of jnp.where, a loss, parameter updates): asked op by
+    # op in a scattered order, `is_live` answers as `live_ops`
+    import models
+    from autoshard._src.bridge.trace import trace
+    from autoshard._src.core.liveness import is_live
+
+    m = models.get("gpt", "debug", num_layers=3)
+    g = trace(m.train_step, *m.abstract_state())
+    live = is_live(g)
+    order = sorted(range(len(g.ops)), key=lambda i: (i * 7919) % len(g.ops))
+    got = {i: live(i) for i in order}
+    want = live_ops(g)
+    assert [got[i] for i in range(len(g.ops))] == want.tolist()
+    assert not want.all() and want.any()

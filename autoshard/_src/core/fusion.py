@@ -40,7 +40,7 @@ from collections.abc import Iterable
 import numpy as np
 
 from .graph import Op, OpGraph
-from .liveness import live_ops
+from .liveness import is_live, live_ops
 
 ALIAS_OPS = frozenset({"reshape", "squeeze", "expand_dims", "stop_gradient", "bitcast"})
 KERNEL_OPS = frozenset({
@@ -96,6 +96,41 @@ def fusion(graph: OpGraph, gpu: bool = True) -> Fusion:
     return hit
 
 
+def window_fusion(graph: OpGraph, gpu: bool, scope: tuple[int, ...], core: tuple[int, ...]) -> Fusion:
+    """The fusion of the ops in `core` (sorted indices) for callers that read no other op's: that of
+    the window `scope` (sorted, holding `core`) fused as a whole graph is, the ops outside it kept as
+    they are traced (never fused, recomputed or viewed through). An op's fusion follows from its
+    producers and readers and from theirs within one fusion, so a core padded by the neighbouring
+    layers gets the whole graph's results (`tests/core/test_fusion_window.py` checks every zoo model
+    op by op), unless a fusion of a core op, or one it reads from or writes to, reaches the window's
+    edge (a gradient summed over every layer): then, and when it is cached already, the whole graph's
+    fusion is returned. Ops outside `core`: no bytes, no group, or those of the whole graph."""
+    full = graph.cache.get(("fusion", gpu))
+    if full is not None:
+        return full
+    key = ("fusion", gpu, "window", scope, core)
+    hit = graph.cache.get(key)
+    if hit is None:
+        fz = _Fuser(graph, gpu, scope)
+        hit = fz.run()
+        if not fz.settled(core):
+            hit = fusion(graph, gpu)
+        graph.cache[key] = hit
+    return hit
+
+
+class _Lazy(dict):
+    """A per-op table computed on first use (a window touches few of a deep graph's ops)."""
+
+    def __init__(self, fn) -> None:
+        super().__init__()
+        self.fn = fn
+
+    def __missing__(self, i: int):
+        out = self[i] = self.fn(i)
+        return out
+
+
 def op_class(op: Op) -> str:
     """"alias", "kernel", "reduce", "recomputed" or "loop" (fusible elementwise / data movement)."""
     p = op.primitive
@@ -111,13 +146,23 @@ def op_class(op: Op) -> str:
 
 
 class _Fuser:
-    def __init__(self, graph: OpGraph, gpu: bool) -> None:
+    def __init__(self, graph: OpGraph, gpu: bool, scope: tuple[int, ...] | None = None) -> None:
         self.g, self.gpu = graph, gpu
-        self.live = live_ops(graph)       # dead ops (XLA deletes them) read nothing and start nothing
-        self.cls = [op_class(op) if self.live[op.index] else "dead" for op in graph.ops]
-        n = len(graph.ops)
+        ops = graph.ops
+        n = len(ops)
+        # the ops fused (all, or a window: window_fusion); tables are lazy for a window
+        self.scope = range(n) if scope is None else scope
+        self.inside = self.scope if scope is None else frozenset(scope)
+        # dead ops (XLA deletes them) read nothing and start nothing
+        if scope is None:
+            live = live_ops(graph)
+            self.cls = [op_class(op) if live[op.index] else "dead" for op in ops]
+            self.has_gemm = [op.primitive in GEMM_OPS for op in ops]
+        else:
+            alive = is_live(graph)
+            self.cls = _Lazy(lambda i: op_class(ops[i]) if alive(i) else "dead")
+            self.has_gemm = _Lazy(lambda i: ops[i].primitive in GEMM_OPS)
         self.parent = list(range(n))
-        self.has_gemm = [op.primitive in GEMM_OPS for op in graph.ops]
         self.outputs = set(graph.outputs)
         self.reader_cache: dict[int, frozenset[int]] = {}
         self.producer_cache: dict[int, frozenset[int]] = {}
@@ -186,8 +231,9 @@ class _Fuser:
         broadcast): they run inside their readers. Decided last op first, so chains resolve."""
         ops = self.g.ops
         self.inline = [False] * len(ops)
-        for op in reversed(ops):
-            kind = self.cls[op.index]
+        for i in reversed(self.scope):
+            op = ops[i]
+            kind = self.cls[i]
             if kind not in ("recomputed", "loop") or any(self.returned(v) for v in op.outputs):
                 continue
             readers = set().union(*(self.readers(v) for v in op.outputs))
@@ -250,7 +296,8 @@ class _Fuser:
 
     def group(self) -> None:
         ops = self.g.ops
-        for op in ops:
+        scope = [ops[i] for i in self.scope]
+        for op in scope:
             c = op.index
             kind = self.cls[c]
             if kind in ("loop", "reduce", "recomputed"):
@@ -258,7 +305,7 @@ class _Fuser:
                 if op.primitive in EPILOGUE_OPS:
                     self._epilogue(op)
                 continue
-        for op in ops:
+        for op in scope:
             c = op.index
             if self.cls[c] not in ("loop", "reduce"):
                 continue
@@ -269,7 +316,7 @@ class _Fuser:
                     continue          # a GEMM's epilogue ends with the GEMM's kernel
                 if self.sole_reader(p) == c:
                     self.union_into(p, c)
-        for op in ops:
+        for op in scope:
             if self.cls[op.index] == "reduce":
                 self._multi_output(op)
 
@@ -353,15 +400,17 @@ class _Fuser:
         the reduction's result also feeds, through other ops, the fusion itself."""
         ops = self.g.ops
         self.member_lists: dict[int, list[int]] = {}
-        for i in range(len(ops)):
+        for i in self.scope:
             self.member_lists.setdefault(self.find(i), []).append(i)
-        for op in ops:
-            r = op.index
+        for r in self.scope:
+            op = ops[r]
             if self.cls[r] != "reduce" or self.find(r) != r or not self.row_reduction(op):
                 continue
             # the row: what the reduction's fusion reads, or makes and reduces (a masked score row)
             reads_r = self.group_reads(r) | {v for i in self.members(r) for v in self.g.ops[i].outputs}
             for c in sorted(set().union(*(self.readers(v) for v in op.outputs))):
+                if c not in self.inside:
+                    continue                  # a window's edge (window_fusion)
                 root = self.find(c)
                 if self.cls[c] not in ("loop", "reduce") or root == r or self.has_gemm[root] \
                         or not self.same_place(ops[c], op) or not reads_r & self.group_reads(root):
@@ -394,36 +443,84 @@ class _Fuser:
                         out.add(w)
         return out
 
+    def settled(self, core: Iterable[int]) -> bool:
+        """After a window's `run`: does no fusion holding a `core` op hold one that could fuse with an
+        op outside the window too (a fusion that may reach past the window's edge)?"""
+        g, gl = self.g, self.gl
+        edge: set[int] = set()
+        for i in self.scope:
+            if not self._crosses(i):
+                continue
+            if gl[i] >= 0:
+                edge.add(gl[i])
+            else:       # a view or an op run inside its readers: the fusions reading it and read by it
+                edge.update(gl[j] for v in g.ops[i].outputs for j in self.readers(v))
+                edge.update(gl[j] for v in g.ops[i].inputs for j in self.producers(v))
+        return not any(gl[i] in edge for i in core)
+
+    def _crosses(self, i: int) -> bool:
+        """Could op `i` (in the window) fuse with an op outside it: a fusible or GEMM producer that
+        only `i` reads (into `i`, or as its epilogue), a fusible reader that reads it alone, a
+        reduction either way (multi-output and normalisation fusions), a view, a broadcast?"""
+        g, inside, cls = self.g, self.inside, self.cls
+        op = g.ops[i]
+        for v in op.inputs:
+            p = g.values[v].producer
+            if p is None or p in inside or cls[p] == "dead" or (cls[p] == "kernel" and not self.has_gemm[p]):
+                continue
+            only = all(c == i for w in g.ops[p].outputs for c in g.values[w].consumers)
+            if cls[p] in ("alias", "recomputed", "reduce") or cls[i] == "reduce" or only:
+                return True
+        outside = [c for v in op.outputs for c in g.values[v].consumers if c not in inside and cls[c] != "dead"]
+        if not outside:
+            return False
+        sole = len(set().union(*(self.readers(v) for v in op.outputs))) == 1
+        return any(cls[c] == "alias" or cls[c] == "reduce" or cls[i] == "reduce"
+                   or (sole and cls[c] in ("loop", "recomputed")) for c in outside)
+
     def run(self) -> Fusion:
         inline = self.find_inline()
         self.group()
         if self.gpu:
             self.normalisation_diamonds()
-        ops, n = self.g.ops, len(self.g.ops)
-        group = np.array([-1 if self.cls[i] in ("alias", "dead") or inline[i] else self.find(i) for i in range(n)])
-        gl = group.tolist()                     # plain ints: indexing the array per read is slow
+        ops, n, scope = self.g.ops, len(self.g.ops), self.scope
+
+        def gid(i: int) -> int:
+            return -1 if self.cls[i] in ("alias", "dead") or inline[i] else self.find(i)
+        # plain ints: indexing the array per read is slow (a window's: lazily, with the ops around it)
+        gl = self.gl = [gid(i) for i in range(n)] if isinstance(scope, range) else _Lazy(gid)
         values = self.g.values
-        moved: list[list[int]] = [[] for _ in range(n)]
+        moved: dict[int, list[int]] = {}
         seen: set[tuple[int, int]] = set()        # (fusion, value) reads already priced
-        for op in ops:
-            i = op.index
+        for i in scope:
             gi = gl[i]
             if gi < 0:
                 continue
+            mine = moved[i] = []
+            op = ops[i]
             for v in op.inputs:
                 for w in self.reads(v):
                     p = values[w].producer
                     if (p is None or gl[p] != gi) and (gi, w) not in seen:
                         seen.add((gi, w))
-                        moved[i].append(w)
+                        mine.append(w)
             for v in op.outputs:
                 if self.returned(v) or any(gl[r] != gi for r in self.readers(v)):
-                    moved[i].append(v)
-        nbytes = np.array([float(sum(values[v].nbytes for v in vs)) for vs in moved])
+                    mine.append(v)
+        nbytes, launches = np.zeros(n), np.zeros(n)
+        if isinstance(gl, list):
+            group = np.array(gl)
+        else:
+            group = np.full(n, -1)
+            group[list(scope)] = [gl[i] for i in scope]
         last: dict[int, int] = {}
-        for i, gi in enumerate(gl):
-            if gi >= 0:
-                last[gi] = i
-        launches = np.zeros(n)
+        for i in scope:
+            if gl[i] >= 0:
+                last[gl[i]] = i
+        for i, vs in moved.items():
+            nbytes[i] = float(sum(values[v].nbytes for v in vs))
         launches[list(last.values())] = 1.0
-        return Fusion(group, nbytes, launches, tuple(tuple(vs) for vs in moved))
+        moved_t: list[tuple[int, ...]] = [()] * n
+        for i, vs in moved.items():
+            moved_t[i] = tuple(vs)
+        return Fusion(group, nbytes, launches, tuple(moved_t))

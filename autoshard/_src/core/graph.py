@@ -259,6 +259,21 @@ def op_keys(graph: OpGraph) -> list[str]:
     return keys_in_order((op.module, op.primitive) for op in graph.ops)
 
 
+def op_keys_of(graph: OpGraph, ops: Iterable[int]) -> dict[int, str]:
+    """`op_keys(graph)[i]` for the ops `ops` only: one pass counting just their (module, primitive) pairs."""
+    mine = set(ops)
+    want = {(graph.ops[i].module or "<root>", graph.ops[i].primitive) for i in mine}
+    seen: dict[tuple[str, str], int] = {}
+    out: dict[int, str] = {}
+    for op in graph.ops:
+        key = (op.module or "<root>", op.primitive)
+        if key in want:
+            k = seen[key] = seen.get(key, -1) + 1
+            if op.index in mine:
+                out[op.index] = f"{key[0]}/{key[1]}:{k}"
+    return out
+
+
 def keys_in_order(ops: Iterable[tuple[str, str]]) -> list[str]:
     """`op_keys` of any (module, primitive) sequence in program order (a loss jaxpr's eqns, say)."""
     seen: dict[tuple[str, str], int] = {}

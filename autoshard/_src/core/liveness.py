@@ -14,6 +14,7 @@ whenever anything in their loop is (a counter or a recurrent state that only the
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 
 import numpy as np
 
@@ -65,5 +66,69 @@ def live_ops(graph: OpGraph) -> np.ndarray:
 
 def live_weights(graph: OpGraph, weights: dict[int, float]) -> dict[int, float]:
     """`weights` (op -> executions) with dead ops at 0 (kept as keys: they still link factors)."""
-    live = live_ops(graph)
-    return {i: (w if live[i] else 0.0) for i, w in weights.items()}
+    live = is_live(graph)
+    return {i: (w if live(i) else 0.0) for i, w in weights.items()}
+
+
+def is_live(graph: OpGraph) -> Callable[[int], bool]:
+    """`live_ops(graph)[i]` as a function, for callers asking about a few ops of a deep graph: an op
+    is live when it is a root or one of its readers is, found by a walk to the nearest root (the
+    latest reader first: a forward op's path runs through its own backward to a parameter update)
+    instead of marking the whole graph. Loops with carried values: `live_ops`. Cached on the graph."""
+    full = graph.cache.get("live")
+    if full is not None and full[0] == len(graph.ops):
+        return full[1].__getitem__
+    if graph.carried:
+        return live_ops(graph).__getitem__
+    hit = graph.cache.get("live_walk")
+    if hit is None:
+        hit = graph.cache["live_walk"] = _LiveWalk(graph).live
+    return hit
+
+
+class _LiveWalk:
+    def __init__(self, graph: OpGraph) -> None:
+        self.g = graph
+        self.known: dict[int, bool] = {}
+        self.outputs = set(graph.outputs)
+
+    def root(self, i: int) -> bool:
+        op = self.g.ops[i]
+        return (not op.outputs or bool(op.params.get("effectful")) or op.primitive in EFFECTFUL
+                or any(v in self.outputs for v in op.outputs))
+
+    def readers(self, i: int) -> list[int]:
+        values = self.g.values
+        return sorted({c for v in self.g.ops[i].outputs for c in values[v].consumers}, reverse=True)
+
+    def live(self, i: int) -> bool:
+        known = self.known
+        if i in known:
+            return known[i]
+        # depth first: `path` holds the walk from `i`, each with its readers left to try
+        path: list[tuple[int, list[int]]] = [(i, self.readers(i))]
+        seen = {i}
+        found = self.root(i)
+        while path and not found:
+            _, todo = path[-1]
+            if not todo:
+                path.pop()
+                continue
+            c = todo.pop(0)
+            if c in seen or known.get(c) is False:
+                continue
+            seen.add(c)
+            if known.get(c) or self.root(c):
+                found = True
+                break
+            path.append((c, self.readers(c)))
+        if found:                 # the walk's ops lead to a root
+            for j, _ in path:
+                known[j] = True
+            if len(seen) > 1:
+                known[c] = True
+        else:                     # every op reachable from `i` was seen: none reaches a root
+            for j in seen:
+                known[j] = False
+        known[i] = found
+        return found

@@ -8,7 +8,7 @@ import time
 from typing import Any
 
 from ..core.errors import InfeasiblePlanError, PlanError
-from ..core.graph import OpGraph, collector_paused, fingerprint, op_keys
+from ..core.graph import PHASES, OpGraph, collector_paused, fingerprint, op_keys_of
 from ..core.grouping import Grouping, group
 from ..core.hardware import HardwareSpec, hardware_dict
 from ..core.mesh import MeshSpec, candidate_meshes, mesh_spec
@@ -200,19 +200,18 @@ def activation_constraints(graph: OpGraph, op_map: dict[int, int], fg: Any, axes
     at a region boundary (an MoE dispatch or expert output) gets a second entry for the same op: the
     layout its consumers read, so XLA reshards it in place (an all-to-all) before any transpose. `keys`:
     `op_keys(graph)`, for callers asking once per stage (it walks the whole graph)."""
-    keys = keys if keys is not None else op_keys(graph)
     cut_after = {v: after for v, _, after in getattr(fg, "cuts", ())}
     # with the sequence split outside the tensor-parallel regions XLA may also gather a region's big
     # activations for a weight gradient instead of the stream's cotangent: pin the backward matmuls too
     backward_too = any(axes_of.get(f) for f in getattr(fg, "sequence", ()))
-    escaping = _escaping(graph) if cut_after else set()
-    # the other operands of an MoE dispatch / combine (routing weights, masks) keep their planned
-    # layout even when it is replicated: left free, XLA shards them like the experts and gathers back
-    pinned = {u for v in getattr(fg, "expert_cuts", ()) for c in graph.values[v].consumers
-              for u in graph.ops[c].inputs if u != v and graph.values[u].producer is not None}
+    pinned = _pinned(graph, fg)
     out = []
-    for op in (graph.ops if ops is None else (graph.ops[i] for i in sorted(ops))):
-        if op.nested and op.index not in escaping:
+    todo = graph.ops if ops is None else [graph.ops[i] for i in sorted(ops)]
+    phases = constrained_phases(graph, fg, axes_of)     # an op maps to one of its own phase
+    todo = [op for op in todo if op.phase in phases and (cut_after or pinned or op.primitive in _CONSTRAINED)]
+    keys = keys if keys is not None else op_keys_of(graph, (op.index for op in todo))
+    for op in todo:
+        if op.nested and not (cut_after and _escapes(graph, op)):
             continue
         src = op_map.get(op.index, op.index)
         if src not in fg.op_factors or not graph.ops[src].outputs:
@@ -236,16 +235,31 @@ def activation_constraints(graph: OpGraph, op_map: dict[int, int], fg: Any, axes
     return out
 
 
-def _escaping(graph: OpGraph) -> set[int]:
-    """Nested ops whose output leaves their enclosing call (`jnp.take`'s `jit(_take)` gather): emission
+def _escapes(graph: OpGraph, op) -> bool:
+    """Does a nested op's output leave its enclosing call (`jnp.take`'s `jit(_take)` gather)? Emission
     constrains the call's output of that shape."""
-    out: set[int] = set()
-    for op in graph.ops:
-        if op.nested and op.outputs:
-            v = op.outputs[0]
-            if v in graph.outputs or any(graph.ops[c].top_eqn != op.top_eqn for c in graph.values[v].consumers):
-                out.add(op.index)
-    return out
+    if not op.nested or not op.outputs:
+        return False
+    v = op.outputs[0]
+    return v in graph.outputs or any(graph.ops[c].top_eqn != op.top_eqn for c in graph.values[v].consumers)
+
+
+def _pinned(graph: OpGraph, fg: Any) -> set[int]:
+    """The other operands of an MoE dispatch / combine (routing weights, masks): they keep their planned
+    layout even when it is replicated (left free, XLA shards them like the experts and gathers back)."""
+    return {u for v in getattr(fg, "expert_cuts", ()) for c in graph.values[v].consumers
+            for u in graph.ops[c].inputs if u != v and graph.values[u].producer is not None}
+
+
+def constrained_phases(graph: OpGraph, fg: Any, axes_of: dict[int, tuple[str, ...]]) -> frozenset[str]:
+    """The phases of the ops `activation_constraints` may constrain: the forward pass (and the backward
+    with a split sequence), and those of the ops making region boundaries and pinned operands."""
+    phases = {"forward", "backward"} if any(axes_of.get(f) for f in getattr(fg, "sequence", ())) else {"forward"}
+    values = graph.values
+    for v in (*(v for v, _, _ in getattr(fg, "cuts", ())), *_pinned(graph, fg)):
+        if values[v].producer is not None:
+            phases.add(graph.ops[values[v].producer].phase)
+    return frozenset(phases)
 
 
 def reshard_steps(spec: list[tuple[str, ...]], target: list[tuple[str, ...]]) -> list[tuple[tuple[str, ...], ...]]:
@@ -311,7 +325,9 @@ def build_plan(graph: OpGraph, grouping: Grouping, mesh: MeshSpec, hw: HardwareS
         else:
             out_specs.append(tuple(() for _ in graph.values[vid].shape))
 
-    constraints = activation_constraints(graph, instance_maps(graph, grouping, res.periods), fg, axes_of)
+    # only the constrained phases' ops are mapped (ops correspond phase by phase)
+    phases = tuple(p for p in PHASES if p in constrained_phases(graph, fg, axes_of))
+    constraints = activation_constraints(graph, instance_maps(graph, grouping, res.periods, phases), fg, axes_of)
 
     warnings = tuple(f"unknown primitive '{graph.ops[i].primitive}' in module "
                      f"'{graph.ops[i].module or '(root)'}': its operands are replicated"

@@ -21,6 +21,7 @@ from ..core.attention import ATTENTION_MODES, priced_fusion
 from ..core.collectives import KINDS
 from ..core.cost import CostModel
 from ..core.errors import ConfigError
+from ..core.fusion import window_fusion
 from ..core.graph import OpGraph, nbytes
 from ..core.hardware import HardwareSpec
 from ..core.kernels import compute_dtype
@@ -143,8 +144,9 @@ class _Evaluator(MemoryModel):
                  hw: HardwareSpec, cost: CostModel, options: SearchOptions,
                  in_map: dict[int, int], inputs: Sequence[int] | None = None,
                  fused_update: bool | None = None, shared: _Shared | None = None,
-                 accumulate: bool = False) -> None:
+                 accumulate: bool = False, window: tuple[tuple[int, ...], tuple[int, ...]] | None = None) -> None:
         self.graph, self.fg, self.mesh, self.hw, self.cost = graph, fg, mesh, hw, cost
+        self.window = window        # (scope, core): `weights` prices core ops only (window_fusion)
         self.in_map = in_map
         # the inputs whose bytes count (parameters, state, data): all, or a pipeline stage's own
         self.inputs = list(graph.inputs) if inputs is None else list(inputs)
@@ -199,7 +201,10 @@ class _Evaluator(MemoryModel):
         bandwidth = hw.memory_bandwidth * (hw.kernels.bandwidth_efficiency if hw.kernels is not None else 1.0)
         self.phase_work: dict[str, float] = defaultdict(float)     # roofline seconds by phase
         # HBM bytes and kernels after XLA's fusion (attention as FlashAttention with attention="flash")
-        fused = self.fused = priced_fusion(self.graph, hw.kernels is not None, self.options.attention)
+        gpu = hw.kernels is not None
+        fused = self.fused = (window_fusion(self.graph, gpu, *self.window)
+                              if self.window is not None and self.options.attention == "as_traced"
+                              else priced_fusion(self.graph, gpu, self.options.attention))
         scale = fused.scale if fused.scale is not None else np.ones(len(self.graph.ops))
         unlinked = unlinked_batch_loops(self.graph, self.fg)       # batch-sized dims no factor links
         self.op_loops: list[tuple[int, float, tuple[int, ...]]] = []   # (op, executions, dividing candidates)
@@ -303,14 +308,24 @@ class _Evaluator(MemoryModel):
         # layer of a 96-layer model adds bytes to the same few entries
         tensors: dict[tuple, float] = defaultdict(float)
         self.data: list[tuple[tuple[int, ...], float]] = []
+        dims_of: dict[int, tuple[int, ...]] = {}      # per representative input (layers share one)
+
+        def dims_for(v: int) -> tuple[int, ...]:
+            src, shape = self.in_map.get(v, v), g.values[v].shape
+            if g.values[src].shape != shape:
+                return (-1,) * len(shape)
+            hit = dims_of.get(src)
+            if hit is None:
+                hit = dims_of[src] = tuple(self.cidx.get(f, -1) if f is not None else -1
+                                           for f in fg.value_factors(src))
+            return hit
         for v in self.inputs:
             val = g.values[v]
-            src = self.in_map.get(v, v)
-            fs = fg.value_factors(src) if g.values[src].shape == val.shape else (None,) * len(val.shape)
             if val.role in ("parameter", "state"):
-                dims = tuple(self.cidx.get(f, -1) if f is not None else -1 for f in fs)
-                tensors[(val.role, dims, val.shape)] += val.nbytes
+                tensors[(val.role, dims_for(v), val.shape)] += val.nbytes
             else:
+                src = self.in_map.get(v, v)
+                fs = fg.value_factors(src) if g.values[src].shape == val.shape else (None,) * len(val.shape)
                 self.data.append((self._cmask(fs), val.nbytes))
         self.params = [(dims, shape, b) for (role, dims, shape), b in sorted(tensors.items()) if role == "parameter"]
         # ZeRO-3 gathers a parameter once per forward use (XLA keeps the gathered copy for the
@@ -321,11 +336,8 @@ class _Evaluator(MemoryModel):
             val = g.values[v]
             if val.role != "parameter":
                 continue
-            src = self.in_map.get(v, v)
-            fs = fg.value_factors(src) if g.values[src].shape == val.shape else (None,) * len(val.shape)
-            dims = tuple(self.cidx.get(f, -1) if f is not None else -1 for f in fs)
             uses = {g.ops[c].module for c in val.consumers if g.ops[c].phase == "forward"}
-            gathered[(dims, val.shape)] += val.nbytes * max(1, len(uses))
+            gathered[(dims_for(v), val.shape)] += val.nbytes * max(1, len(uses))
         self.gathered = [(dims, shape, b) for (dims, shape), b in sorted(gathered.items())]
         self.state = [(dims, shape, b) for (role, dims, shape), b in sorted(tensors.items()) if role == "state"]
         # activations kept for the backward pass (residuals), per instance weight

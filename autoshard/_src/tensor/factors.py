@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 
-from ..core.graph import Op, OpGraph, nbytes
+from ..core.graph import PHASES, Op, OpGraph, nbytes
 
 ELEMENTWISE = frozenset({
     "add", "sub", "mul", "div", "max", "min", "pow", "integer_pow", "select_n", "tanh", "exp",
@@ -518,12 +518,14 @@ def size_of(shape: Sequence[int]) -> int:
     return int(np.prod(shape, dtype=np.int64)) if shape else 1
 
 
-def corresponding_ops(graph: OpGraph, a: Sequence[int], b: Sequence[int]) -> list[tuple[int, int]]:
+def corresponding_ops(graph: OpGraph, a: Sequence[int], b: Sequence[int],
+                      phases: Sequence[str] = PHASES) -> list[tuple[int, int]]:
     """Pairs of ops of two instances of one block that do the same thing, phase by phase, matched
     on (primitive, shapes) in program order; instances that differ slightly (the first block's
-    backward has no input gradient) still pair up everywhere else."""
+    backward has no input gradient) still pair up everywhere else. `phases`: those phases' pairs only
+    (each phase is matched on its own)."""
     pairs: list[tuple[int, int]] = []
-    for phase in ("forward", "backward", "optimizer", "other"):
+    for phase in phases:
         oa = [i for i in a if graph.ops[i].phase == phase]
         ob = [i for i in b if graph.ops[i].phase == phase]
         sa = tuple((graph.ops[i].primitive, graph.ops[i].in_shapes, graph.ops[i].out_shapes) for i in oa)

@@ -6,27 +6,31 @@ takes the factors of instance k mod p. These maps carry that over to every op an
 
 from __future__ import annotations
 
-from ..core.graph import OpGraph
+from ..core.graph import PHASES, OpGraph
 from ..core.grouping import Grouping
 from .factors import corresponding_ops
 
 
-def instance_maps(graph: OpGraph, grouping: Grouping, periods: tuple[int, ...]) -> dict[int, int]:
+def instance_maps(graph: OpGraph, grouping: Grouping, periods: tuple[int, ...],
+                  phases: tuple[str, ...] = PHASES) -> dict[int, int]:
     """Op index → the corresponding op of its representative instance (instance k of a type
-    with period p takes the factors of instance k mod p). Computed once per grouping: do not modify."""
+    with period p takes the factors of instance k mod p), for the ops of `phases`. Computed once per
+    grouping: do not modify."""
     if graph is not grouping.graph:
-        return _instance_maps(graph, grouping, periods)
-    return grouping.memo(("instance_maps", tuple(periods)), lambda: _instance_maps(graph, grouping, periods))
+        return _instance_maps(graph, grouping, periods, phases)
+    return grouping.memo(("instance_maps", tuple(periods), phases),
+                         lambda: _instance_maps(graph, grouping, periods, phases))
 
 
-def _instance_maps(graph: OpGraph, grouping: Grouping, periods: tuple[int, ...]) -> dict[int, int]:
+def _instance_maps(graph: OpGraph, grouping: Grouping, periods: tuple[int, ...],
+                   phases: tuple[str, ...]) -> dict[int, int]:
     out: dict[int, int] = {}
     for bt, period in zip(grouping.block_types, periods, strict=True):
         for k, inst in enumerate(bt.instances):
             rep = bt.instances[k % period]
             if k < period or inst.ops == rep.ops:
                 continue
-            for a, b in corresponding_ops(graph, rep.ops, inst.ops):
+            for a, b in corresponding_ops(graph, rep.ops, inst.ops, phases):
                 out[b] = a
     return out
 

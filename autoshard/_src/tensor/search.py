@@ -197,20 +197,25 @@ class PlanSpace:
     in_map: dict[int, int]
     notes: list[str]
     fused_update: bool = True
+    window: tuple[tuple[int, ...], tuple[int, ...]] | None = None
     _shared: _Shared = dataclasses.field(default_factory=_Shared, repr=False, compare=False)
 
     @property
     def analysis(self) -> Analysis:
         """The mesh-independent part this space was built from (reusable for other meshes)."""
-        return Analysis(self.weights, self.fg, self.grad_ops, self.periods, self.in_map, self.fused_update)
+        return Analysis(self.weights, self.fg, self.grad_ops, self.periods, self.in_map, self.fused_update,
+                        self.window)
 
     def evaluator(self, hw: HardwareSpec, cost: CostModel, options: SearchOptions, weights: dict[int, float],
                   inputs: Sequence[int] | None = None, accumulate: bool = False) -> _Evaluator:
         """An evaluator of this space's plans over the ops in `weights` (op -> how many times it
         counts) and the bytes of `inputs` (None: every input of the step); `accumulate`: gradients
         accumulate over micro-batches (a pipeline stage's)."""
+        # the fusion of the analysed ops' window is exact for the live analysed ops only
+        window = self.window if self.window is not None and (weights is self.weights or all(
+            self.weights.get(i, 0.0) > 0 for i, w in weights.items() if w > 0)) else None
         ev = _Evaluator(self.graph, self.fg, weights, self.grad_ops, self.candidates, self.mesh, hw, cost,
-                        options, self.in_map, inputs, self.fused_update, self._shared, accumulate)
+                        options, self.in_map, inputs, self.fused_update, self._shared, accumulate, window)
         bwd = ev.phase_work.get("backward", 0.0) + ev.phase_work.get("grad", 0.0)
         ev.bwd_share = bwd / (sum(ev.phase_work.values()) or 1.0)
         ev.budget = math.inf
@@ -228,6 +233,7 @@ class Analysis:
     periods: tuple[int, ...]
     in_map: dict[int, int]
     fused_update: bool               # the step applies the optimizer (gradients die as they are used)
+    window: tuple[tuple[int, ...], tuple[int, ...]] | None = None    # fusion_window's
 
 
 def analysis(graph: OpGraph, grouping: Grouping) -> Analysis:
@@ -243,7 +249,7 @@ def _analysis(graph: OpGraph, grouping: Grouping) -> Analysis:
     fg = analyze(graph, ops, pairs)
     grad_ops = _grad_ops(graph, [i for i, w in weights.items() if w > 0])
     return Analysis(weights, fg, grad_ops, tuple(periods), input_maps(graph, grouping, tuple(periods)),
-                    any(op.phase == "optimizer" for op in graph.ops))
+                    any(op.phase == "optimizer" for op in graph.ops), fusion_window(graph, grouping))
 
 
 def plan_space(graph: OpGraph, grouping: Grouping, mesh: MeshSpec, options: SearchOptions = SearchOptions(),
@@ -255,7 +261,7 @@ def plan_space(graph: OpGraph, grouping: Grouping, mesh: MeshSpec, options: Sear
     cands_t, masks_of = _candidate_factors(graph, a.fg, a.weights, mesh, options, notes)
     plans = _enumerate_plans(a.fg, cands_t, masks_of)
     return PlanSpace(graph, mesh, a.weights, a.fg, a.grad_ops, cands_t, plans, a.periods, a.in_map, notes,
-                     a.fused_update)
+                     a.fused_update, a.window)
 
 
 def _analysed_ops(graph: OpGraph, grouping: Grouping
@@ -304,6 +310,45 @@ def _find_analysed_ops(graph: OpGraph, grouping: Grouping
                 pairs.extend(corresponding_ops(graph, insts[k % period].ops, insts[k].ops))
     # ops XLA deletes as dead code cost nothing (they stay analysed: their dims still link factors)
     return live_weights(graph, weights), ops, pairs, periods
+
+
+WINDOW_SHARE = 0.5       # a window over more of the graph than this: the whole graph is fused
+
+
+def fusion_window(graph: OpGraph, grouping: Grouping) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """(scope, core) for core.fusion.window_fusion: the ops fused (the remainder and the analysed
+    instances, padded by the instances beside them) for those priced (the live analysed ops); None
+    when that is most of the graph (fuse it whole)."""
+    if graph is not grouping.graph:
+        return None
+    return grouping.memo(("fusion_window",), lambda: _fusion_window(graph, grouping))
+
+
+def _fusion_window(graph: OpGraph, grouping: Grouping) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    weights = _analysed_ops(graph, grouping)[0]
+    pads: set[tuple[int, int]] = set()
+    for t, bt in enumerate(grouping.block_types):      # the layers before and after each analysed one
+        for k, inst in enumerate(bt.instances):
+            if inst.ops and inst.ops[0] in weights:
+                pads.update((t, j) for j in range(max(k - 1, 0), min(k + 2, bt.count)))
+    values, ops = graph.values, graph.ops
+    # and the layers an analysed op reads from or feeds (the remainder's first and last layers of
+    # each branch), but not every layer reading one value (a mask, a learning rate: no fusion spans them)
+    block_of = grouping.block_of
+    for i in weights:
+        op = ops[i]
+        pads.update(b for v in op.inputs if (p := values[v].producer) is not None and p not in weights
+                    and (b := block_of(p)))
+        for v in op.outputs:
+            near = {b for c in values[v].consumers if c not in weights and (b := block_of(c))}
+            if len(near) <= 2:
+                pads |= near
+    scope = set(weights)
+    for t, k in pads:
+        scope.update(grouping.block_types[t].instances[k].ops)
+    if len(scope) > WINDOW_SHARE * len(graph.ops) or len(scope) == len(graph.ops):
+        return None
+    return tuple(sorted(scope)), tuple(sorted(i for i, w in weights.items() if w > 0))
 
 
 def _candidate_factors(graph: OpGraph, fg: FactorGraph, weights: dict[int, float], mesh: MeshSpec,
