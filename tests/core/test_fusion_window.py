@@ -34,7 +34,13 @@ def _traced(name, kw):
     return g, group(g)
 
 
-@pytest.mark.parametrize("name,kw,settles", CASES, ids=[f"{c[0]}{'-scan' if len(c[1]) > 1 else ''}" for c in CASES])
+# gpt and t5 (the fallback) in the default run, the rest in the slow step
+FAST = ("gpt", "t5")
+PARAMS = [pytest.param(*c, marks=() if c[0] in FAST and len(c[1]) == 1 else pytest.mark.slow,
+                       id=f"{c[0]}{'-scan' if len(c[1]) > 1 else ''}") for c in CASES]
+
+
+@pytest.mark.parametrize("name,kw,settles", PARAMS)
 def test_window_fusion_matches_the_whole_graph_on_priced_ops(name, kw, settles, monkeypatch):
     monkeypatch.setattr(search, "WINDOW_SHARE", 1.0)      # windows of any size (12 layers: most of the graph)
     g, grouping = _traced(name, kw)
