@@ -17,7 +17,7 @@ from ..core.mesh import MeshSpec, mesh_spec
 from ..pipeline.costs import traced_batch
 from ..tensor.search import SearchOptions, analysis, plan_space, sequence_parallel_analysis
 from .chain_sim import chain_makespan, interleaved_inflight
-from .stage_choice import REMAT, choice_table, compositions
+from .stage_choice import REMAT, cheapest_fitting, compositions
 from .tables import ShapeTables, shape_tables
 from .units import build_units, kinds_per_range
 
@@ -263,8 +263,7 @@ def lower_bound_work(srch: SearchState, tables: ShapeTables, M: int, valid: np.n
         per_kind = np.where(valid[None, None, :], per_mb, np.inf).min(axis=(1, 2))
     else:
         kinds = {**srch.kind_combos[id(tables)], "sync": np.zeros_like(srch.kind_combos[id(tables)]["sync"])}
-        ct = choice_table(kinds, M, budget, srch.joint.remat, valid, 0.0)
-        per_kind = ct.best(np.array([1.0]))[0][0]
+        per_kind = cheapest_fitting(kinds, M, budget, srch.joint.remat, valid, 1.0)
     return float(srch.kind_counts @ per_kind) if np.isfinite(per_kind).all() else math.inf
 
 

@@ -148,9 +148,19 @@ def choice_table(c: dict[str, np.ndarray], microbatches: int, budget: float, rem
     return dataclasses.replace(sub, order=keep[p] * (Z * R) + rest, shape=(P, Z, R))
 
 
+def cheapest_fitting(c: dict[str, np.ndarray], microbatches: int, budget: float, remat: tuple[str, ...],
+                     valid_plans: np.ndarray, inflight: float) -> np.ndarray:
+    """Per composition of `c`, the least value of a choice whose memory allows `inflight` micro-batches
+    in flight (inf where none does): what `choice_table(...).best` gives, without sorting."""
+    keep = np.flatnonzero(valid_plans)
+    if keep.size == 0:
+        return np.full(c["fwd"].shape[0], np.inf)
+    return _table({k: a[:, keep] for k, a in c.items()}, microbatches, budget, remat, 0.0, None, inflight)
+
+
 def _table(c: dict[str, np.ndarray], microbatches: int, budget: float, remat: tuple[str, ...], overlap: float,
-           fits: Callable[[np.ndarray], bool] | None) -> ChoiceTable | None:
-    """`choice_table` over plans that are all valid."""
+           fits: Callable[[np.ndarray], bool] | None, cheapest_at: float | None = None):
+    """`choice_table` over plans that are all valid (`cheapest_at`: `cheapest_fitting`'s answer instead)."""
     phi = 1.0 / microbatches
     # the [U, P, Z] arrays are plan-major, so every [U, P, Z, R] array below is already laid out as
     # the flat [U, X] choices (the search builds ~300 tables: no copies per array)
@@ -176,6 +186,8 @@ def _table(c: dict[str, np.ndarray], microbatches: int, budget: float, remat: tu
     allow[~np.isfinite(value)] = -np.inf
     U, P, Z, R = b.shape
     X = P * Z * R
+    if cheapest_at is not None:
+        return np.where(allow >= cheapest_at, value, np.inf).reshape(U, X).min(axis=1)
     if fits is not None and not fits(allow.reshape(U, X).max(axis=1)):
         return None
     fv = value.reshape(U, X)
