@@ -4,14 +4,17 @@
 The space (Alpa's inter-op pass, with the intra-op choice taken from our own tensor search),
 first over equal submeshes: for every stage count S dividing the device count N (at most the number of units),
 every submesh shape data d x model t with d * t = N / S (t at most a node: tensor parallelism
-stays on the fast links), every micro-batch count M (powers of two dividing the batch; with one
-stage, M > 1 accumulates gradients) and schedule (1F1B, GPipe): the best contiguous split of the
-unit chain (`partition`), each stage with its own best (tensor plan, storage mode, remat policy)
-for its units and in-flight micro-batches (`stage_choice`). Tensor-only plans are the points
-S = 1; pipeline-only plans the points with t = 1. The formula ranks every point; the best few are
-then timed by the event simulator, and the shortest simulated step wins. Deterministic: ties keep
-the earlier point in enumeration order (fewer stages, less tensor parallelism, fewer
-micro-batches, 1F1B). Then stages with unequal submeshes (`unequal_points`: Alpa's stages of 2, 2
+stays on the fast links), every micro-batch count M that splits the batch evenly over the data
+replicas (with one stage, M > 1 accumulates gradients) and schedule (1F1B, GPipe, interleaved 1F1B
+with v stages per rank: S v stages, stage k on rank k % S): the best contiguous split of the
+unit chain (`partition`), each stage with its own best (tensor plan -- sequence parallel or not --,
+storage mode, remat policy) for its units and in-flight micro-batches (`stage_choice`). Tensor-only
+plans are the points S = 1; pipeline-only plans the points with t = 1. The points are visited in
+order of a memory-aware lower bound on their formula and skipped once it cannot reach the best few
+(`_Bounds`), or once fewer micro-batches did not fit (`_MemoryFloor`); the formula ranks the rest,
+the best few are timed by the event simulator, and the shortest simulated step wins.
+Deterministic: ties keep the earlier point in enumeration order (fewer stages, less tensor
+parallelism, fewer micro-batches, 1F1B). Then stages with unequal submeshes (`unequal_points`: Alpa's stages of 2, 2
 and 4 devices) for the best equal points' micro-batch counts and schedules; the pipeline runtime
 runs one pipe x data x model mesh, so the result carries the best point and the best `runnable`
 one (equal submeshes) beside it.
