@@ -35,7 +35,7 @@ from ..tensor.instances import instance_maps
 from ..tensor.search import PlanSpace, SearchOptions, search
 from .pipeline_planner import _modules, _params
 from .plan import ParamReport, Plan, Stage
-from .planner import activation_constraints, build_plan, describe_factors
+from .planner import _CONSTRAINED, activation_constraints, build_plan, describe_factors
 from .specs import Spec
 
 JOINT_OPTION_KEYS = ("remat", "max_microbatches", "max_model", "expert", "equal_submeshes", "virtual_stages")
@@ -261,8 +261,10 @@ def _staged_plan(graph: OpGraph, grouping: Grouping, res: JointResult, best: Joi
     op_map, keys = instance_maps(graph, grouping, first.space.periods), op_keys(graph)
     described: dict[tuple[int, int, bool], list] = {}
     stages, batch = [], traced_batch(graph)
-    # the pipeline runtime differentiates each stage's loss itself: constraints name forward ops only
-    forward = {i for i, op in enumerate(graph.ops) if op.phase == "forward"}
+    # the pipeline runtime traces and differentiates each stage's loss itself: constraints name forward
+    # matmuls / gathers / convolutions only, whose op keys the loss alone shares with the step (the step's
+    # differentiation adds elementwise forward ops, e.g. a norm's derivative, which shift their keys)
+    forward = {i for i, op in enumerate(graph.ops) if op.phase == "forward" and op.primitive in _CONSTRAINED}
     for i, st in enumerate(best.stages):
         tables = res.tables[(st.data, st.model)]
         space, shape = tables.space_of(st.sequence_parallel), (st.data, st.model, st.sequence_parallel)
