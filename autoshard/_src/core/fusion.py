@@ -54,6 +54,11 @@ KERNEL_OPS = frozenset({
 REDUCE_OPS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or",
                         "reduce_xor", "argmax", "argmin"})
 RECOMPUTED_OPS = frozenset({"broadcast_in_dim", "iota"})
+# ops XLA's InstructionFusion never duplicates into several readers (`IsExpensive`); XLA:GPU's priority
+# fusion weighs them by its cost model instead (duplicating them when that saves memory traffic)
+EXPENSIVE_OPS = frozenset({"exp", "exp2", "expm1", "log", "log1p", "tanh", "logistic", "rsqrt", "sqrt", "cbrt",
+                           "pow", "atan2", "div", "rem", "erf", "erfc", "erf_inv", "lgamma", "digamma", "tan",
+                           "asin", "acos", "atan", "sinh", "cosh", "asinh", "acosh", "atanh"})
 GEMM_OPS = frozenset({"dot_general", "conv_general_dilated"})
 EPILOGUE_OPS = frozenset({"add", "convert_element_type"})
 
@@ -240,8 +245,9 @@ class _Fuser:
             if op.primitive == "transpose" and readers and all(ops[r].primitive in GEMM_OPS for r in readers):
                 self.cls[op.index] = "alias"       # a matmul reads its operand in either layout
                 continue
-            if kind == "loop" and not self._cheaper_to_recompute(op, readers):
-                continue
+            if kind == "loop" and (self._epilogue_of(op) is not None or not self._duplicable(op)
+                                   or not self._cheaper_to_recompute(op, readers)):
+                continue              # cuBLAS's rewriter folds an epilogue into its GEMM before fusion runs
             self.inline[op.index] = bool(readers) and all(
                 self.cls[r] in ("loop", "reduce") and self.same_place(ops[r], op) for r in readers)
         return self.inline
@@ -256,17 +262,40 @@ class _Fuser:
         out = self.g.values[op.outputs[0]].nbytes
         return len(readers) * self._input_bytes(op) <= (1 + len(readers)) * out
 
+    def _duplicable(self, op: Op) -> bool:
+        """May fusion copy `op` into several readers? Not an expensive op on XLA:CPU (`EXPENSIVE_OPS`);
+        an integer division is cheap there too."""
+        if self.gpu or op.primitive not in EXPENSIVE_OPS:
+            return True
+        return op.primitive in ("div", "rem") and not any(d.startswith(("float", "bfloat")) for d in op.out_dtypes)
+
     def _input_bytes(self, op: Op) -> float:
-        """Bytes `op` reads, a broadcast counted as what it broadcasts (it is recomputed in place)."""
-        total = 0.0
+        """Bytes recomputing `op` reads: its inputs, a broadcast counted as what it broadcasts (it is
+        recomputed in place), and through producers as cheap to recompute (an elementwise op reading
+        no more than it writes, not a GEMM's epilogue: decided after `op`, as producers come earlier)
+        the values they derive from, each once (a tanh-GELU's terms all read one matmul output)."""
+        return float(sum(self.g.values[v].nbytes for v in self._recompute_sources(op, 4)))
+
+    def _recompute_sources(self, op: Op, depth: int) -> set[int]:
+        out: set[int] = set()
         for v in op.inputs:
-            val = self.g.values[self.source(v)]
+            v = self.source(v)
+            val = self.g.values[v]
             p = val.producer
+            if val.kind == "literal":
+                continue
             if p is not None and self.cls[p] == "recomputed":
-                total += self._input_bytes(self.g.ops[p])
-            elif val.kind != "literal":
-                total += val.nbytes
-        return total
+                out |= self._recompute_sources(self.g.ops[p], depth)
+                continue
+            q = self.g.ops[p] if p is not None else None
+            if q is not None and depth > 0 and self.cls[p] == "loop" and len(q.outputs) == 1 \
+                    and self.same_place(q, op) and self._duplicable(q) and self._epilogue_of(q) is None:
+                inner = self._recompute_sources(q, depth - 1)
+                if sum(self.g.values[w].nbytes for w in inner) <= val.nbytes:
+                    out |= inner
+                    continue
+            out.add(v)
+        return out
 
     # --- grouping ----------------------------------------------------------------------------
     def find(self, i: int) -> int:
@@ -354,15 +383,35 @@ class _Fuser:
         return False
 
     def _epilogue(self, op: Op) -> None:
+        p = self._epilogue_of(op)
+        if p is not None:
+            self.union_into(p, op.index)
+
+    def _epilogue_of(self, op: Op) -> int | None:
+        """The GEMM whose epilogue `op` is (a single-consumer bias add or output convert), if any."""
+        if op.primitive not in EPILOGUE_OPS:
+            return None
         for v in op.inputs:
             p = self.g.values[self.source(v)].producer
             if p is None or self.g.ops[p].primitive not in GEMM_OPS or not self.same_place(self.g.ops[p], op):
                 continue
             if op.primitive == "add" and not self._bias(op, v):
                 continue
-            if self.sole_reader(p) == op.index:
-                self.union_into(p, op.index)
-            return
+            return p if self._only_reader(p, op.index) else None
+        return None
+
+    def _only_reader(self, p: int, c: int) -> bool:
+        """Is `c` the one live op reading `p`'s results (through views)? Asked while readers' kinds
+        are still being settled, so views are followed and nothing is cached."""
+        stack = list(self.g.ops[p].outputs)
+        while stack:
+            v = stack.pop()
+            for r in self.g.values[v].consumers:
+                if self.cls[r] == "alias":
+                    stack.extend(self.g.ops[r].outputs)
+                elif self.cls[r] != "dead" and r != c:
+                    return False
+        return True
 
     def _bias(self, op: Op, gemm_out: int) -> bool:
         """Is `op`'s other operand a vector broadcast over the GEMM's output (cuBLASLt's BIAS epilogue)?"""

@@ -133,11 +133,14 @@ def _grid_point(srch: SearchState, tables, ct, distinct: list[int], ids: list[in
     U, (storage, remat), (send_f, send_b) = len(srch.units), choice, sends
     row, sp = tables.plan(r_idx)
     stages = []
+    ranks = len(ids) // virtual
+    rank_memory = [0.0] * ranks          # a rank holds its v stages (k, k + ranks, ...)
     for s, u in enumerate(ids):
         c = distinct.index(u)
         k = int(np.flatnonzero(ct.order[c] == flat)[0])
         mem = float(ct.static[c, k] + ct.transient[c, k] + qs[s] * ct.held[c, k])
-        if mem > srch.budget / virtual:      # a rank holds its v stages
+        rank_memory[s % ranks] += mem
+        if rank_memory[s % ranks] > srch.budget:
             return None
         i, j = bounds[s], bounds[s + 1]
         f = float(ct.f[c, k] + (send_f[j] if j < U else 0.0))

@@ -26,6 +26,7 @@ from ..core.graph import OpGraph, nbytes
 from ..core.hardware import HardwareSpec
 from ..core.kernels import compute_dtype
 from ..core.mesh import MeshSpec
+from ..core.residuals import saved_values
 from .factors import FactorGraph
 from .kernel_costs import GemmCosts
 from .memory import MemoryModel
@@ -341,12 +342,14 @@ class _Evaluator(MemoryModel):
         self.gathered = [(dims, shape, b) for (dims, shape), b in sorted(gathered.items())]
         self.state = [(dims, shape, b) for (role, dims, shape), b in sorted(tensors.items()) if role == "state"]
         # activations kept for the backward pass (residuals), per instance weight
-        # a value cut at a region boundary is kept in the layout the region's backward reads too (the
-        # all-gathered stream of sequence parallelism, the dispatched tokens; see evaluate)
+        # a value cut at a region boundary and moved by an all-to-all (the dispatched tokens) is kept in
+        # the layout the region's backward reads too (a gathered one is gathered again: memory.py)
         acts: dict[tuple[int, ...], float] = defaultdict(float)
         cut_after = {v: after for v, _, after in fg.cuts}
         cut_copies: dict[tuple, float] = defaultdict(float)
         unsaved, kept = self.fused.unsaved, {v for v, _ in self.fused.kept}     # attention="flash"
+        # what the compiled step keeps: fusion outputs a backward fusion reads (core.residuals)
+        saved = saved_values(g, self.fused, None if self.window is None else frozenset(self.window[1]))
         for i, w in weights.items():
             op = g.ops[i]
             if w <= 0 or op.phase != "forward":
@@ -354,7 +357,7 @@ class _Evaluator(MemoryModel):
             for v, s, d in zip(op.outputs, op.out_shapes, op.out_dtypes, strict=True):
                 if v in unsaved:
                     continue
-                if v in kept or any(g.ops[c].phase == "backward" for c in g.values[v].consumers):
+                if v in kept or saved(v):
                     acts[self._cmask(fg.value_factors(v, len(s)))] += w * nbytes(s, d)
                     if v in cut_after and len(cut_after[v]) == len(s):
                         before = tuple(self.cidx.get(f, -1) if f is not None else -1 for f in fg.value_factors(v))

@@ -65,9 +65,10 @@ class MemoryModel:
                 moved |= bm != am
                 sliced &= (am & ~bm) == 0
             copy = b / self.msize[self._or(plans, tuple(j for j in after if j >= 0))]
-            # a gathered copy replaces the split one (slicing it again is free); an all-to-all's does not
-            own = b / self.msize[self._or(plans, tuple(i for i in before if i >= 0))]
-            out["activations"] += np.where(moved, copy - np.where(sliced, own, 0.0), 0.0)
+            # a gathered copy is not kept: XLA's SPMD partitioner gathers a dot's operand where each dot
+            # reads it, so the backward re-gathers the kept shard (a 1-layer Megatron-SP GPT compiles 3
+            # forward and 3 backward stream all-gathers); an all-to-all's result is kept beside it
+            out["activations"] += np.where(moved & ~sliced, copy, 0.0)
         out["grads_before"], out["grads_kept"] = grads_before, grads_kept
         out["grads_reduced"] = self._reduced_gradient_bytes(plans)
         out["grads_scattered"] = out["grads_reduced"] * kept_share(grads_before, grads_kept)
