@@ -56,12 +56,13 @@ def _choices(units, t, microbatches=1):
 
 
 def test_freed_bytes_follow_from_the_shapes(gpt):
-    """The backward of XLA's softmax attention reads the causal mask broadcast to the grid (bool), the
-    exponentials and the probabilities (f32 grids), and two [B, H, S, 1] row values (1 / sum, and
-    1 / sum^2); selective recompute frees exactly those, per block."""
+    """Once XLA has fused the step, the backward of softmax attention keeps the scores and the
+    probabilities (f32 grids: the masking and the exponentials are recomputed from the scores inside
+    the backward's fusions) and two [B, H, S] row values (the max and the sum); selective recompute
+    frees exactly those, per block."""
     g, units, t = gpt
     grid = B * HEADS * S * S
-    per_block = grid * (1 + F32 + F32) + 2 * B * HEADS * S * F32
+    per_block = grid * (F32 + F32) + 2 * B * HEADS * S * F32
     np.testing.assert_allclose(t.values["acts_attn"][:, 0, 0], per_block)
     assert len(attention_cores(g)) == LAYERS
     # the recomputed ops are the scores matmul through the softmax, never the values matmul
