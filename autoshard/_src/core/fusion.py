@@ -260,14 +260,32 @@ class _Fuser:
         if len(op.outputs) != 1:
             return False
         out = self.g.values[op.outputs[0]].nbytes
+        if not self.gpu:
+            return self._operand_bytes(op) <= out
         return len(readers) * self._input_bytes(op) <= (1 + len(readers)) * out
+
+    def _operand_bytes(self, op: Op) -> float:
+        """XLA:CPU's test (InstructionFusion): copying a producer into several readers cannot add memory
+        traffic when its HLO operands (a broadcast at its full size) are no larger than its result; a
+        larger one (a row's `x - mean`) is written once (the exception, fusing it along every path,
+        is not modelled: a reduction or matmul on one path forbids it, and the estimate errs high)."""
+        total = 0.0
+        for v in op.inputs:
+            val = self.g.values[self.source(v)]
+            if val.kind != "literal":
+                total += val.nbytes
+        return total
 
     def _duplicable(self, op: Op) -> bool:
         """May fusion copy `op` into several readers? Not an expensive op on XLA:CPU (`EXPENSIVE_OPS`);
-        an integer division is cheap there too."""
+        an integer division is cheap there, and so is one by a constant (XLA's algebraic simplifier
+        makes it a multiplication first: a mean's `sum / n`)."""
         if self.gpu or op.primitive not in EXPENSIVE_OPS:
             return True
-        return op.primitive in ("div", "rem") and not any(d.startswith(("float", "bfloat")) for d in op.out_dtypes)
+        if op.primitive not in ("div", "rem"):
+            return False
+        by_constant = op.primitive == "div" and self.g.values[op.inputs[-1]].kind == "literal"
+        return by_constant or not any(d.startswith(("float", "bfloat")) for d in op.out_dtypes)
 
     def _input_bytes(self, op: Op) -> float:
         """Bytes recomputing `op` reads: its inputs, a broadcast counted as what it broadcasts (it is

@@ -10,6 +10,7 @@ array          what (per device, at the traced batch)              scales with
 fwd, bwd       forward / backward compute + tensor-parallel comm   micro-batch size
 fwd_dots       forward matmul compute                              micro-batch size
 fwd_attn       forward attention scores + softmax compute          micro-batch size
+               (+ the sequence-parallel stream's re-gathers)
 const          weight-only forward+backward ops (transposes)       per micro-batch
 gather         ZeRO-3 parameter all-gathers                        per micro-batch
 sync           gradient all-reduce over the stage's data axes      per step
@@ -18,7 +19,8 @@ static         parameters + gradients + optimizer state (+ ZeRO-3  held
                gathered copies, saved weight-only values)
 acts           forward values the backward reads                   size x micro-batches in flight
 acts_dots      the matmul outputs among them                       (remat 'dots' keeps only these)
-acts_attn      the attention scores / probabilities among them     (remat 'selective' drops these)
+acts_attn      the attention scores / probabilities among them     (remat 'selective' drops these,
+               and the all-gathered sequence-parallel stream:      re-gathered by the backward)
 data           the batch inputs the unit reads                     size x in flight
 =============  =================================================  ======================
 
@@ -187,6 +189,9 @@ def _priced(space: PlanSpace, units: Units, hw: HardwareSpec, cost: CostModel, o
                 # the rerun forward re-issues its forward collectives (none inside a heads-parallel region)
                 vals["fwd_attn"][k, z] = attn["compute"] + attn["fwd_comm"]
                 vals["acts_attn"][k, z] = attn["activations"]
+            # selective remat saves a sequence-parallel stream split: its backward gathers it again
+            vals["fwd_attn"][k, z] += fwd["regather_comm"]
+            vals["acts_attn"][k, z] += fwd["regathered"]
             vals["bwd"][k, z] = bwd["compute"] + bwd["fwd_comm"] + bwd["bwd_comm"]
             vals["const"][k, z] = const["compute"] + const["fwd_comm"] + const["bwd_comm"] + const["grad_sync"]
             vals["sync"][k, z] = bwd["grad_sync"]

@@ -342,8 +342,8 @@ class _Evaluator(MemoryModel):
         self.gathered = [(dims, shape, b) for (dims, shape), b in sorted(gathered.items())]
         self.state = [(dims, shape, b) for (role, dims, shape), b in sorted(tensors.items()) if role == "state"]
         # activations kept for the backward pass (residuals), per instance weight
-        # a value cut at a region boundary and moved by an all-to-all (the dispatched tokens) is kept in
-        # the layout the region's backward reads too (a gathered one is gathered again: memory.py)
+        # a value cut at a region boundary is kept in the layout the region's backward reads too (the
+        # all-gathered stream of sequence parallelism, the dispatched tokens; see memory.py)
         acts: dict[tuple[int, ...], float] = defaultdict(float)
         cut_after = {v: after for v, _, after in fg.cuts}
         cut_copies: dict[tuple, float] = defaultdict(float)
@@ -406,7 +406,7 @@ class _Evaluator(MemoryModel):
         C = plans.shape[0]
         out = {k: np.zeros(C) for k in ("compute", "fwd_comm", "bwd_comm", "opt_comm", "grad_sync",
                                          "storage_comm", "params", "grads", "optimizer",
-                                         "activations", "data", "cpu_temp_extra")}
+                                         "activations", "data", "cpu_temp_extra", "regathered", "regather_comm")}
         for (loop, red, kind), work, ar_bytes, count in self.groups:
             s_mask = self._or(plans, loop)
             n = self.msize[s_mask]

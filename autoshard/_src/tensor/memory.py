@@ -64,11 +64,17 @@ class MemoryModel:
                 bm, am = (plans[:, i] if i >= 0 else 0), (plans[:, j] if j >= 0 else 0)
                 moved |= bm != am
                 sliced &= (am & ~bm) == 0
-            copy = b / self.msize[self._or(plans, tuple(j for j in after if j >= 0))]
-            # a gathered copy is not kept: XLA's SPMD partitioner gathers a dot's operand where each dot
-            # reads it, so the backward re-gathers the kept shard (a 1-layer Megatron-SP GPT compiles 3
-            # forward and 3 backward stream all-gathers); an all-to-all's result is kept beside it
-            out["activations"] += np.where(moved & ~sliced, copy, 0.0)
+            after_mask = self._or(plans, tuple(j for j in after if j >= 0))
+            before_mask = self._or(plans, tuple(i for i in before if i >= 0))
+            copy = b / self.msize[after_mask]
+            # a gathered copy replaces the split one (slicing it again is free); an all-to-all's does not.
+            # XLA keeps a gathered copy for the backward's matmul (XLA:CPU's buffers show it), unless
+            # remat saves the split value alone: its backward then gathers again (Megatron's SP)
+            own = b / self.msize[before_mask]
+            gathered = moved & sliced
+            out["activations"] += np.where(moved, copy - np.where(sliced, own, 0.0), 0.0)
+            out["regathered"] += np.where(gathered, copy - own, 0.0)
+            out["regather_comm"] += np.where(gathered, self._coll("all-gather", copy, before_mask & ~after_mask), 0.0)
         out["grads_before"], out["grads_kept"] = grads_before, grads_kept
         out["grads_reduced"] = self._reduced_gradient_bytes(plans)
         out["grads_scattered"] = out["grads_reduced"] * kept_share(grads_before, grads_kept)
