@@ -22,6 +22,7 @@ from ..tensor.search import (
     SearchOptions,
     SearchResult,
     analysis,
+    evaluate_assignment,
     search,
     sequence_parallel_analysis,
     with_sequence_parallel,
@@ -104,11 +105,7 @@ def compare_experts(graph: OpGraph, grouping: Grouping, mesh: MeshSpec, res: Sea
             continue
         fa, storage = a
         priced = sp if name == "megatron-sp" and sp is not None else res
-        outside = [f for f in fa if f not in priced.candidates]
-        if outside:
-            out[name] = {"reason": f"splits dims the search does not consider ({len(outside)} factors)"}
-            continue
-        c = priced.evaluate(fa, storage)
+        c, _ = evaluate_assignment(priced, fa, storage)      # as autoshard.expert_plan prices it
         out[name] = {"step_time": c.step_time, "memory": c.memory["total"], "feasible": c.feasible,
                      "breakdown": dict(c.breakdown)}
     return out
@@ -131,11 +128,10 @@ def expert_tensor_plan(name: str, graph: OpGraph, *, mesh: Any, hw: HardwareSpec
         raise PlanError(f"autoshard.expert_plan: the {name} plan does not apply on mesh {m}: {a}. "
                         "Fix: choose a mesh whose axis sizes divide the split dimensions.")
     fa, storage = a
-    choice = res.evaluate(fa, storage)
-    expert_res = dataclasses.replace(res, best=choice)
-    expert_res._evaluator = res._evaluator
-    return build_plan(graph, grouping, m, hw, expert_res, options, time.perf_counter() - t0, expert=name,
-                      extra_factor_axes={f: ax for f, ax in fa.items() if f not in res.candidates})
+    choice, ev = evaluate_assignment(res, fa, storage)      # every dim it splits priced, as emitted
+    expert_res = dataclasses.replace(res, best=choice, candidates=ev.cands)
+    expert_res._evaluator = ev
+    return build_plan(graph, grouping, m, hw, expert_res, options, time.perf_counter() - t0, expert=name)
 
 
 def _prefer(a: SearchResult, b: SearchResult) -> bool:
@@ -286,9 +282,9 @@ def reshard_steps(spec: list[tuple[str, ...]], target: list[tuple[str, ...]]) ->
 
 def build_plan(graph: OpGraph, grouping: Grouping, mesh: MeshSpec, hw: HardwareSpec,
                res: SearchResult, options: SearchOptions, seconds: float, experts: dict | None = None,
-               expert: str | None = None, extra_factor_axes: dict | None = None) -> Plan:
+               expert: str | None = None) -> Plan:
     fg = res.factors
-    axes_of = {**(extra_factor_axes or {}), **res.best.factor_axes}
+    axes_of = dict(res.best.factor_axes)
     storage = res.best.storage
     in_map = input_maps(graph, grouping, res.periods)
     specs: list[Spec] = []

@@ -127,6 +127,20 @@ def _search_space(space: PlanSpace, hw: HardwareSpec, cost: CostModel, options: 
 _UNSET = object()
 
 
+def evaluate_assignment(result: SearchResult, factor_axes: dict[int, tuple[str, ...]], storage: str):
+    """(choice, evaluator) of an assignment that may split factors outside `result`'s candidates (an
+    expert plan's): those join the candidates of a wider evaluator, so the price is that of the layout
+    the plan runs, and the plan's verdict and `autoshard.expert_plan` agree."""
+    outside = sorted(f for f in factor_axes if f not in result.candidates)
+    if not outside:
+        return result.evaluate(factor_axes, storage), result._evaluator
+    graph, space, hw, cost, options = result._context
+    wider = dataclasses.replace(space, candidates=tuple(sorted({*space.candidates, *outside})))
+    ev = wider.evaluator(hw, cost, options, space.weights)
+    ev.budget = result.budget
+    return ev.evaluate_one(factor_axes, storage), ev
+
+
 def with_sequence_parallel(result: SearchResult, grouping: Grouping) -> SearchResult | None:
     """`result`'s space with the residual stream cut from the tensor-parallel regions, for pricing
     given plans (the Megatron-SP expert) without enumerating it; None when it has no such regions."""
