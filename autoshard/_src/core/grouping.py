@@ -220,9 +220,11 @@ class _ModuleTree:
     def __init__(self, graph: OpGraph, tolerance: float) -> None:
         self.ops = graph.ops
         # ops by module, then the module tree (few distinct modules, so this is cheap)
-        self.by_module: dict[_Node, list[int]] = defaultdict(list)
+        by_name: dict[str, list[int]] = defaultdict(list)   # split each module name once, not per op
         for op in self.ops:
-            self.by_module[tuple(op.module.split("/")) if op.module else ()].append(op.index)
+            by_name[op.module].append(op.index)
+        self.by_module: dict[_Node, list[int]] = {tuple(m.split("/")) if m else (): idxs
+                                                  for m, idxs in by_name.items()}
         self.node_modules: dict[_Node, list[_Node]] = defaultdict(list)
         for mod in self.by_module:
             for d in range(1, len(mod) + 1):
@@ -282,10 +284,10 @@ def _forward_compositions(graph: OpGraph, by_module: dict[_Node, list[int]]
     ops, values = graph.ops, graph.values
     outputs = set(graph.outputs)
     feeds_forward = [False] * len(ops)       # reaches a step output through forward ops only
-    for op in reversed(ops):
+    for op in reversed(ops):                 # feeds_forward is only set on forward ops
         if op.phase == "forward":
-            feeds_forward[op.index] = any(v in outputs or any(ops[c].phase == "forward" and feeds_forward[c]
-                                                              for c in values[v].consumers) for v in op.outputs)
+            feeds_forward[op.index] = any(v in outputs or any(feeds_forward[c] for c in values[v].consumers)
+                                          for v in op.outputs)
 
     forward = sum(op.phase == "forward" for op in ops)
     if sum(feeds_forward) * 2 < forward:   # the step returns no loss: nothing to tell residuals by
@@ -333,7 +335,7 @@ def _loop_bodies(tree: _ModuleTree, tolerance: float) -> dict[_Node, int]:
     for mod, idxs in tree.by_module.items():
         for i in idxs:
             op = tree.ops[i]
-            if op.phase != "forward":
+            if not op.loops or op.phase != "forward":
                 continue
             for loop in op.loops:
                 if loop.trip_count and loop.trip_count >= 2:

@@ -210,8 +210,9 @@ def activation_constraints(graph: OpGraph, op_map: dict[int, int], fg: Any, axes
     phases = constrained_phases(graph, fg, axes_of)     # an op maps to one of its own phase
     todo = [op for op in todo if op.phase in phases and (cut_after or pinned or op.primitive in _CONSTRAINED)]
     keys = keys if keys is not None else op_keys_of(graph, (op.index for op in todo))
+    outputs = frozenset(graph.outputs)      # a list of every gradient: membership once per op is O(n^2)
     for op in todo:
-        if op.nested and not (cut_after and _escapes(graph, op)):
+        if op.nested and not (cut_after and _escapes(graph, op, outputs)):
             continue
         src = op_map.get(op.index, op.index)
         if src not in fg.op_factors or not graph.ops[src].outputs:
@@ -235,13 +236,13 @@ def activation_constraints(graph: OpGraph, op_map: dict[int, int], fg: Any, axes
     return out
 
 
-def _escapes(graph: OpGraph, op) -> bool:
+def _escapes(graph: OpGraph, op, outputs: frozenset[int]) -> bool:
     """Does a nested op's output leave its enclosing call (`jnp.take`'s `jit(_take)` gather)? Emission
-    constrains the call's output of that shape."""
+    constrains the call's output of that shape. `outputs`: the step's output values."""
     if not op.nested or not op.outputs:
         return False
     v = op.outputs[0]
-    return v in graph.outputs or any(graph.ops[c].top_eqn != op.top_eqn for c in graph.values[v].consumers)
+    return v in outputs or any(graph.ops[c].top_eqn != op.top_eqn for c in graph.values[v].consumers)
 
 
 def _pinned(graph: OpGraph, fg: Any) -> set[int]:
