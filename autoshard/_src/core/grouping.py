@@ -286,8 +286,10 @@ def _forward_compositions(graph: OpGraph, by_module: dict[_Node, list[int]]
     feeds_forward = [False] * len(ops)       # reaches a step output through forward ops only
     for op in reversed(ops):                 # feeds_forward is only set on forward ops
         if op.phase == "forward":
-            feeds_forward[op.index] = any(v in outputs or any(feeds_forward[c] for c in values[v].consumers)
-                                          for v in op.outputs)
+            for v in op.outputs:             # loops, not nested generators: this visits every forward op
+                if v in outputs or any(map(feeds_forward.__getitem__, values[v].consumers)):
+                    feeds_forward[op.index] = True
+                    break
 
     forward = sum(op.phase == "forward" for op in ops)
     if sum(feeds_forward) * 2 < forward:   # the step returns no loss: nothing to tell residuals by

@@ -406,8 +406,9 @@ def _whole_mesh_stage(graph: OpGraph, mesh: MeshSpec, choice: PlanChoice, batch_
     total = sum(flops.values()) or 1.0
     bd = choice.breakdown
     forward = bd["compute"] * flops["forward"] / total + bd["fwd_comm"]
-    modules = tuple(dict.fromkeys("/".join(op.module.split("/")[:2]) for op in graph.ops
-                                  if op.phase == "forward" and op.module))
+    # each module name split once (first appearances keep program order)
+    modules = tuple(dict.fromkeys("/".join(m.split("/")[:2]) for m in dict.fromkeys(
+        op.module for op in graph.ops if op.phase == "forward" and op.module)))
     return Stage(index=0, mesh=tuple(mesh.axes), replicas=replicas,
                  microbatch_size=max(1, traced_batch(graph) // replicas), predicted_forward=forward,
                  predicted_backward=max(choice.step_time - forward, 0.0), memory=choice.memory["total"],

@@ -112,8 +112,9 @@ class FactorGraph:
     def value_factors(self, value: int, rank: int | None = None) -> tuple:
         shape = self.graph.values[value].shape
         rank = len(shape) if rank is None else rank
-        return tuple(self.factor_of.get(_key(value, d, rank)) if shape[len(shape) - rank + d] != 1
-                     else None for d in range(rank))
+        lead, get = len(shape) - rank, self.factor_of.get
+        # _key inlined: called for every input and op operand
+        return tuple([get((value, d - rank)) if shape[lead + d] != 1 else None for d in range(rank)])
 
     def divides(self, factor: int, n: int) -> bool:
         return all(s % n == 0 for s in self.factor_sizes.get(factor, ()))
