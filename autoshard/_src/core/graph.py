@@ -142,8 +142,8 @@ class OpGraph:
 
     def flops_by_phase(self) -> dict[str, float]:
         out = dict.fromkeys(PHASES, 0.0)
-        for op in self.ops:
-            out[op.phase] += op.flops * op.repeat
+        for op in self.ops:       # `repeat` is 1 outside loops: skip the property (most ops)
+            out[op.phase] += op.flops * op.repeat if op.loops else op.flops
         return out
 
     def ops_by_phase(self) -> dict[str, int]:

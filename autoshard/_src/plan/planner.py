@@ -209,7 +209,6 @@ def activation_constraints(graph: OpGraph, op_map: dict[int, int], fg: Any, axes
     todo = graph.ops if ops is None else [graph.ops[i] for i in sorted(ops)]
     phases = constrained_phases(graph, fg, axes_of)     # an op maps to one of its own phase
     todo = [op for op in todo if op.phase in phases and (cut_after or pinned or op.primitive in _CONSTRAINED)]
-    keys = keys if keys is not None else op_keys_of(graph, (op.index for op in todo))
     outputs = frozenset(graph.outputs)      # a list of every gradient: membership once per op is O(n^2)
     for op in todo:
         if op.nested and not (cut_after and _escapes(graph, op, outputs)):
@@ -230,10 +229,12 @@ def activation_constraints(graph: OpGraph, op_map: dict[int, int], fg: Any, axes
             {a for f in fg.op_factors[src].reduced for a in axes_of.get(f, ())} & \
             {a for f in after if f is not None for a in axes_of.get(f, ())}
         if (any(spec) or pin) and not scattered:
-            out.append((keys[op.index], tuple(tuple(a) for a in spec)))
+            out.append((op.index, tuple(tuple(a) for a in spec)))
         if after is not None:     # a region boundary: then the layout its consumers read (all-to-alls)
-            out.extend((keys[op.index], step) for step in reshard_steps(spec, _spec_for(after, axes_of)))
-    return out
+            out.extend((op.index, step) for step in reshard_steps(spec, _spec_for(after, axes_of)))
+    # keys of the ops constrained only (an op's key does not depend on which others are asked)
+    keys = keys if keys is not None else op_keys_of(graph, (i for i, _ in out))
+    return [(keys[i], spec) for i, spec in out]
 
 
 def _escapes(graph: OpGraph, op, outputs: frozenset[int]) -> bool:
