@@ -92,10 +92,11 @@ class Grouping:
         cache = self.__dict__.get("_op_block_cache")
         if cache is None:
             cache = {}
-            for t, bt in enumerate(self.block_types):
-                for i, inst in enumerate(bt.instances):
-                    for o in inst.ops:
-                        cache.setdefault(o, (t, i))
+            # the first instance holding an op wins (a scanned block's instances share their ops):
+            # filled last instance first, each overwriting, in C rather than per op
+            for t, bt in reversed(list(enumerate(self.block_types))):
+                for i, inst in reversed(list(enumerate(bt.instances))):
+                    cache.update(dict.fromkeys(inst.ops, (t, i)))
             object.__setattr__(self, "_op_block_cache", cache)
         return cache
 

@@ -300,23 +300,19 @@ def build_plan(graph: OpGraph, grouping: Grouping, mesh: MeshSpec, hw: HardwareS
                   for f in fg.value_factors(v) if f is not None for a in axes_of.get(f, ())}
     # a weight's gradient sums what the batch and a split sequence (the stream's weights) spread
     grad_axes = batch_axes | {a for f in getattr(fg, "sequence", ()) for a in axes_of.get(f, ())}
+    # an input's layout follows from its representative's, its shape and role: the layers share them
+    layouts: dict[tuple, tuple[Spec, int, str]] = {}
     for v in graph.inputs:
         val = graph.values[v]
         src = in_map.get(v, v)
-        spec = _spec_for(fg.value_factors(src), axes_of) if len(graph.values[src].shape) == len(val.shape) \
-            else [()] * len(val.shape)
-        own = {a for axes in spec for a in axes}      # the axes its logical dims are split over
-        if (val.role == "parameter" and storage == "zero3") or (val.role == "state" and storage != "replicated"):
-            spec = add_storage_axes(spec, val.shape, mesh)
-        spec_t: Spec = tuple(tuple(a) for a in spec)
+        key = (src, val.shape, val.role)
+        hit = layouts.get(key)
+        if hit is None:
+            hit = layouts[key] = _input_layout(graph, fg, src, val, axes_of, storage, mesh, grad_axes)
+        spec_t, shards, sync = hit
         specs.append(spec_t)
         if val.role == "parameter":
-            shards = 1
-            for axes in spec_t:
-                for a in axes:
-                    shards *= mesh.axis_size(a)
-            reports.append(ParamReport(val.keypath or "", val.shape, val.dtype, spec_t, val.nbytes // shards,
-                                       _gradient_sync(own, grad_axes, storage, val.shape, spec, mesh)))
+            reports.append(ParamReport(val.keypath or "", val.shape, val.dtype, spec_t, val.nbytes // shards, sync))
     by_kp = dict(zip((graph.values[v].keypath for v in graph.inputs), zip(specs, graph.inputs, strict=True),
                      strict=True))
     out_specs: list[Spec] = []
@@ -358,6 +354,24 @@ def build_plan(graph: OpGraph, grouping: Grouping, mesh: MeshSpec, hw: HardwareS
         input_specs_flat=tuple(specs), output_keypaths=tuple(graph.output_keypaths),
         output_specs_flat=tuple(out_specs), stages=(stage,), predicted=predicted, params=tuple(reports),
         warnings=warnings, provenance=provenance)
+
+
+def _input_layout(graph: OpGraph, fg: Any, src: int, val: Any, axes_of: dict, storage: str, mesh: MeshSpec,
+                  grad_axes: set[str]) -> tuple[Spec, int, str]:
+    """(spec, shards, gradient sync) of an input whose representative is `src`."""
+    spec = _spec_for(fg.value_factors(src), axes_of) if len(graph.values[src].shape) == len(val.shape) \
+        else [()] * len(val.shape)
+    own = {a for axes in spec for a in axes}      # the axes its logical dims are split over
+    if (val.role == "parameter" and storage == "zero3") or (val.role == "state" and storage != "replicated"):
+        spec = add_storage_axes(spec, val.shape, mesh)
+    spec_t: Spec = tuple(tuple(a) for a in spec)
+    if val.role != "parameter":
+        return spec_t, 1, ""
+    shards = 1
+    for axes in spec_t:
+        for a in axes:
+            shards *= mesh.axis_size(a)
+    return spec_t, shards, _gradient_sync(own, grad_axes, storage, val.shape, spec, mesh)
 
 
 def _gradient_sync(own: set[str], grad_axes: set[str], storage: str, shape: tuple[int, ...], spec: list,
