@@ -142,8 +142,8 @@ class OpGraph:
 
     def flops_by_phase(self) -> dict[str, float]:
         out = dict.fromkeys(PHASES, 0.0)
-        for op in self.ops:
-            out[op.phase] += op.flops * op.repeat
+        for op in self.ops:       # `repeat` is 1 outside loops: skip the property (most ops)
+            out[op.phase] += op.flops * op.repeat if op.loops else op.flops
         return out
 
     def ops_by_phase(self) -> dict[str, int]:
@@ -243,12 +243,14 @@ def fingerprint(graph: OpGraph) -> str:
         h.update(f"{kp}:{val.shape}:{val.dtype};".encode())
     h.update(b"|")
     typed: dict[tuple, str] = {}      # layers repeat a few signatures: each is formatted once
+    parts = []
     for op in graph.ops:
         key = (op.in_shapes, op.in_dtypes, op.out_shapes, op.out_dtypes)   # tuples (Op's contract)
         sig = typed.get(key)
         if sig is None:
             sig = typed[key] = f"{op.in_shapes}{op.in_dtypes}{op.out_shapes}{op.out_dtypes}"
-        h.update(f"{op.module}/{op.primitive}{sig};".encode())
+        parts.append(f"{op.module}/{op.primitive}{sig};")
+    h.update("".join(parts).encode())    # one update: SHA-1 streams, so the digest is that of the pieces
     return h.hexdigest()[:16]
 
 
@@ -265,7 +267,8 @@ def op_keys_of(graph: OpGraph, ops: Iterable[int]) -> dict[int, str]:
     want = {(graph.ops[i].module or "<root>", graph.ops[i].primitive) for i in mine}
     seen: dict[tuple[str, str], int] = {}
     out: dict[int, str] = {}
-    for op in graph.ops:
+    # a key counts the ops before it only: stop at the last one asked for (often a forward op)
+    for op in graph.ops[:max(mine, default=-1) + 1]:
         key = (op.module or "<root>", op.primitive)
         if key in want:
             k = seen[key] = seen.get(key, -1) + 1

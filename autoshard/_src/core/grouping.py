@@ -92,10 +92,11 @@ class Grouping:
         cache = self.__dict__.get("_op_block_cache")
         if cache is None:
             cache = {}
-            for t, bt in enumerate(self.block_types):
-                for i, inst in enumerate(bt.instances):
-                    for o in inst.ops:
-                        cache.setdefault(o, (t, i))
+            # the first instance holding an op wins (a scanned block's instances share their ops):
+            # filled last instance first, each overwriting, in C rather than per op
+            for t, bt in reversed(list(enumerate(self.block_types))):
+                for i, inst in reversed(list(enumerate(bt.instances))):
+                    cache.update(dict.fromkeys(inst.ops, (t, i)))
             object.__setattr__(self, "_op_block_cache", cache)
         return cache
 
@@ -220,9 +221,11 @@ class _ModuleTree:
     def __init__(self, graph: OpGraph, tolerance: float) -> None:
         self.ops = graph.ops
         # ops by module, then the module tree (few distinct modules, so this is cheap)
-        self.by_module: dict[_Node, list[int]] = defaultdict(list)
+        by_name: dict[str, list[int]] = defaultdict(list)   # split each module name once, not per op
         for op in self.ops:
-            self.by_module[tuple(op.module.split("/")) if op.module else ()].append(op.index)
+            by_name[op.module].append(op.index)
+        self.by_module: dict[_Node, list[int]] = {tuple(m.split("/")) if m else (): idxs
+                                                  for m, idxs in by_name.items()}
         self.node_modules: dict[_Node, list[_Node]] = defaultdict(list)
         for mod in self.by_module:
             for d in range(1, len(mod) + 1):
@@ -281,29 +284,29 @@ def _forward_compositions(graph: OpGraph, by_module: dict[_Node, list[int]]
     are what legitimately differs between the first instance and the others."""
     ops, values = graph.ops, graph.values
     outputs = set(graph.outputs)
+    # plain loops and lists, not nested generators: this visits every op of a deep step
+    fwd = [op.phase == "forward" for op in ops]
     feeds_forward = [False] * len(ops)       # reaches a step output through forward ops only
-    for op in reversed(ops):
-        if op.phase == "forward":
-            feeds_forward[op.index] = any(v in outputs or any(ops[c].phase == "forward" and feeds_forward[c]
-                                                              for c in values[v].consumers) for v in op.outputs)
-
-    forward = sum(op.phase == "forward" for op in ops)
-    if sum(feeds_forward) * 2 < forward:   # the step returns no loss: nothing to tell residuals by
+    for op in reversed(ops):                 # feeds_forward is only set on forward ops
+        if fwd[op.index]:
+            for v in op.outputs:
+                if v in outputs or any(map(feeds_forward.__getitem__, values[v].consumers)):
+                    feeds_forward[op.index] = True
+                    break
+    if sum(feeds_forward) * 2 < sum(fwd):   # the step returns no loss: nothing to tell residuals by
         feeds_forward = [True] * len(ops)
-
-    def computes_forward(op) -> bool:
-        return feeds_forward[op.index]
+    counted = [f and c for f, c in zip(fwd, feeds_forward, strict=True)]
 
     key_ids: dict[tuple, int] = {}
     fwd_key: dict[_Node, Counter] = {}
     for mod, idxs in by_module.items():
-        c: Counter = Counter()
+        c: dict[int, int] = {}               # a dict, then a Counter: same items in the same order
         for i in idxs:
-            op = ops[i]
-            if op.phase == "forward" and computes_forward(op):
-                k = (op.primitive, op.in_shapes, op.out_shapes)
-                c[key_ids.setdefault(k, len(key_ids))] += 1
-        fwd_key[mod] = c
+            if counted[i]:
+                op = ops[i]
+                k = key_ids.setdefault((op.primitive, op.in_shapes, op.out_shapes), len(key_ids))
+                c[k] = c.get(k, 0) + 1
+        fwd_key[mod] = Counter(c)
     return fwd_key, list(key_ids)  # id -> (primitive, in_shapes, out_shapes)
 
 
@@ -330,16 +333,16 @@ def _loop_bodies(tree: _ModuleTree, tolerance: float) -> dict[_Node, int]:
     loop_mods: dict[int, set[_Node]] = defaultdict(set)
     loop_trip: dict[int, int] = {}
     loop_ops: Counter = Counter()
-    for mod, idxs in tree.by_module.items():
-        for i in idxs:
-            op = tree.ops[i]
-            if op.phase != "forward":
-                continue
-            for loop in op.loops:
-                if loop.trip_count and loop.trip_count >= 2:
-                    loop_mods[loop.uid].add(mod)
-                    loop_trip[loop.uid] = loop.trip_count
-                    loop_ops[loop.uid] += 1
+    mods: dict[str, _Node] = {}      # most steps have no loops: one quick filter over the ops
+    for op in [op for op in tree.ops if op.loops and op.phase == "forward"]:
+        mod = mods.get(op.module)
+        if mod is None:
+            mod = mods[op.module] = tuple(op.module.split("/")) if op.module else ()
+        for loop in op.loops:        # the order is immaterial: sets, counts, then sorted by uid
+            if loop.trip_count and loop.trip_count >= 2:
+                loop_mods[loop.uid].add(mod)
+                loop_trip[loop.uid] = loop.trip_count
+                loop_ops[loop.uid] += 1
     trip_of: dict[_Node, int] = {}
     best_loop: dict[_Node, int] = {}
     for uid in sorted(loop_mods):

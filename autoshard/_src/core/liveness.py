@@ -95,7 +95,7 @@ class _LiveWalk:
     def root(self, i: int) -> bool:
         op = self.g.ops[i]
         return (not op.outputs or bool(op.params.get("effectful")) or op.primitive in EFFECTFUL
-                or any(v in self.outputs for v in op.outputs))
+                or not self.outputs.isdisjoint(op.outputs))
 
     def readers(self, i: int) -> list[int]:
         values = self.g.values
@@ -105,6 +105,9 @@ class _LiveWalk:
         known = self.known
         if i in known:
             return known[i]
+        if self.root(i):          # most asked of a deep step: its other layers' updates, read no further
+            known[i] = True
+            return True
         # depth first: `path` holds the walk from `i`, each with its readers left to try
         path: list[tuple[int, list[int]]] = [(i, self.readers(i))]
         seen = {i}

@@ -205,9 +205,9 @@ def activation_constraints(graph: OpGraph, op_map: dict[int, int], fg: Any, axes
     todo = graph.ops if ops is None else [graph.ops[i] for i in sorted(ops)]
     phases = constrained_phases(graph, fg, axes_of)     # an op maps to one of its own phase
     todo = [op for op in todo if op.phase in phases and (cut_after or pinned or op.primitive in _CONSTRAINED)]
-    keys = keys if keys is not None else op_keys_of(graph, (op.index for op in todo))
+    outputs = frozenset(graph.outputs)      # a list of every gradient: membership once per op is O(n^2)
     for op in todo:
-        if op.nested and not (cut_after and _escapes(graph, op)):
+        if op.nested and not (cut_after and _escapes(graph, op, outputs)):
             continue
         src = op_map.get(op.index, op.index)
         if src not in fg.op_factors or not graph.ops[src].outputs:
@@ -225,19 +225,21 @@ def activation_constraints(graph: OpGraph, op_map: dict[int, int], fg: Any, axes
             {a for f in fg.op_factors[src].reduced for a in axes_of.get(f, ())} & \
             {a for f in after if f is not None for a in axes_of.get(f, ())}
         if (any(spec) or pin) and not scattered:
-            out.append((keys[op.index], tuple(tuple(a) for a in spec)))
+            out.append((op.index, tuple(tuple(a) for a in spec)))
         if after is not None:     # a region boundary: then the layout its consumers read (all-to-alls)
-            out.extend((keys[op.index], step) for step in reshard_steps(spec, _spec_for(after, axes_of)))
-    return out
+            out.extend((op.index, step) for step in reshard_steps(spec, _spec_for(after, axes_of)))
+    # keys of the ops constrained only (an op's key does not depend on which others are asked)
+    keys = keys if keys is not None else op_keys_of(graph, (i for i, _ in out))
+    return [(keys[i], spec) for i, spec in out]
 
 
-def _escapes(graph: OpGraph, op) -> bool:
+def _escapes(graph: OpGraph, op, outputs: frozenset[int]) -> bool:
     """Does a nested op's output leave its enclosing call (`jnp.take`'s `jit(_take)` gather)? Emission
-    constrains the call's output of that shape."""
+    constrains the call's output of that shape. `outputs`: the step's output values."""
     if not op.nested or not op.outputs:
         return False
     v = op.outputs[0]
-    return v in graph.outputs or any(graph.ops[c].top_eqn != op.top_eqn for c in graph.values[v].consumers)
+    return v in outputs or any(graph.ops[c].top_eqn != op.top_eqn for c in graph.values[v].consumers)
 
 
 def _pinned(graph: OpGraph, fg: Any) -> set[int]:
@@ -294,23 +296,19 @@ def build_plan(graph: OpGraph, grouping: Grouping, mesh: MeshSpec, hw: HardwareS
                   for f in fg.value_factors(v) if f is not None for a in axes_of.get(f, ())}
     # a weight's gradient sums what the batch and a split sequence (the stream's weights) spread
     grad_axes = batch_axes | {a for f in getattr(fg, "sequence", ()) for a in axes_of.get(f, ())}
+    # an input's layout follows from its representative's, its shape and role: the layers share them
+    layouts: dict[tuple, tuple[Spec, int, str]] = {}
     for v in graph.inputs:
         val = graph.values[v]
         src = in_map.get(v, v)
-        spec = _spec_for(fg.value_factors(src), axes_of) if len(graph.values[src].shape) == len(val.shape) \
-            else [()] * len(val.shape)
-        own = {a for axes in spec for a in axes}      # the axes its logical dims are split over
-        if (val.role == "parameter" and storage == "zero3") or (val.role == "state" and storage != "replicated"):
-            spec = add_storage_axes(spec, val.shape, mesh)
-        spec_t: Spec = tuple(tuple(a) for a in spec)
+        key = (src, val.shape, val.role)
+        hit = layouts.get(key)
+        if hit is None:
+            hit = layouts[key] = _input_layout(graph, fg, src, val, axes_of, storage, mesh, grad_axes)
+        spec_t, shards, sync = hit
         specs.append(spec_t)
         if val.role == "parameter":
-            shards = 1
-            for axes in spec_t:
-                for a in axes:
-                    shards *= mesh.axis_size(a)
-            reports.append(ParamReport(val.keypath or "", val.shape, val.dtype, spec_t, val.nbytes // shards,
-                                       _gradient_sync(own, grad_axes, storage, val.shape, spec, mesh)))
+            reports.append(ParamReport(val.keypath or "", val.shape, val.dtype, spec_t, val.nbytes // shards, sync))
     by_kp = dict(zip((graph.values[v].keypath for v in graph.inputs), zip(specs, graph.inputs, strict=True),
                      strict=True))
     out_specs: list[Spec] = []
@@ -352,6 +350,24 @@ def build_plan(graph: OpGraph, grouping: Grouping, mesh: MeshSpec, hw: HardwareS
         input_specs_flat=tuple(specs), output_keypaths=tuple(graph.output_keypaths),
         output_specs_flat=tuple(out_specs), stages=(stage,), predicted=predicted, params=tuple(reports),
         warnings=warnings, provenance=provenance)
+
+
+def _input_layout(graph: OpGraph, fg: Any, src: int, val: Any, axes_of: dict, storage: str, mesh: MeshSpec,
+                  grad_axes: set[str]) -> tuple[Spec, int, str]:
+    """(spec, shards, gradient sync) of an input whose representative is `src`."""
+    spec = _spec_for(fg.value_factors(src), axes_of) if len(graph.values[src].shape) == len(val.shape) \
+        else [()] * len(val.shape)
+    own = {a for axes in spec for a in axes}      # the axes its logical dims are split over
+    if (val.role == "parameter" and storage == "zero3") or (val.role == "state" and storage != "replicated"):
+        spec = add_storage_axes(spec, val.shape, mesh)
+    spec_t: Spec = tuple(tuple(a) for a in spec)
+    if val.role != "parameter":
+        return spec_t, 1, ""
+    shards = 1
+    for axes in spec_t:
+        for a in axes:
+            shards *= mesh.axis_size(a)
+    return spec_t, shards, _gradient_sync(own, grad_axes, storage, val.shape, spec, mesh)
 
 
 def _gradient_sync(own: set[str], grad_axes: set[str], storage: str, shape: tuple[int, ...], spec: list,
@@ -401,8 +417,9 @@ def _whole_mesh_stage(graph: OpGraph, mesh: MeshSpec, choice: PlanChoice, batch_
     total = sum(flops.values()) or 1.0
     bd = choice.breakdown
     forward = bd["compute"] * flops["forward"] / total + bd["fwd_comm"]
-    modules = tuple(dict.fromkeys("/".join(op.module.split("/")[:2]) for op in graph.ops
-                                  if op.phase == "forward" and op.module))
+    # each module name split once (first appearances keep program order)
+    modules = tuple(dict.fromkeys("/".join(m.split("/")[:2]) for m in dict.fromkeys(
+        op.module for op in graph.ops if op.phase == "forward" and op.module)))
     return Stage(index=0, mesh=tuple(mesh.axes), replicas=replicas,
                  microbatch_size=max(1, traced_batch(graph) // replicas), predicted_forward=forward,
                  predicted_backward=max(choice.step_time - forward, 0.0), memory=choice.memory["total"],

@@ -112,8 +112,9 @@ class FactorGraph:
     def value_factors(self, value: int, rank: int | None = None) -> tuple:
         shape = self.graph.values[value].shape
         rank = len(shape) if rank is None else rank
-        return tuple(self.factor_of.get(_key(value, d, rank)) if shape[len(shape) - rank + d] != 1
-                     else None for d in range(rank))
+        lead, get = len(shape) - rank, self.factor_of.get
+        # _key inlined: called for every input and op operand
+        return tuple([get((value, d - rank)) if shape[lead + d] != 1 else None for d in range(rank)])
 
     def divides(self, factor: int, n: int) -> bool:
         return all(s % n == 0 for s in self.factor_sizes.get(factor, ()))
@@ -519,23 +520,34 @@ def size_of(shape: Sequence[int]) -> int:
 
 
 def corresponding_ops(graph: OpGraph, a: Sequence[int], b: Sequence[int],
-                      phases: Sequence[str] = PHASES) -> list[tuple[int, int]]:
+                      phases: Sequence[str] = PHASES, a_cache: dict | None = None) -> list[tuple[int, int]]:
     """Pairs of ops of two instances of one block that do the same thing, phase by phase, matched
     on (primitive, shapes) in program order; instances that differ slightly (the first block's
     backward has no input gradient) still pair up everywhere else. `phases`: those phases' pairs only
-    (each phase is matched on its own)."""
+    (each phase is matched on its own). `a_cache`: a dict kept for one `a` (a representative matched
+    against every other instance), holding its per-phase ops and signatures."""
     pairs: list[tuple[int, int]] = []
     for phase in phases:
-        oa = [i for i in a if graph.ops[i].phase == phase]
-        ob = [i for i in b if graph.ops[i].phase == phase]
-        sa = tuple((graph.ops[i].primitive, graph.ops[i].in_shapes, graph.ops[i].out_shapes) for i in oa)
-        sb = tuple((graph.ops[i].primitive, graph.ops[i].in_shapes, graph.ops[i].out_shapes) for i in ob)
+        hit = a_cache.get(phase) if a_cache is not None else None
+        if hit is None:
+            hit = _phase_signature(graph, a, phase)
+            if a_cache is not None:
+                a_cache[phase] = hit
+        oa, sa = hit
+        ob, sb = _phase_signature(graph, b, phase)
         if sa == sb:
             pairs.extend(zip(oa, ob, strict=True))
             continue
         for ia, ib, size in _matching_blocks(sa, sb):
             pairs.extend(zip(oa[ia:ia + size], ob[ib:ib + size], strict=True))
     return pairs
+
+
+def _phase_signature(graph: OpGraph, ops: Sequence[int], phase: str) -> tuple[list[int], tuple]:
+    """The ops of `phase` among `ops` and their (primitive, in shapes, out shapes), in order."""
+    all_ops = graph.ops
+    mine = [i for i in ops if all_ops[i].phase == phase]
+    return mine, tuple([(all_ops[i].primitive, all_ops[i].in_shapes, all_ops[i].out_shapes) for i in mine])
 
 
 @functools.lru_cache(maxsize=256)

@@ -26,11 +26,12 @@ def _instance_maps(graph: OpGraph, grouping: Grouping, periods: tuple[int, ...],
                    phases: tuple[str, ...]) -> dict[int, int]:
     out: dict[int, int] = {}
     for bt, period in zip(grouping.block_types, periods, strict=True):
+        rep_sigs: list[dict] = [{} for _ in range(period)]    # each representative's signature, once
         for k, inst in enumerate(bt.instances):
             rep = bt.instances[k % period]
             if k < period or inst.ops == rep.ops:
                 continue
-            for a, b in corresponding_ops(graph, rep.ops, inst.ops, phases):
+            for a, b in corresponding_ops(graph, rep.ops, inst.ops, phases, rep_sigs[k % period]):
                 out[b] = a
     return out
 

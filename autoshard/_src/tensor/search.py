@@ -354,7 +354,12 @@ def _fusion_window(graph: OpGraph, grouping: Grouping) -> tuple[tuple[int, ...],
         pads.update(b for v in op.inputs if (p := values[v].producer) is not None and p not in weights
                     and (b := block_of(p)))
         for v in op.outputs:
-            near = {b for c in values[v].consumers if c not in weights and (b := block_of(c))}
+            near = set()       # stop at a third block: a value every layer reads (Adam's step) pads none
+            for c in values[v].consumers:
+                if c not in weights and (b := block_of(c)):
+                    near.add(b)
+                    if len(near) > 2:
+                        break
             if len(near) <= 2:
                 pads |= near
     scope = set(weights)
