@@ -1,0 +1,33 @@
+"""One expert verdict per plan: the comparison inside a plan (`plan.predicted["experts"]`, `explain()`)
+and `autoshard.expert_plan` price an expert plan the same way, even when it splits dims the search
+left out of its plan space (a small `max_plans`)."""
+
+from __future__ import annotations
+
+import pytest
+
+import autoshard
+import models
+
+CASES = [("megatron", {"model": 4}), ("data-megatron", {"data": 2, "model": 4})]
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    m = models.get("gpt", "debug", num_layers=2, d_model=64, num_heads=4, seq_len=32, vocab_size=256, batch_size=8)
+    return m, m.abstract_state()
+
+
+@pytest.mark.parametrize("name,mesh", CASES)
+def test_capped_search_still_prices_every_expert_like_expert_plan(gpt, name, mesh):
+    m, args = gpt
+    search = {"max_plans": 4}        # the plan space holds one or two factors: experts split more
+    plan = autoshard.plan(m.train_step, *args, mesh=mesh, hardware="h100-sxm", search=search)
+    assert any("plan space cap" in w for w in plan.warnings)
+    compared = plan.predicted["experts"][name]
+    assert "step_time" in compared, compared
+    alone = autoshard.expert_plan(name, m.train_step, *args, mesh=mesh, hardware="h100-sxm", search=search)
+    assert compared["step_time"] == pytest.approx(alone.predicted["step_time"], rel=1e-9)
+    assert compared["memory"] == pytest.approx(alone.predicted["memory"]["total"], rel=1e-9)
+    line = next(ln for ln in plan.explain().splitlines() if ln.strip().startswith(name + " "))
+    assert "not applicable" not in line
