@@ -82,7 +82,9 @@ class SortedParts:
 @dataclasses.dataclass
 class ChoiceTable:
     """Per composition: choices sorted by value, their f/b/tail/memory parts and the running
-    maximum of the in-flight allowance (`allow_max`, nondecreasing along the sorted order)."""
+    maximum of the in-flight allowance (`allow_max`, nondecreasing along the sorted order). Unsorted
+    (`allow_max` None, `order` the identity): `best` scans per in-flight count instead, cheaper than
+    sorting when a table answers a few counts."""
 
     value: np.ndarray           # [U, X] sorted ascending
     order: np.ndarray           # [U, X] choice index (p, z, r) flattened as ((p * Z) + z) * R + r
@@ -94,10 +96,13 @@ class ChoiceTable:
     held: SortedParts           # bytes per micro-batch in flight
     transient: SortedParts
     shape: tuple[int, int, int]   # (plans, storage modes, remat policies)
+    allow: np.ndarray | None = None   # [U, X] unsorted tables (allow_max None): each choice's allowance
 
     def best(self, qs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(value [Q, U], sorted position [Q, U]) of each composition's best choice for each in-flight
-        count in `qs` (value inf, position -1 where nothing fits)."""
+        """(value [Q, U], position [Q, U]) of each composition's best choice for each in-flight count
+        in `qs` (value inf, position -1 where nothing fits); a position indexes `order` and the parts."""
+        if self.allow_max is None:
+            return self._best_unsorted(np.asarray(qs, dtype=np.float64))
         U, X = self.value.shape
         qs = np.asarray(qs, dtype=np.float64)
         # allow_max rows are nondecreasing: the first position reaching q = how many stay below it
@@ -106,6 +111,21 @@ class ChoiceTable:
         idx = np.where(ok, pos, 0)
         val = np.take_along_axis(self.value, idx.T, axis=1).T
         return np.where(ok, val, np.inf), np.where(ok, pos, -1)
+
+    def _best_unsorted(self, qs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """`best` of an unsorted table: the least value among the choices allowing q (argmin keeps
+        the first of equal values, as the stable sort does), one pass per in-flight count."""
+        U = self.value.shape[0]
+        rows = np.arange(U)
+        val, pos = np.empty((len(qs), U)), np.empty((len(qs), U), dtype=np.int64)
+        masked = np.empty_like(self.value)
+        for i, q in enumerate(qs):
+            np.copyto(masked, self.value)
+            masked[self.allow < q] = np.inf
+            x = masked.argmin(axis=1)
+            val[i] = masked[rows, x]
+            pos[i] = np.where(np.isfinite(val[i]), x, -1)
+        return val, pos
 
 
 def compositions(tables: ShapeTables, comps: np.ndarray, kind_inputs: np.ndarray) -> dict[str, np.ndarray]:
@@ -129,23 +149,35 @@ def compositions(tables: ShapeTables, comps: np.ndarray, kind_inputs: np.ndarray
 
 def choice_table(c: dict[str, np.ndarray], microbatches: int, budget: float, remat: tuple[str, ...],
                  valid_plans: np.ndarray, overlap: float,
-                 fits: Callable[[np.ndarray], bool] | None = None) -> ChoiceTable | None:
+                 fits: Callable[[np.ndarray], bool] | None = None, sort: bool = True,
+                 restricted: dict[str, np.ndarray] | None = None) -> ChoiceTable | None:
     """Every (plan, storage, remat) of every composition of `c` (`compositions`) at M = `microbatches`.
     `valid_plans[p]`: the plan splits a micro-batch evenly. `fits(most)`, given the most micro-batches
     in flight any choice of each composition allows, says whether any point could use the table: None
-    is returned without sorting when it cannot (most of a large search's tables do not fit memory)."""
+    is returned without sorting when it cannot (most of a large search's tables do not fit memory).
+    `sort=False`: an unsorted table (see ChoiceTable). `restricted`: `c` over the valid plans only
+    (`restrict`), for callers building many tables with one mask."""
     P = c["fwd"].shape[1]
     keep = np.flatnonzero(valid_plans)
     if keep.size == P:
-        return _table(c, microbatches, budget, remat, overlap, fits)
+        return _table(c, microbatches, budget, remat, overlap, fits, sort=sort)
     # only the plans that split a micro-batch evenly (the others can never be chosen): a smaller
     # table, its choices renumbered over all P plans for `split_choice`
-    sub = _table({k: a[:, keep] for k, a in c.items()}, microbatches, budget, remat, overlap, fits)
+    sub = _table(restrict(c, keep) if restricted is None else restricted, microbatches, budget, remat, overlap,
+                 fits, sort=sort)
     if sub is None:
         return None
     _, Z, R = sub.shape
+    if not sort:        # the identity order: renumber one row, shared by every composition
+        flat = (keep[:, None] * (Z * R) + np.arange(Z * R)).reshape(-1)
+        return dataclasses.replace(sub, order=np.broadcast_to(flat, sub.order.shape), shape=(P, Z, R))
     p, rest = np.divmod(sub.order, Z * R)
     return dataclasses.replace(sub, order=keep[p] * (Z * R) + rest, shape=(P, Z, R))
+
+
+def restrict(c: dict[str, np.ndarray], keep: np.ndarray) -> dict[str, np.ndarray]:
+    """The arrays of `c` over the plans `keep` only."""
+    return {k: a[:, keep] for k, a in c.items()}
 
 
 def cheapest_fitting(c: dict[str, np.ndarray], microbatches: int, budget: float, remat: tuple[str, ...],
@@ -159,7 +191,7 @@ def cheapest_fitting(c: dict[str, np.ndarray], microbatches: int, budget: float,
 
 
 def _table(c: dict[str, np.ndarray], microbatches: int, budget: float, remat: tuple[str, ...], overlap: float,
-           fits: Callable[[np.ndarray], bool] | None, cheapest_at: float | None = None):
+           fits: Callable[[np.ndarray], bool] | None, cheapest_at: float | None = None, sort: bool = True):
     """`choice_table` over plans that are all valid (`cheapest_at`: `cheapest_fitting`'s answer instead)."""
     phi = 1.0 / microbatches
     # the [U, P, Z] arrays are plan-major, so every [U, P, Z, R] array below is already laid out as
@@ -191,15 +223,19 @@ def _table(c: dict[str, np.ndarray], microbatches: int, budget: float, remat: tu
     if fits is not None and not fits(allow.reshape(U, X).max(axis=1)):
         return None
     fv = value.reshape(U, X)
-    order = np.argsort(fv, axis=1, kind="stable")    # stable: ties keep fewer splits
-    at = order + (np.arange(U) * X)[:, None]         # flat positions of the sorted choices
     pz = (U, P * Z)                                    # parts without a remat axis
+    if sort:
+        order = np.argsort(fv, axis=1, kind="stable")    # stable: ties keep fewer splits
+        at = order + (np.arange(U) * X)[:, None]         # flat positions of the sorted choices
+        value, allow_max, allow = np.take(fv, at), np.maximum.accumulate(np.take(allow, at), axis=1), None
+    else:
+        order, value, allow_max, allow = np.broadcast_to(np.arange(X), (U, X)), fv, None, allow.reshape(U, X)
     return ChoiceTable(
-        value=np.take(fv, at), order=order, allow_max=np.maximum.accumulate(np.take(allow, at), axis=1),
+        value=value, order=order, allow_max=allow_max,
         f=SortedParts(f.reshape(pz), order, R), b=SortedParts(b.reshape(U, X), order),
         tail=SortedParts(tail.reshape(pz), order, R), static=SortedParts(static.reshape(pz), order, R),
         held=SortedParts(held.reshape(U, X), order), transient=SortedParts(transient.reshape(U, X), order),
-        shape=(P, Z, R))
+        shape=(P, Z, R), allow=allow)
 
 
 def split_choice(flat_index: int, shape: tuple[int, int, int]) -> tuple[int, int, int]:
