@@ -190,32 +190,45 @@ def cheapest_fitting(c: dict[str, np.ndarray], microbatches: int, budget: float,
     return _table({k: a[:, keep] for k, a in c.items()}, microbatches, budget, remat, 0.0, None, inflight)
 
 
-def _table(c: dict[str, np.ndarray], microbatches: int, budget: float, remat: tuple[str, ...], overlap: float,
-           fits: Callable[[np.ndarray], bool] | None, cheapest_at: float | None = None, sort: bool = True):
-    """`choice_table` over plans that are all valid (`cheapest_at`: `cheapest_fitting`'s answer instead)."""
+def _terms(c: dict[str, np.ndarray], microbatches: int, overlap: float, remat: tuple[str, ...]):
+    """(f, tail, static [U, P, Z], per remat policy a thunk of its (b, held, transient))."""
     phi = 1.0 / microbatches
-    # the [U, P, Z] arrays are plan-major, so every [U, P, Z, R] array below is already laid out as
-    # the flat [U, X] choices (the search builds ~300 tables: no copies per array)
     fwd, bwd, dots, const = c["fwd"], c["bwd"], c["fwd_dots"], c["const"]
     f = phi * fwd + c["gather"]
     b_base = phi * bwd + const
     tail = np.maximum(0.0, c["sync"] - overlap * phi * bwd) + c["step"]
-    static = c["static"]
     acts, acts_dots, data, inputs = c["acts"], c["acts_dots"], c["data"], c["inputs"]
     parts = {"none": lambda: (b_base, phi * (acts + data), 0.0 * acts),
              "selective": lambda: (b_base + phi * c["fwd_attn"], phi * (acts - c["acts_attn"] + data),
                                    phi * c["unit_attn"]),
              "dots": lambda: (b_base + phi * (fwd - dots), phi * (acts_dots + inputs + data), phi * c["unit_rest"]),
              "full": lambda: (b_base + phi * fwd, phi * (inputs + data), phi * c["unit_acts"])}
-    per_remat = [parts[r]() for r in remat]
-    b, held, transient = (np.stack([pr[i] for pr in per_remat], axis=-1) for i in range(3))    # [U, P, Z, R]
-    value = np.add(f[..., None], b)
-    value += (tail / microbatches)[..., None]
-    # micro-batches in flight the memory allows: room / held, or +-inf when a choice holds nothing
-    room = budget - static[..., None] - transient
+    return f, tail, c["static"], [parts[r] for r in remat]
+
+
+def _allowance(budget: float, static: np.ndarray, held: np.ndarray, transient: np.ndarray,
+               value: np.ndarray) -> np.ndarray:
+    """Micro-batches in flight the memory allows: room / held, or +-inf when a choice holds nothing."""
+    room = budget - static - transient
     allow = np.where(room >= 0, np.inf, -np.inf)
     np.divide(room, held, out=allow, where=held > 0)
     allow[~np.isfinite(value)] = -np.inf
+    return allow
+
+
+def _table(c: dict[str, np.ndarray], microbatches: int, budget: float, remat: tuple[str, ...], overlap: float,
+           fits: Callable[[np.ndarray], bool] | None, cheapest_at: float | None = None, sort: bool = True):
+    """`choice_table` over plans that are all valid (`cheapest_at`: `cheapest_fitting`'s answer instead)."""
+    if not sort and cheapest_at is None:
+        return _unsorted(c, microbatches, budget, remat, overlap, fits)
+    # the [U, P, Z] arrays are plan-major, so every [U, P, Z, R] array below is already laid out as
+    # the flat [U, X] choices (the search builds ~300 tables: no copies per array)
+    f, tail, static, thunks = _terms(c, microbatches, overlap, remat)
+    per_remat = [t() for t in thunks]
+    b, held, transient = (np.stack([pr[i] for pr in per_remat], axis=-1) for i in range(3))    # [U, P, Z, R]
+    value = np.add(f[..., None], b)
+    value += (tail / microbatches)[..., None]
+    allow = _allowance(budget, static[..., None], held, transient, value)
     U, P, Z, R = b.shape
     X = P * Z * R
     if cheapest_at is not None:
@@ -224,18 +237,61 @@ def _table(c: dict[str, np.ndarray], microbatches: int, budget: float, remat: tu
         return None
     fv = value.reshape(U, X)
     pz = (U, P * Z)                                    # parts without a remat axis
-    if sort:
-        order = np.argsort(fv, axis=1, kind="stable")    # stable: ties keep fewer splits
-        at = order + (np.arange(U) * X)[:, None]         # flat positions of the sorted choices
-        value, allow_max, allow = np.take(fv, at), np.maximum.accumulate(np.take(allow, at), axis=1), None
-    else:
-        order, value, allow_max, allow = np.broadcast_to(np.arange(X), (U, X)), fv, None, allow.reshape(U, X)
+    order = np.argsort(fv, axis=1, kind="stable")      # stable: ties keep fewer splits
+    at = order + (np.arange(U) * X)[:, None]           # flat positions of the sorted choices
     return ChoiceTable(
-        value=value, order=order, allow_max=allow_max,
+        value=np.take(fv, at), order=order, allow_max=np.maximum.accumulate(np.take(allow, at), axis=1),
         f=SortedParts(f.reshape(pz), order, R), b=SortedParts(b.reshape(U, X), order),
         tail=SortedParts(tail.reshape(pz), order, R), static=SortedParts(static.reshape(pz), order, R),
         held=SortedParts(held.reshape(U, X), order), transient=SortedParts(transient.reshape(U, X), order),
-        shape=(P, Z, R), allow=allow)
+        shape=(P, Z, R))
+
+
+def _unsorted(c: dict[str, np.ndarray], microbatches: int, budget: float, remat: tuple[str, ...], overlap: float,
+              fits: Callable[[np.ndarray], bool] | None) -> ChoiceTable | None:
+    """An unsorted table: only each choice's value and allowance, written per remat policy (no
+    stacked parts); a composition's parts are built when a point reads them (`_RowParts`), from the
+    same elementwise arithmetic, so they match the sorted table's bit for bit."""
+    f, tail, static, thunks = _terms(c, microbatches, overlap, remat)
+    U, P, Z = f.shape
+    R, X = len(thunks), P * Z * len(thunks)
+    value, allow = np.empty((U, P, Z, R)), np.empty((U, P, Z, R))
+    per_mb_tail = tail / microbatches
+    for i, thunk in enumerate(thunks):
+        b, held, transient = thunk()
+        v = np.add(f, b)
+        v += per_mb_tail
+        value[..., i] = v
+        allow[..., i] = _allowance(budget, static, held, transient, v)
+    allow = allow.reshape(U, X)
+    if fits is not None and not fits(allow.max(axis=1)):
+        return None
+    rows: dict[int, ChoiceTable] = {}
+
+    def row(u: int) -> ChoiceTable:
+        if u not in rows:
+            rows[u] = _table({k: a[u:u + 1] for k, a in c.items()}, microbatches, budget, remat, overlap, None)
+        return rows[u]
+
+    order = np.broadcast_to(np.arange(X), (U, X))
+    parts = {name: _RowParts(row, name) for name in ("f", "b", "tail", "static", "held", "transient")}
+    return ChoiceTable(value=value.reshape(U, X), order=order, allow_max=None, shape=(P, Z, R), allow=allow,
+                       **parts)
+
+
+class _RowParts:
+    """A part of an unsorted table, read at [composition, choice]: from that composition's own
+    one-row table (sorted; `order` maps the choice to its position there)."""
+
+    __slots__ = ("row", "name")
+
+    def __init__(self, row: Callable[[int], ChoiceTable], name: str) -> None:
+        self.row, self.name = row, name
+
+    def __getitem__(self, index):
+        u, k = index
+        t = self.row(int(u))
+        return getattr(t, self.name).raw[0, int(k) // getattr(t, self.name).per]
 
 
 def split_choice(flat_index: int, shape: tuple[int, int, int]) -> tuple[int, int, int]:
