@@ -219,8 +219,8 @@ def _allowance(budget: float, static: np.ndarray, held: np.ndarray, transient: n
 def _table(c: dict[str, np.ndarray], microbatches: int, budget: float, remat: tuple[str, ...], overlap: float,
            fits: Callable[[np.ndarray], bool] | None, cheapest_at: float | None = None, sort: bool = True):
     """`choice_table` over plans that are all valid (`cheapest_at`: `cheapest_fitting`'s answer instead)."""
-    if not sort and cheapest_at is None:
-        return _unsorted(c, microbatches, budget, remat, overlap, fits)
+    if cheapest_at is None and (c["fwd"].shape[0] > 1 or not sort):
+        return _lean(c, microbatches, budget, remat, overlap, fits, sort)
     # the [U, P, Z] arrays are plan-major, so every [U, P, Z, R] array below is already laid out as
     # the flat [U, X] choices (the search builds ~300 tables: no copies per array)
     f, tail, static, thunks = _terms(c, microbatches, overlap, remat)
@@ -237,21 +237,27 @@ def _table(c: dict[str, np.ndarray], microbatches: int, budget: float, remat: tu
         return None
     fv = value.reshape(U, X)
     pz = (U, P * Z)                                    # parts without a remat axis
-    order = np.argsort(fv, axis=1, kind="stable")      # stable: ties keep fewer splits
-    at = order + (np.arange(U) * X)[:, None]           # flat positions of the sorted choices
+    order, value, allow_max = _sorted(fv, allow.reshape(U, X))
     return ChoiceTable(
-        value=np.take(fv, at), order=order, allow_max=np.maximum.accumulate(np.take(allow, at), axis=1),
+        value=value, order=order, allow_max=allow_max,
         f=SortedParts(f.reshape(pz), order, R), b=SortedParts(b.reshape(U, X), order),
         tail=SortedParts(tail.reshape(pz), order, R), static=SortedParts(static.reshape(pz), order, R),
         held=SortedParts(held.reshape(U, X), order), transient=SortedParts(transient.reshape(U, X), order),
         shape=(P, Z, R))
 
 
-def _unsorted(c: dict[str, np.ndarray], microbatches: int, budget: float, remat: tuple[str, ...], overlap: float,
-              fits: Callable[[np.ndarray], bool] | None) -> ChoiceTable | None:
-    """An unsorted table: only each choice's value and allowance, written per remat policy (no
+def _sorted(value: np.ndarray, allow: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(order, sorted values, running maximum of the sorted allowances) of [U, X] choices."""
+    order = np.argsort(value, axis=1, kind="stable")    # stable: ties keep fewer splits
+    at = order + (np.arange(value.shape[0]) * value.shape[1])[:, None]    # flat positions, sorted
+    return order, np.take(value, at), np.maximum.accumulate(np.take(allow, at), axis=1)
+
+
+def _lean(c: dict[str, np.ndarray], microbatches: int, budget: float, remat: tuple[str, ...], overlap: float,
+          fits: Callable[[np.ndarray], bool] | None, sort: bool) -> ChoiceTable | None:
+    """A table built from each choice's value and allowance only, written per remat policy (no
     stacked parts); a composition's parts are built when a point reads them (`_RowParts`), from the
-    same elementwise arithmetic, so they match the sorted table's bit for bit."""
+    same elementwise arithmetic, so they match the full table's bit for bit."""
     f, tail, static, thunks = _terms(c, microbatches, overlap, remat)
     U, P, Z = f.shape
     R, X = len(thunks), P * Z * len(thunks)
@@ -263,7 +269,7 @@ def _unsorted(c: dict[str, np.ndarray], microbatches: int, budget: float, remat:
         v += per_mb_tail
         value[..., i] = v
         allow[..., i] = _allowance(budget, static, held, transient, v)
-    allow = allow.reshape(U, X)
+    value, allow = value.reshape(U, X), allow.reshape(U, X)
     if fits is not None and not fits(allow.max(axis=1)):
         return None
     rows: dict[int, ChoiceTable] = {}
@@ -273,25 +279,37 @@ def _unsorted(c: dict[str, np.ndarray], microbatches: int, budget: float, remat:
             rows[u] = _table({k: a[u:u + 1] for k, a in c.items()}, microbatches, budget, remat, overlap, None)
         return rows[u]
 
-    order = np.broadcast_to(np.arange(X), (U, X))
-    parts = {name: _RowParts(row, name) for name in ("f", "b", "tail", "static", "held", "transient")}
-    return ChoiceTable(value=value.reshape(U, X), order=order, allow_max=None, shape=(P, Z, R), allow=allow,
-                       **parts)
+    if sort:
+        order, value, allow_max = _sorted(value, allow)
+        allow = None
+    else:
+        order, allow_max = np.broadcast_to(np.arange(X), (U, X)), None
+    parts = {name: _RowParts(row, name, order) for name in ("f", "b", "tail", "static", "held", "transient")}
+    return ChoiceTable(value=value, order=order, allow_max=allow_max, shape=(P, Z, R), allow=allow, **parts)
 
 
 class _RowParts:
-    """A part of an unsorted table, read at [composition, choice]: from that composition's own
-    one-row table (sorted; `order` maps the choice to its position there)."""
+    """A part of a lean table, read at [composition, position]: from that composition's own one-row
+    table (`order` gives the choice at each position; its parts' raw arrays are unsorted)."""
 
-    __slots__ = ("row", "name")
+    __slots__ = ("row", "name", "order")
 
-    def __init__(self, row: Callable[[int], ChoiceTable], name: str) -> None:
-        self.row, self.name = row, name
+    def __init__(self, row: Callable[[int], ChoiceTable], name: str, order: np.ndarray) -> None:
+        self.row, self.name, self.order = row, name, order
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.order.shape
 
     def __getitem__(self, index):
-        u, k = index
-        t = self.row(int(u))
-        return getattr(t, self.name).raw[0, int(k) // getattr(t, self.name).per]
+        u, k = int(index[0]), int(index[1])
+        part = getattr(self.row(u), self.name)
+        return part.raw[0, int(self.order[u, k]) // part.per]
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        rows = [getattr(self.row(u), self.name) for u in range(self.order.shape[0])]
+        out = np.stack([p.raw[0, self.order[u] // p.per] for u, p in enumerate(rows)])
+        return out if dtype is None else out.astype(dtype)
 
 
 def split_choice(flat_index: int, shape: tuple[int, int, int]) -> tuple[int, int, int]:
