@@ -272,30 +272,34 @@ def _lean(c: dict[str, np.ndarray], microbatches: int, budget: float, remat: tup
     value, allow = value.reshape(U, X), allow.reshape(U, X)
     if fits is not None and not fits(allow.max(axis=1)):
         return None
-    rows: dict[int, ChoiceTable] = {}
+    cells: dict[tuple, ChoiceTable] = {}
 
-    def row(u: int) -> ChoiceTable:
-        if u not in rows:
-            rows[u] = _table({k: a[u:u + 1] for k, a in c.items()}, microbatches, budget, remat, overlap, None)
-        return rows[u]
+    def cell(u: int, pz: slice = slice(None)) -> ChoiceTable:
+        """The full table of composition u over plan-storage pairs `pz` (all, or the one a point reads)."""
+        key = (u, pz.start)
+        if key not in cells:
+            cells[key] = _table({k: a[u:u + 1].reshape(1, P * Z)[:, pz].reshape(1, -1, 1) if pz.start is not None
+                                 else a[u:u + 1] for k, a in c.items()}, microbatches, budget, remat, overlap, None)
+        return cells[key]
 
     if sort:
         order, value, allow_max = _sorted(value, allow)
         allow = None
     else:
         order, allow_max = np.broadcast_to(np.arange(X), (U, X)), None
-    parts = {name: _RowParts(row, name, order) for name in ("f", "b", "tail", "static", "held", "transient")}
+    parts = {name: _RowParts(cell, name, order, R) for name in ("f", "b", "tail", "static", "held", "transient")}
     return ChoiceTable(value=value, order=order, allow_max=allow_max, shape=(P, Z, R), allow=allow, **parts)
 
 
 class _RowParts:
-    """A part of a lean table, read at [composition, position]: from that composition's own one-row
-    table (`order` gives the choice at each position; its parts' raw arrays are unsorted)."""
+    """A part of a lean table, read at [composition, position]: from a full table of that composition
+    and the one plan-storage pair of the choice (`order` gives the choice at each position; the full
+    tables' raw parts are unsorted)."""
 
-    __slots__ = ("row", "name", "order")
+    __slots__ = ("cell", "name", "order", "R")
 
-    def __init__(self, row: Callable[[int], ChoiceTable], name: str, order: np.ndarray) -> None:
-        self.row, self.name, self.order = row, name, order
+    def __init__(self, cell: Callable[..., ChoiceTable], name: str, order: np.ndarray, R: int) -> None:
+        self.cell, self.name, self.order, self.R = cell, name, order, R
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -303,11 +307,12 @@ class _RowParts:
 
     def __getitem__(self, index):
         u, k = int(index[0]), int(index[1])
-        part = getattr(self.row(u), self.name)
-        return part.raw[0, int(self.order[u, k]) // part.per]
+        pz, r = divmod(int(self.order[u, k]), self.R)
+        part = getattr(self.cell(u, slice(pz, pz + 1)), self.name)
+        return part.raw[0, r // part.per]
 
     def __array__(self, dtype=None, copy=None) -> np.ndarray:
-        rows = [getattr(self.row(u), self.name) for u in range(self.order.shape[0])]
+        rows = [getattr(self.cell(u), self.name) for u in range(self.order.shape[0])]
         out = np.stack([p.raw[0, self.order[u] // p.per] for u, p in enumerate(rows)])
         return out if dtype is None else out.astype(dtype)
 
