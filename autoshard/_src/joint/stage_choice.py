@@ -113,18 +113,32 @@ class ChoiceTable:
         return np.where(ok, val, np.inf), np.where(ok, pos, -1)
 
     def _best_unsorted(self, qs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """`best` of an unsorted table: the least value among the choices allowing q (argmin keeps
-        the first of equal values, as the stable sort does), one pass per in-flight count."""
-        U = self.value.shape[0]
-        rows = np.arange(U)
-        val, pos = np.empty((len(qs), U)), np.empty((len(qs), U), dtype=np.int64)
-        masked = np.empty_like(self.value)
+        """`best` of an unsorted table: the least value among the choices allowing q, ties to the
+        first choice (as the stable sort orders them). One scan finds each composition's best at the
+        largest q; only choices below it that allow a smaller q but not the largest can beat it there,
+        few enough to sort and scan once per q."""
+        value, allow = self.value, self.allow
+        rows = np.arange(value.shape[0])
+        top = np.where(allow >= qs.max(), value, np.inf)
+        x_top = top.argmin(axis=1)
+        v_top = top[rows, x_top]
+        val = np.repeat(v_top[None], len(qs), axis=0)
+        pos = np.repeat(np.where(np.isfinite(v_top), x_top, -1)[None], len(qs), axis=0)
+        u, x = np.nonzero((allow >= qs.min()) & (allow < qs.max()) & (value <= v_top[:, None]))
+        if u.size == 0:
+            return val, pos
+        v, a = value[u, x], allow[u, x]
+        o = np.lexsort((x, v, u))                    # by composition, value, choice
+        u, x, v, a = u[o], x[o], v[o], a[o]
+        starts = np.flatnonzero(np.r_[True, u[1:] != u[:-1]])
+        n, idx = u.size, np.arange(u.size)
         for i, q in enumerate(qs):
-            np.copyto(masked, self.value)
-            masked[self.allow < q] = np.inf
-            x = masked.argmin(axis=1)
-            val[i] = masked[rows, x]
-            pos[i] = np.where(np.isfinite(val[i]), x, -1)
+            first = np.minimum.reduceat(np.where(a >= q, idx, n), starts)    # per composition
+            hit = first < n
+            fu, fx, fv = u[starts[hit]], x[first[hit]], v[first[hit]]
+            cv, cx = val[i, fu], pos[i, fu]
+            better = (fv < cv) | ((fv == cv) & (fx < cx))
+            val[i, fu[better]], pos[i, fu[better]] = fv[better], fx[better]
         return val, pos
 
 
