@@ -168,16 +168,24 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", default=str(ROOT / "bench/results/plan3d.json"))
     ap.add_argument("--only", default="alpa,gpt3,gpt462,published", help="row groups to run")
     ap.add_argument("--published", help="comma-separated published run names (default: all)")
+    ap.add_argument("--alpa", help="comma-separated Alpa rows to run, e.g. '39B' (default: all)")
+    ap.add_argument("--gpt3-devices", help="comma-separated GPT-3 device counts, e.g. '1024' (default: all)")
     a = ap.parse_args(argv)
     only = set(a.only.split(","))
     rows: list[dict] = []
     if "alpa" in only:
-        for name, layers, hidden, heads, n in (ALPA[:3] if a.quick else ALPA):
+        picked = ALPA[:3] if a.quick else ALPA
+        if a.alpa:
+            picked = [r for r in ALPA if r[0] in a.alpa.split(",")]
+        for name, layers, hidden, heads, n in picked:
             cfg = dict(num_layers=layers, d_model=hidden, num_heads=heads, seq_len=1024, vocab_size=51200,
                        batch_size=1024, dtype="float16")
             rows += row(f"GPT-{name}", cfg, [n], "v100-16gb-25gbps")
     if "gpt3" in only:
-        rows += row("GPT-3 175B", GPT3, [64] if a.quick else [64, 512, 1024], "h100-sxm")
+        counts = [64] if a.quick else [64, 512, 1024]
+        if a.gpt3_devices:
+            counts = [int(n) for n in a.gpt3_devices.split(",")]
+        rows += row("GPT-3 175B", GPT3, counts, "h100-sxm")
     if "gpt462" in only and not a.quick:
         rows += row("GPT 462B", GPT462, [6144], "h100-sxm")
     published = []
