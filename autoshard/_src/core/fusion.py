@@ -17,7 +17,11 @@ here follows those rules closely enough to count bytes and kernels:
   become one kernel; a reduction's result ends its fusion (its readers start a new one);
 * broadcasts and iotas are recomputed inside each fusion that reads them, and so is an elementwise
   op whose inputs cost its readers fewer bytes than writing and re-reading its result (a convert
-  read twice, a row's mean / n): XLA duplicates such producers into every consumer.
+  read twice, a row's mean / n): XLA duplicates such producers into every consumer. A GEMM's
+  epilogue is settled first (cuBLAS's rewriter runs before fusion); on a GPU the bytes a copy reads
+  are counted through cheap producers to their sources (priority fusion's cost model); XLA:CPU's
+  InstructionFusion copies only ops that are not expensive (exp, tanh, rsqrt, float division) and
+  whose operands (broadcasts at full size) are no larger than their result.
 
 A fusion reads each value produced outside it once and writes each of its results that something
 outside it reads (or the program returns): those bytes are priced on the member op that reads or
