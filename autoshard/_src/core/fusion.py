@@ -176,6 +176,9 @@ class _Fuser:
         self.reader_cache: dict[int, frozenset[int]] = {}
         self.producer_cache: dict[int, frozenset[int]] = {}
         self.reads_cache: dict[int, tuple[int, ...]] = {}
+        self.sources_cache: dict[tuple[int, int], frozenset[int]] = {}
+        self.epilogue_cache: dict[int, int | None] = {}
+        self.bytes_cache: dict[int, int] = {}
 
     # --- aliases -----------------------------------------------------------------------------
     def source(self, v: int) -> int:
@@ -254,6 +257,7 @@ class _Fuser:
                 continue              # cuBLAS's rewriter folds an epilogue into its GEMM before fusion runs
             self.inline[op.index] = bool(readers) and all(
                 self.cls[r] in ("loop", "reduce") and self.same_place(ops[r], op) for r in readers)
+        self.epilogue_cache.clear()        # asked again once every kind is settled (views found above)
         return self.inline
 
     def _cheaper_to_recompute(self, op: Op, readers: set[int]) -> bool:
@@ -296,9 +300,22 @@ class _Fuser:
         recomputed in place), and through producers as cheap to recompute (an elementwise op reading
         no more than it writes, not a GEMM's epilogue: decided after `op`, as producers come earlier)
         the values they derive from, each once (a tanh-GELU's terms all read one matmul output)."""
-        return float(sum(self.g.values[v].nbytes for v in self._recompute_sources(op, 4)))
+        return float(sum(map(self._nbytes, self._recompute_sources(op, 4))))
 
-    def _recompute_sources(self, op: Op, depth: int) -> set[int]:
+    def _nbytes(self, v: int) -> int:
+        hit = self.bytes_cache.get(v)
+        if hit is None:
+            hit = self.bytes_cache[v] = self.g.values[v].nbytes
+        return hit
+
+    def _recompute_sources(self, op: Op, depth: int) -> frozenset[int]:
+        key = (op.index, depth)       # cached: chains share their producers
+        hit = self.sources_cache.get(key)
+        if hit is None:
+            hit = self.sources_cache[key] = frozenset(self._sources(op, depth))
+        return hit
+
+    def _sources(self, op: Op, depth: int) -> set[int]:
         out: set[int] = set()
         for v in op.inputs:
             v = self.source(v)
@@ -313,7 +330,7 @@ class _Fuser:
             if q is not None and depth > 0 and self.cls[p] == "loop" and len(q.outputs) == 1 \
                     and self.same_place(q, op) and self._duplicable(q) and self._epilogue_of(q) is None:
                 inner = self._recompute_sources(q, depth - 1)
-                if sum(self.g.values[w].nbytes for w in inner) <= val.nbytes:
+                if sum(map(self._nbytes, inner)) <= self._nbytes(v):
                     out |= inner
                     continue
             out.add(v)
@@ -413,6 +430,11 @@ class _Fuser:
         """The GEMM whose epilogue `op` is (a single-consumer bias add or output convert), if any."""
         if op.primitive not in EPILOGUE_OPS:
             return None
+        if op.index not in self.epilogue_cache:
+            self.epilogue_cache[op.index] = self._find_epilogue(op)
+        return self.epilogue_cache[op.index]
+
+    def _find_epilogue(self, op: Op) -> int | None:
         for v in op.inputs:
             p = self.g.values[self.source(v)].producer
             if p is None or self.g.ops[p].primitive not in GEMM_OPS or not self.same_place(self.g.ops[p], op):
