@@ -60,7 +60,7 @@ def device_slug() -> tuple[str, str, str]:
     """(file slug, device kind, hardware preset) of the first device."""
     dev = jax.devices()[0]
     kind = getattr(dev, "device_kind", dev.platform)
-    for gpu, preset in (("H100", "h100-sxm"), ("A100", "a100-sxm"), ("V100", "v100-sxm")):
+    for gpu, preset in (("H200", "h200-sxm"), ("H100", "h100-sxm"), ("A100", "a100-sxm"), ("V100", "v100-sxm")):
         if gpu in kind:
             return gpu.lower(), kind, preset
     if dev.platform == "cpu":
@@ -410,8 +410,13 @@ def run_layer(rec: Recorder, hw, quick: bool) -> None:
 
 
 # whole train steps of the zoo (float32 parameters and compute: TF32 matmuls on Ampere and later)
-_STEPS = [("gpt", "gpt2-small"), ("gpt", "gpt2-medium"), ("bert", "bert-large"), ("t5", "t5-large"),
-          ("resnet", "resnet50"), ("moe", "switch-base-8")]
+# and the published runs' model (bench/published_runs.py: gpt-gpu, float16 compute over float32 master
+# weights, sequence 2048, vocabulary 51200) at one GPU's share of two of its layer widths
+_GPU_GPT = dict(seq_len=2048, vocab_size=51200, dtype="float16")
+_STEPS = [("gpt-gpu", "debug", dict(_GPU_GPT, d_model=2048, num_heads=16, num_layers=8, batch_size=8)),
+          ("gpt-gpu", "debug", dict(_GPU_GPT, d_model=4096, num_heads=32, num_layers=4, batch_size=4)),
+          ("gpt", "gpt2-small", {}), ("gpt", "gpt2-medium", {}), ("bert", "bert-large", {}),
+          ("resnet", "resnet50", {}), ("moe", "switch-base-8", {}), ("t5", "t5-large", {})]
 
 
 def run_step(rec: Recorder, hw, quick: bool) -> None:
@@ -419,12 +424,12 @@ def run_step(rec: Recorder, hw, quick: bool) -> None:
     beside the planner's predicted step time for the one-device mesh (`autoshard.plan(...)
     .predicted["step_time"]`, the tensor evaluator) and the per-op kernel-model sum."""
     import models
-    for name, config in ([("gpt", "debug"), ("mlp", "debug")] if quick else _STEPS):
+    for name, config, overrides in ([("gpt", "debug", {}), ("mlp", "debug", {})] if quick else _STEPS):
         if rec.out_of_time(f"step {name} {config}"):
             return
-        row = {"model": name, "config": config}
+        row = {"model": name, "config": config, "overrides": overrides}
         try:
-            m = models.get(name, config)
+            m = models.get(name, config, **overrides)
             params = m.init(jax.random.PRNGKey(0))
             args = (params, m.init_opt_state(params), m.batch())
             t = timed(jax.jit(m.train_step), *args, runs=8)
@@ -433,7 +438,7 @@ def run_step(rec: Recorder, hw, quick: bool) -> None:
             price = model_price(m.train_step, args, hw)
             row.update(op_sum=price["predicted"], ratio_op_sum=t / price["predicted"],
                        traced_flops=price["traced_flops"], tflops=price["traced_flops"] / t / 1e12)
-            row.update(compiled_facts(m.train_step, *args))
+            row.update(compiled_facts(m.train_step, *args, name=f"step_{name}_{config}_{len(rec.data['sections'].get('step', []))}"))
             audit = autoshard.audit(plan, m.train_step, *args)       # the plan compiled here: memory on this backend
             row.update(compiled_memory=dict(audit.memory), predicted_memory=dict(audit.predicted_memory),
                        memory_gaps=[f"{g.what}: {g.predicted:.4g} vs {g.audited:.4g}" for g in audit.gaps
@@ -492,7 +497,9 @@ def write_markdown(data: dict, path: Path) -> None:
                   "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in sec["step"]:
             mem = [r.get(k, {}).get("argument+temp") for k in ("compiled_memory", "predicted_memory")]
-            lines.append(f"| {r['model']} | {r['config']} | {_fmt(r.get('measured'), 1e-3)} | "
+            config = r["config"] + "".join(f" {k}={v}" for k, v in r.get("overrides", {}).items()
+                                           if k in ("d_model", "num_layers", "batch_size"))
+            lines.append(f"| {r['model']} | {config} | {_fmt(r.get('measured'), 1e-3)} | "
                          f"{_fmt(r.get('tflops'), 1, 4)} | {_fmt(r.get('predicted'), 1e-3)} | "
                          f"{_fmt(r.get('ratio'), 1, 3)} | {_fmt(r.get('op_sum'), 1e-3)} | "
                          f"{_fmt(r.get('ratio_op_sum'), 1, 3)} | {r.get('kernels', '-')} | {_fmt(mem[0], 2**20, 4)} | "

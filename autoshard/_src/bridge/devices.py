@@ -14,7 +14,7 @@ def local_hardware() -> HardwareSpec:
     if dev.platform == "cpu":
         return get_hardware("cpu-sim")
     kind = getattr(dev, "device_kind", "").upper()
-    for key, name in (("H100", "h100-sxm"), ("A100", "a100-sxm"), ("V100", "v100-sxm")):
+    for key, name in (("H200", "h200-sxm"), ("H100", "h100-sxm"), ("A100", "a100-sxm"), ("V100", "v100-sxm")):
         if key in kind:
             return get_hardware(name)
     raise HardwareError(f"autoshard: no hardware preset for the local device kind {kind!r}; pass hardware= a preset "
