@@ -225,7 +225,8 @@ GPU_KERNELS.update(
     v100=KernelModel(sms=80, k_overhead=384),
     a100=KernelModel(sms=108, mma_efficiency=0.81, k_overhead=384),
     h100=KernelModel(sms=132, launch=2.4e-6, bandwidth_efficiency=0.77, mma_efficiency=0.75, k_overhead=384))
-# H200: the H100's die (132 SMs, same tensor cores and clocks per NVIDIA's datasheet) with HBM3e; its kernel
-#   model is the H100's, an assumption checked -- not fitted -- by bench/gpu_calibrate.py on an H200
-#   (bench/results/gpu_calibrate_h200.md).
-GPU_KERNELS["h200"] = GPU_KERNELS["h100"]
+# H200: the H100's die (132 SMs, same tensor cores and clocks per NVIDIA's datasheet) with HBM3e: the H100's
+#   launch, mma_efficiency and k_overhead (not refitted); bandwidth_efficiency 0.68 by the H100's rule, the
+#   mean copy bandwidth of 256 MiB - 2 GiB measured on one H200 (3056, 3409, 3354 GB/s) over its 4.8 TB/s
+#   peak (bench/results/gpu_calibrate_h200.md, whose whole-step rows were priced with 0.77 before this).
+GPU_KERNELS["h200"] = dataclasses.replace(GPU_KERNELS["h100"], bandwidth_efficiency=0.68)
