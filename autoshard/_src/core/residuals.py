@@ -48,28 +48,33 @@ def saved_values(graph: OpGraph, fused: Fusion, core: Collection[int] | None = N
         if hit is not None:
             return hit
         needed[v] = False          # a cycle cannot occur (a DAG); this guards re-entry only
-        out = False
-        for c in values[v].consumers:
-            op = ops[c]
-            if not known(c):           # outside the window: the jaxpr's answer, through forward ops
-                out = op.phase == "backward" or (op.phase == "forward" and any(
-                    read_by_backward(w, home) for w in op.outputs))
-            elif group[c] >= 0:
-                out = int(group[c]) != home and fused_in_backward(c)
-            else:                      # a view, an op recomputed in its readers, or dead code
-                out = any(read_by_backward(w, home) for w in op.outputs)
-            if out:
-                break
+        # outside the window: the jaxpr's answer, through forward ops; in a group: its phase; else a
+        # view, an op recomputed in its readers, or dead code: through its outputs
+        out = any(_reader_keeps(c, home) for c in values[v].consumers)
         needed[v] = out
         return out
 
-    def saved(v: int) -> bool:
+    def saved(v: int, via: Callable[[int], bool] | None = None) -> bool:
+        """`via`: only readers `c` with via(c) count at the first hop (a value cut at a region
+        boundary is read in two layouts; each layout is kept only for the readers that read it)."""
         p = values[v].producer
         if p is None or ops[p].phase != "forward":
             return False
+        readers = [c for c in values[v].consumers if via is None or via(c)]
         if not known(p):
-            return any(ops[c].phase == "backward" for c in values[v].consumers)
+            return any(ops[c].phase == "backward" for c in readers)
         if group[p] < 0 or fused_in_backward(p):
             return False           # a view, recomputed where it is read, dead, or run by the backward
-        return read_by_backward(v, int(group[p]))
+        if via is None:
+            return read_by_backward(v, int(group[p]))
+        return any(_reader_keeps(c, int(group[p])) for c in readers)
+
+    def _reader_keeps(c: int, home: int) -> bool:
+        op = ops[c]
+        if not known(c):
+            return op.phase == "backward" or (op.phase == "forward" and any(read_by_backward(w, home)
+                                                                            for w in op.outputs))
+        if group[c] >= 0:
+            return int(group[c]) != home and fused_in_backward(c)
+        return any(read_by_backward(w, home) for w in op.outputs)
     return saved

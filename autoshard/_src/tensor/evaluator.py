@@ -357,13 +357,20 @@ class _Evaluator(MemoryModel):
             for v, s, d in zip(op.outputs, op.out_shapes, op.out_dtypes, strict=True):
                 if v in unsaved:
                     continue
+                if v in cut_after and len(cut_after[v]) == len(s) and v not in kept:
+                    before = tuple(self.cidx.get(f, -1) if f is not None else -1 for f in fg.value_factors(v))
+                    after = tuple(self.cidx.get(f, -1) if f is not None else -1 for f in cut_after[v])
+                    if before != after:
+                        # each layout is kept for the backward readers that read it (a vocabulary-
+                        # parallel embedding's whole output is read by no backward op: only its
+                        # reduce-scattered sequence-parallel copy is kept)
+                        reads_after = self._reads_layout(v, cut_after[v])
+                        own, copy = saved(v, lambda c: not reads_after(c)), saved(v, reads_after)
+                        if own or copy:
+                            cut_copies[(before, after, own, copy)] += w * nbytes(s, d)
+                        continue
                 if v in kept or saved(v):
                     acts[self._cmask(fg.value_factors(v, len(s)))] += w * nbytes(s, d)
-                    if v in cut_after and len(cut_after[v]) == len(s):
-                        before = tuple(self.cidx.get(f, -1) if f is not None else -1 for f in fg.value_factors(v))
-                        after = tuple(self.cidx.get(f, -1) if f is not None else -1 for f in cut_after[v])
-                        if before != after:
-                            cut_copies[(before, after)] += w * nbytes(s, d)
         self.acts = sorted(acts.items())
         self.cut_copies = sorted(cut_copies.items())
         # the backward pass's working set beside the saved activations: the cotangent a matmul or
@@ -379,6 +386,15 @@ class _Evaluator(MemoryModel):
                     key = self._cmask(fg.value_factors(v, len(s)))
                     largest[key] = max(largest.get(key, 0.0), float(nbytes(s, d)))
         self.backward_values = sorted(largest.items())
+
+    def _reads_layout(self, v: int, layout: tuple):
+        """A predicate on op indices: does the op read `v` in `layout` (a cut's factors per dim)?"""
+        ops, of = self.graph.ops, self.fg.op_factors
+
+        def reads(c: int) -> bool:
+            f = of.get(c)
+            return f is not None and any(x == v and f.in_factors[k] == layout for k, x in enumerate(ops[c].inputs))
+        return reads
 
     # --- evaluation --------------------------------------------------------------------------
     def _or(self, plans: np.ndarray, idxs: tuple[int, ...]) -> np.ndarray:

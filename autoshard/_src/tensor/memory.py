@@ -57,7 +57,7 @@ class MemoryModel:
         for fs, b in self.backward_values:
             working = np.maximum(working, b / self.msize[self._or(plans, fs)])
         out["activations"] += working
-        for (before, after), b in self.cut_copies:     # only where the plan moves the value
+        for (before, after, own_kept, copy_kept), b in self.cut_copies:   # a value in two layouts
             moved = np.zeros(C, dtype=bool)
             sliced = np.ones(C, dtype=bool)      # the kept layout is a slice of the moved one (a gather)
             for i, j in zip(before, after, strict=True):
@@ -67,14 +67,19 @@ class MemoryModel:
             after_mask = self._or(plans, tuple(j for j in after if j >= 0))
             before_mask = self._or(plans, tuple(i for i in before if i >= 0))
             copy = b / self.msize[after_mask]
-            # a gathered copy replaces the split one (slicing it again is free); an all-to-all's does not.
+            # each layout the backward reads is kept; a gathered copy replaces the split one (slicing it
+            # again is free); where the plan does not move the value, one buffer serves both readers.
             # XLA keeps a gathered copy for the backward's matmul (XLA:CPU's buffers show it), unless
             # remat saves the split value alone: its backward then gathers again (Megatron's SP)
             own = b / self.msize[before_mask]
             gathered = moved & sliced
-            out["activations"] += np.where(moved, copy - np.where(sliced, own, 0.0), 0.0)
-            out["regathered"] += np.where(gathered, copy - own, 0.0)
-            out["regather_comm"] += np.where(gathered, self._coll("all-gather", copy, before_mask & ~after_mask), 0.0)
+            both = (own if own_kept else 0.0) + (copy if copy_kept else 0.0)
+            one = np.where(gathered & copy_kept, copy, own) if (own_kept or copy_kept) else 0.0
+            out["activations"] += np.where(moved & ~gathered, both, one)
+            if copy_kept:
+                out["regathered"] += np.where(gathered, copy - own, 0.0)
+                out["regather_comm"] += np.where(gathered, self._coll("all-gather", copy, before_mask & ~after_mask),
+                                                 0.0)
         out["grads_before"], out["grads_kept"] = grads_before, grads_kept
         out["grads_reduced"] = self._reduced_gradient_bytes(plans)
         out["grads_scattered"] = out["grads_reduced"] * kept_share(grads_before, grads_kept)
