@@ -28,6 +28,9 @@ outside it reads (or the program returns): those bytes are priced on the member 
 writes them, so a plan that splits an op divides its bytes with it. Each fusion starts one kernel,
 counted on its last op.
 
+The decision rules (placement, duplication, GEMM epilogues) are in `core.fusion_rules`; this module
+drives the passes.
+
 What GPU fusion does beyond this (documented, not modelled): sibling multi-output fusion of two
 reductions of one input (a LayerNorm backward's two sums read their input once on a GPU, twice
 here), Triton softmax / GEMM fusions of newer XLA, and fusions XLA splits because they would be too
@@ -43,6 +46,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
+from .fusion_rules import EPILOGUE_OPS, EXPENSIVE_OPS, GEMM_OPS, _Rules  # noqa: F401  (EXPENSIVE_OPS: re-exported)
 from .graph import Op, OpGraph
 from .liveness import is_live, live_ops
 
@@ -58,13 +62,6 @@ KERNEL_OPS = frozenset({
 REDUCE_OPS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or",
                         "reduce_xor", "argmax", "argmin"})
 RECOMPUTED_OPS = frozenset({"broadcast_in_dim", "iota"})
-# ops XLA's InstructionFusion never duplicates into several readers (`IsExpensive`); XLA:GPU's priority
-# fusion weighs them by its cost model instead (duplicating them when that saves memory traffic)
-EXPENSIVE_OPS = frozenset({"exp", "exp2", "expm1", "log", "log1p", "tanh", "logistic", "rsqrt", "sqrt", "cbrt",
-                           "pow", "atan2", "div", "rem", "erf", "erfc", "erf_inv", "lgamma", "digamma", "tan",
-                           "asin", "acos", "atan", "sinh", "cosh", "asinh", "acosh", "atanh"})
-GEMM_OPS = frozenset({"dot_general", "conv_general_dilated"})
-EPILOGUE_OPS = frozenset({"add", "convert_element_type"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,7 +151,10 @@ def op_class(op: Op) -> str:
     return "loop"
 
 
-class _Fuser:
+class _Fuser(_Rules):
+    """The fusion passes over a graph (or a window of it); the decision rules are `_Rules`'
+    (`core.fusion_rules`)."""
+
     def __init__(self, graph: OpGraph, gpu: bool, scope: tuple[int, ...] | None = None) -> None:
         self.g, self.gpu = graph, gpu
         ops = graph.ops
@@ -260,82 +260,6 @@ class _Fuser:
         self.epilogue_cache.clear()        # asked again once every kind is settled (views found above)
         return self.inline
 
-    def _cheaper_to_recompute(self, op: Op, readers: set[int]) -> bool:
-        """Would recomputing `op` inside each of its readers' fusions move fewer bytes than writing
-        its result once and reading it back in each? (XLA's priority fusion duplicates a producer
-        into all its consumers when that lowers the estimated run time; for memory-bound code, the
-        bytes.) A convert feeding two readers, a row's mean / n: yes; a residual add: no."""
-        if len(op.outputs) != 1:
-            return False
-        out = self.g.values[op.outputs[0]].nbytes
-        if not self.gpu:
-            return self._operand_bytes(op) <= out
-        return len(readers) * self._input_bytes(op) <= (1 + len(readers)) * out
-
-    def _operand_bytes(self, op: Op) -> float:
-        """XLA:CPU's test (InstructionFusion): copying a producer into several readers cannot add memory
-        traffic when its HLO operands (a broadcast at its full size) are no larger than its result; a
-        larger one (a row's `x - mean`) is written once (the exception, fusing it along every path,
-        is not modelled: a reduction or matmul on one path forbids it, and the estimate errs high)."""
-        total = 0.0
-        for v in op.inputs:
-            val = self.g.values[self.source(v)]
-            if val.kind != "literal":
-                total += val.nbytes
-        return total
-
-    def _duplicable(self, op: Op) -> bool:
-        """May fusion copy `op` into several readers? Not an expensive op on XLA:CPU (`EXPENSIVE_OPS`);
-        an integer division is cheap there, and so is one by a constant (XLA's algebraic simplifier
-        makes it a multiplication first: a mean's `sum / n`)."""
-        if self.gpu or op.primitive not in EXPENSIVE_OPS:
-            return True
-        if op.primitive not in ("div", "rem"):
-            return False
-        by_constant = op.primitive == "div" and self.g.values[op.inputs[-1]].kind == "literal"
-        return by_constant or not any(d.startswith(("float", "bfloat")) for d in op.out_dtypes)
-
-    def _input_bytes(self, op: Op) -> float:
-        """Bytes recomputing `op` reads: its inputs, a broadcast counted as what it broadcasts (it is
-        recomputed in place), and through producers as cheap to recompute (an elementwise op reading
-        no more than it writes, not a GEMM's epilogue: decided after `op`, as producers come earlier)
-        the values they derive from, each once (a tanh-GELU's terms all read one matmul output)."""
-        return float(sum(map(self._nbytes, self._recompute_sources(op, 4))))
-
-    def _nbytes(self, v: int) -> int:
-        hit = self.bytes_cache.get(v)
-        if hit is None:
-            hit = self.bytes_cache[v] = self.g.values[v].nbytes
-        return hit
-
-    def _recompute_sources(self, op: Op, depth: int) -> frozenset[int]:
-        key = (op.index, depth)       # cached: chains share their producers
-        hit = self.sources_cache.get(key)
-        if hit is None:
-            hit = self.sources_cache[key] = frozenset(self._sources(op, depth))
-        return hit
-
-    def _sources(self, op: Op, depth: int) -> set[int]:
-        out: set[int] = set()
-        for v in op.inputs:
-            v = self.source(v)
-            val = self.g.values[v]
-            p = val.producer
-            if val.kind == "literal":
-                continue
-            if p is not None and self.cls[p] == "recomputed":
-                out |= self._recompute_sources(self.g.ops[p], depth)
-                continue
-            q = self.g.ops[p] if p is not None else None
-            if q is not None and depth > 0 and self.cls[p] == "loop" and len(q.outputs) == 1 \
-                    and self.same_place(q, op) and self._duplicable(q) and self._epilogue_of(q) is None:
-                inner = self._recompute_sources(q, depth - 1)
-                if sum(map(self._nbytes, inner)) <= self._nbytes(v):
-                    out |= inner
-                    continue
-            out.add(v)
-        return out
-
     # --- grouping ----------------------------------------------------------------------------
     def find(self, i: int) -> int:
         while self.parent[i] != i:
@@ -348,12 +272,6 @@ class _Fuser:
         if a != b:
             self.parent[a] = b
             self.has_gemm[b] = self.has_gemm[b] or self.has_gemm[a]
-
-    def same_place(self, a: Op, b: Op) -> bool:
-        """XLA fuses within one loop body, across the forward and backward passes (a cheap forward
-        op is recomputed in the backward's fusion rather than saved), but not into the optimizer
-        (a gradient reaches it through a reduction once the batch is split)."""
-        return a.loops == b.loops and (a.phase == b.phase or {a.phase, b.phase} <= {"forward", "backward"})
 
     def sole_reader(self, p: int) -> int | None:
         """The one op reading all of `p`'s outputs, if there is one (a returned output is also
@@ -426,48 +344,6 @@ class _Fuser:
         if p is not None:
             self.union_into(p, op.index)
 
-    def _epilogue_of(self, op: Op) -> int | None:
-        """The GEMM whose epilogue `op` is (a single-consumer bias add or output convert), if any."""
-        if op.primitive not in EPILOGUE_OPS:
-            return None
-        if op.index not in self.epilogue_cache:
-            self.epilogue_cache[op.index] = self._find_epilogue(op)
-        return self.epilogue_cache[op.index]
-
-    def _find_epilogue(self, op: Op) -> int | None:
-        for v in op.inputs:
-            p = self.g.values[self.source(v)].producer
-            if p is None or self.g.ops[p].primitive not in GEMM_OPS or not self.same_place(self.g.ops[p], op):
-                continue
-            if op.primitive == "add" and not self._bias(op, v):
-                continue
-            return p if self._only_reader(p, op.index) else None
-        return None
-
-    def _only_reader(self, p: int, c: int) -> bool:
-        """Is `c` the one live op reading `p`'s results (through views)? Asked while readers' kinds
-        are still being settled, so views are followed and nothing is cached."""
-        stack = list(self.g.ops[p].outputs)
-        while stack:
-            v = stack.pop()
-            for r in self.g.values[v].consumers:
-                if self.cls[r] == "alias":
-                    stack.extend(self.g.ops[r].outputs)
-                elif self.cls[r] != "dead" and r != c:
-                    return False
-        return True
-
-    def _bias(self, op: Op, gemm_out: int) -> bool:
-        """Is `op`'s other operand a vector broadcast over the GEMM's output (cuBLASLt's BIAS epilogue)?"""
-        others = [w for w in op.inputs if w != gemm_out]
-        if len(others) != 1:
-            return False
-        src = self.g.values[self.source(others[0])]
-        p = src.producer
-        if p is not None and self.g.ops[p].primitive == "broadcast_in_dim":
-            src = self.g.values[self.source(self.g.ops[p].inputs[0])]
-        return sum(d > 1 for d in src.shape) <= 1
-
     # --- bytes -------------------------------------------------------------------------------
     def reads(self, v: int) -> tuple[int, ...]:
         """The materialised values a read of `v` touches (a broadcast run in place reads its input;
@@ -513,14 +389,6 @@ class _Fuser:
                     self.union_into(r, root)
                     self.member_lists[root] += self.member_lists.pop(r)
                     break
-
-    @staticmethod
-    def row_reduction(op: Op) -> bool:
-        """A reduction over the last (minor) dim only: the rows the normalisation fusion keeps on chip
-        (a bias gradient's sum over the batch rows is a column reduction: not fused so)."""
-        axes = tuple(op.params.get("axes", ()))
-        rank = len(op.in_shapes[0]) if op.in_shapes else 0
-        return rank > 0 and axes == (rank - 1,)
 
     def members(self, root: int) -> list[int]:
         return self.member_lists[root]
