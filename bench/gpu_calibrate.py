@@ -438,7 +438,8 @@ def run_step(rec: Recorder, hw, quick: bool) -> None:
             price = model_price(m.train_step, args, hw)
             row.update(op_sum=price["predicted"], ratio_op_sum=t / price["predicted"],
                        traced_flops=price["traced_flops"], tflops=price["traced_flops"] / t / 1e12)
-            row.update(compiled_facts(m.train_step, *args, name=f"step_{name}_{config}_{len(rec.data['sections'].get('step', []))}"))
+            n_done = len(rec.data["sections"].get("step", []))
+            row.update(compiled_facts(m.train_step, *args, name=f"step_{name}_{config}_{n_done}"))
             audit = autoshard.audit(plan, m.train_step, *args)       # the plan compiled here: memory on this backend
             row.update(compiled_memory=dict(audit.memory), predicted_memory=dict(audit.predicted_memory),
                        memory_gaps=[f"{g.what}: {g.predicted:.4g} vs {g.audited:.4g}" for g in audit.gaps

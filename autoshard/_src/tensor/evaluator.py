@@ -365,7 +365,8 @@ class _Evaluator(MemoryModel):
                         # parallel embedding's whole output is read by no backward op: only its
                         # reduce-scattered sequence-parallel copy is kept)
                         reads_after = self._reads_layout(v, cut_after[v])
-                        own, copy = saved(v, lambda c: not reads_after(c)), saved(v, reads_after)
+                        own = saved(v, lambda c, r=reads_after: not r(c))
+                        copy = saved(v, reads_after)
                         if own or copy:
                             cut_copies[(before, after, own, copy)] += w * nbytes(s, d)
                         continue
