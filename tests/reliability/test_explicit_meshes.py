@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import jax
 import numpy as np
+import optax
 import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -107,6 +108,25 @@ def test_decorated_step_under_a_callers_explicit_mesh_context(reference):
     step = autoshard.autoshard(M.train_step, mesh=MESH, **HW)
     with jax.set_mesh(explicit()):
         got, losses = run_steps(step)
+    assert_close(losses, want_losses)
+    assert_close(got, want)
+
+
+def pipelined_step(params, opt_state, batch):
+    loss, grads = autoshard.value_and_grad(M.loss)(params, batch)
+    updates, opt_state = M.optimizer.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+
+@pytest.mark.filterwarnings("ignore:autoshard. the plan gives its stages")
+def test_decorated_pipeline_step_on_an_explicit_mesh_and_under_its_context():
+    opts = {"pipeline": "rannc", "num_microbatches": 2, **HW}
+    want, want_losses = run_steps(autoshard.autoshard(pipelined_step, mesh={"pipe": 2, "data": 2}, **opts), n=1)
+    em = explicit((2, 2), ("pipe", "data"), jax.devices()[:4])
+    step = autoshard.autoshard(pipelined_step, mesh=em, **opts)
+    with jax.set_mesh(em):
+        got, losses = run_steps(step, n=1)
+    assert step.mesh.axis_types == (AxisType.Auto,) * 2
     assert_close(losses, want_losses)
     assert_close(got, want)
 
