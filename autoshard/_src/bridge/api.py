@@ -18,7 +18,7 @@ from ..plan.plan import Plan
 from ..plan.planner import expert_tensor_plan
 from ..plan.validate import check_fits
 from .devices import local_hardware
-from .emit import JaxArgs
+from .emit import JaxArgs, on_own_mesh
 from .infer_api import plan_inference
 from .profile import StepProfiler
 from .trace import trace
@@ -51,6 +51,7 @@ def hardware_of(config: Config) -> HardwareSpec:
     return config.hardware if config.hardware is not None else local_hardware()
 
 
+@on_own_mesh
 def plan(step: Callable, *args: Any, config: Any = None, mode: str = "train", **kwargs: Any) -> Plan:
     """Plan `step(*args)` (arrays or ShapeDtypeStructs): keywords are `Config` fields (mesh, devices,
     hardware, memory_budget, search or options, pipeline, schedule, profile, pipeline_options, ...),
@@ -89,6 +90,7 @@ def plan_traced(step: Callable, args: tuple, graph: OpGraph, config: Config, tra
                      trace_seconds=trace_seconds, three_d=three_d)
 
 
+@on_own_mesh
 def expert_plan(name: str, step: Callable, *args: Any, config: Any = None, **kwargs: Any) -> Plan:
     """The hand-written reference plan `name` (one of autoshard's EXPERTS: data-parallel, fsdp,
     megatron, data-megatron, megatron-sp) for `step` on the config's mesh, priced by the same model as

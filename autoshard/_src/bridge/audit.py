@@ -23,7 +23,7 @@ from ..core.errors import PlanError
 from ..plan.plan import Plan
 from . import hlo as _hlo
 from .api import bind
-from .emit import auto_axes, jit_step, make_mesh
+from .emit import auto_axes, jit_step, make_mesh, on_own_mesh
 from .pipelined_step import rematerialised
 from .plan_fit import check_fingerprint, check_outputs
 from .trace import trace_step
@@ -230,6 +230,7 @@ def _check_auditable(plan: Any) -> None:
             "(autoshard.plan without pipeline=..., or a mesh without a 'pipe' axis).")
 
 
+@on_own_mesh
 def audit(plan: Plan, step: Callable, *args: Any, mesh: Mesh | None = None) -> Audit:
     """Compile `step` under `plan` on `mesh` (default: the plan's axes over the local devices) and
     compare the compiled program with the plan's prediction. `args` may be ShapeDtypeStructs."""

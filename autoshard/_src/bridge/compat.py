@@ -31,6 +31,32 @@ def is_tracer(x: Any) -> bool:
     return isinstance(x, jax.core.Tracer)
 
 
+def tracing() -> bool:
+    """Whether a jax transformation is tracing now (jax.set_mesh refuses to run then)."""
+    from jax._src import core
+
+    return not core.trace_state_clean()
+
+
+def typed_sharding(sharding: Any) -> bool:
+    """Whether an array's sharding is a NamedSharding on a mesh with a non-Auto axis (an array placed on
+    jax.make_mesh's default Explicit mesh): its sharding is then part of its type, which a step traced
+    for Auto shardings rejects ("Mesh for all inputs should be equal")."""
+    types = getattr(getattr(sharding, "mesh", None), "axis_types", ())
+    return isinstance(sharding, jax.sharding.NamedSharding) and any(t != jax.sharding.AxisType.Auto for t in types)
+
+
+def untyped(args: Any) -> Any:
+    """`args` with each array placed on an Explicit mesh as a ShapeDtypeStruct of its shape and dtype:
+    what autoshard traces and lowers (it plans the shardings itself); other leaves unchanged."""
+    def one(x: Any) -> Any:
+        if isinstance(x, jax.Array) and typed_sharding(getattr(x, "sharding", None)):
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=getattr(jax.typeof(x), "weak_type", False))
+        return x
+
+    return jax.tree.map(one, args)
+
+
 def is_literal(atom: Any) -> bool:
     return isinstance(atom, Literal)
 

@@ -40,7 +40,7 @@ from .cut_dag import assign as dag_assign
 from .cut_dag import plan_edges
 from .cut_place import anchors, live_bytes, plan_anchors, plan_stages, stage_count
 from .devices import local_hardware
-from .emit import auto_axes
+from .emit import auto_axes, on_own_mesh
 from .loss_form import LossForm, loss_form, value_avals
 from .remat import eqn_blocks, run_eqns
 from .repack import Repacker
@@ -65,6 +65,8 @@ class StageInfo:
 
 
 def _mesh(mesh: Any) -> Mesh:
+    if isinstance(mesh, jax.sharding.AbstractMesh):
+        mesh = dict(mesh.shape)       # axes without devices (jax.sharding.get_abstract_mesh()): the local ones
     if isinstance(mesh, Mesh):
         return auto_axes(mesh)        # jax.make_mesh's Explicit axes: same devices, Auto (the runtime's constraints)
     if isinstance(mesh, Mapping) and mesh and all(isinstance(v, int) and v > 0 for v in mesh.values()):
@@ -74,7 +76,8 @@ def _mesh(mesh: Any) -> Mesh:
                 f"autoshard.pipelined: mesh {dict(mesh)} needs {n} devices, {len(jax.devices())} are available.")
         return jax.make_mesh(tuple(mesh.values()), tuple(mesh), axis_types=(AxisType.Auto,) * len(mesh),
                              devices=jax.devices()[:n])
-    raise PipelineError(f"autoshard.pipelined: mesh must be a jax Mesh or a dict axis -> size, got {mesh!r}.")
+    raise PipelineError(f"autoshard.pipelined: mesh must be a jax Mesh or a dict axis -> size, got {mesh!r}. Fix: "
+                        "mesh={'pipe': 2, 'data': 4} or jax.make_mesh(sizes, names) with a 'pipe' axis.")
 
 
 class Pipelined:
@@ -91,6 +94,7 @@ class Pipelined:
     def mesh(self) -> Mesh:
         return self.program.mesh
 
+    @on_own_mesh
     def stack(self, params: Any) -> Any:
         return self.program.stack(self._per_stage(params))
 
@@ -114,14 +118,17 @@ class Pipelined:
         stacked = self.program.abstract_stack(self._per_stage(jax.tree.unflatten(self._treedef, structs)))
         return Repacker(self, structs, stacked)
 
+    @on_own_mesh
     def unstack(self, stacked: Any) -> Any:
         per_stage = self.program.unstack(stacked)
         return jax.tree.unflatten(self._treedef, [per_stage[s][k] for k, s in zip(self._keys, self._owner,
                                                                                    strict=True)])
 
+    @on_own_mesh
     def __call__(self, stacked: Any, batch: Any) -> tuple[jax.Array, Any]:
         return self.program(stacked, batch)
 
+    @on_own_mesh
     def value_and_grad(self, params: Any, batch: Any) -> tuple[jax.Array, Any]:
         loss, grads = self.program(self.stack(params), batch)
         return loss, self.unstack(grads)
@@ -137,6 +144,7 @@ class Pipelined:
         return "\n".join(rows)
 
 
+@on_own_mesh
 def pipelined(loss_fn: Callable, params: Any, batch: Any, *, mesh: Any, num_microbatches: int,
               schedule: str = "1f1b", plan: Any = None, pipe_axis: str = "pipe",
               data_axes: tuple[str, ...] | None = None, check_loss: bool = True,

@@ -25,7 +25,17 @@ from ..plan.planner import IDLE_AXIS
 from ..plan.validate import check_plan
 from .api import bind, hardware_of, local_config, plan_traced
 from .call_args import check_leaves, failed, positional, unaliased
-from .emit import ShapesChanged, donated_argnums, jit_step, make_mesh, shape_guarded, shardings, signature
+from .compat import typed_sharding, untyped
+from .emit import (
+    ShapesChanged,
+    donated_argnums,
+    jit_step,
+    make_mesh,
+    own_mesh_context,
+    shape_guarded,
+    shardings,
+    signature,
+)
 from .infer_api import InferenceAutosharded
 from .pipelined_step import pipelined_step, rematerialised
 from .plan_fit import check_fingerprint, check_outputs
@@ -195,7 +205,7 @@ class Autosharded:
         compiled program that jax reports at the call is a StepFailedError saying whether the donated
         inputs are gone; one it reports later (jax dispatches asynchronously) surfaces where the
         results are read, as jax's own error. A caller's `with jax.set_mesh(...)` does not reach the step."""
-        with _own_mesh_context():
+        with own_mesh_context():
             return self._call(args, kwargs)
 
     def _call(self, args: tuple, kwargs: dict) -> Any:
@@ -233,7 +243,7 @@ class Autosharded:
         return self._plan
 
     def lower(self, *args, **kwargs):
-        with _own_mesh_context():
+        with own_mesh_context():
             return self._lower(positional(self.fn, args, kwargs))
 
     def _lower(self, args: tuple):
@@ -241,10 +251,10 @@ class Autosharded:
         if self._treedef is None or jax.tree.structure(args) != self._treedef:
             self._select(args)
         try:
-            return self._jitted.lower(*args)
+            return self._jitted.lower(*untyped(args))
         except ShapesChanged:
             self._select(args)
-            return self._jitted.lower(*args)
+            return self._jitted.lower(*untyped(args))
 
     def explain(self) -> str:
         text = self.plan.explain()
@@ -261,7 +271,7 @@ class Autosharded:
         """The NamedSharding pytree (shaped like `args`) the step expects its arguments in; plans on
         the first use, like a call. Give it to `jax.device_put`, or to `autoshard.restore` (via
         ShapeDtypeStructs) to load a checkpoint straight into the step's layout."""
-        with _own_mesh_context():
+        with own_mesh_context():
             self._select(positional(self.fn, args, kwargs))
         return self._in_shardings
 
@@ -290,7 +300,7 @@ class Autosharded:
         """Put arguments on the mesh with the planned shardings (done on the first call)."""
         args = positional(self.fn, args, kwargs)
         check_leaves(args, jax.tree.leaves(args), self.plan_args, concrete=True)
-        with _own_mesh_context():
+        with own_mesh_context():
             self._select(args)
             return self._placed(args)
 
@@ -312,20 +322,12 @@ class Autosharded:
 
 def _misplaced(leaves: list, wanted: list) -> bool:
     """Whether an argument array is committed to other devices than its planned sharding's (`wanted`:
-    their device sets, kept per program; one set comparison per leaf and call)."""
+    their device sets, kept per program; one set comparison per leaf and call), or placed on a mesh with
+    Explicit axes (its sharding is part of its type: the step would trace it as another program's input)."""
     return len(wanted) == len(leaves) and any(
-        isinstance(x, jax.Array) and getattr(x, "committed", False) and x.sharding.device_set != devices
+        isinstance(x, jax.Array) and getattr(x, "committed", False)
+        and (x.sharding.device_set != devices or typed_sharding(x.sharding))
         for x, devices in zip(leaves, wanted, strict=True))
-
-
-def _own_mesh_context() -> contextlib.AbstractContextManager:
-    """The step runs on its own mesh: under a caller's `with jax.set_mesh(m)` (even of the same devices,
-    whose axes jax.make_mesh makes Explicit) jax would check every op of the step against m ("context
-    mesh ... should match the aval mesh"). Tracing and running with no context mesh is what jax.jit of
-    a step with explicit in/out shardings does; the caller's context is restored on exit."""
-    if jax.sharding.get_abstract_mesh().empty:
-        return contextlib.nullcontext()       # the usual case costs one check per call
-    return jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ()))
 
 
 def same_plan_everywhere(plan: Plan, args: tuple) -> Plan:

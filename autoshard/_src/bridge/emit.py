@@ -3,14 +3,16 @@ in/out shardings and donated state. Plain jax objects, inspectable and editable.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
 import jax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from ..core.errors import MeshError, PlanError
+from ..core.errors import MeshError, PlanError, TraceFailedError
 from ..core.graph import op_keys
 from ..core.mesh import check_distinct_devices
 from ..plan.plan import Plan
@@ -73,6 +75,75 @@ def auto_axes(mesh: Mesh) -> Mesh:
     if all(t == AxisType.Auto for t in mesh.axis_types):
         return mesh
     return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
+
+
+def own_mesh_context() -> contextlib.AbstractContextManager:
+    """The step (an @autoshard step, audit's compile, a pipelined loss, an inference program) runs on its
+    own mesh: under a caller's `with jax.set_mesh(m)` (even of the same devices, whose axes jax.make_mesh
+    makes Explicit) jax would check every op of the step against m ("context mesh ... should match the
+    aval mesh", and arrays it makes, such as a pipeline's schedule tables, would be typed on m). Tracing
+    and running with no context mesh is what jax.jit of a step with explicit in/out shardings does; the
+    caller's context is restored on exit. Inside a caller's trace (where jax.set_mesh is refused) only
+    the abstract mesh is cleared."""
+    abstract = jax.sharding.get_abstract_mesh()
+    if jc.tracing():
+        if abstract.empty:
+            return contextlib.nullcontext()
+        return _cleared(abstract, jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())))
+    concrete = jax.sharding.get_mesh()
+    if abstract.empty and concrete.empty:
+        return contextlib.nullcontext()       # the usual case costs two checks per call
+    return _cleared(abstract if concrete.empty else concrete, jax.set_mesh(None))
+
+
+def mesh_text(mesh: Any) -> str:
+    """A mesh for messages: its axes, sizes and axis types."""
+    types = ", ".join(t.name for t in mesh.axis_types)
+    return f"{dict(mesh.shape)} (axis types {types})"
+
+
+@contextlib.contextmanager
+def _cleared(caller: Any, clear: contextlib.AbstractContextManager) -> Any:
+    """`clear` (the caller's mesh context removed); a step whose trace then fails on a sharding call that
+    needs that context (jax.sharding.reshard, a PartitionSpec out_sharding) is a MeshError saying so."""
+    with clear:
+        try:
+            yield
+        except TraceFailedError as err:
+            cause = str(err.__cause__ or "")
+            if "mesh" not in cause.lower():
+                raise
+            first = cause.strip().splitlines()[0] if cause.strip() else ""
+            raise MeshError(
+                f"autoshard: the step's trace failed under the caller's mesh context, jax.set_mesh with mesh "
+                f"{mesh_text(caller)}: autoshard runs the step on its own mesh with Auto axes (the plan's "
+                f"shardings), without the caller's context, so a sharding call in the step that needs it fails "
+                f"({type(err.__cause__).__name__}: {first}). Fix: drop explicit-sharding calls (jax.sharding.reshard, "
+                "out_sharding=P(...)) from the step and let the plan shard it, or constrain with "
+                "jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec)) on a mesh with Auto axes, "
+                "jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * n).") from err
+
+
+def on_own_mesh(fn: Callable) -> Callable:
+    """`fn` run under `own_mesh_context()`: an entry that traces or runs a step ignores a caller's mesh context."""
+
+    @functools.wraps(fn)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        with own_mesh_context():
+            return fn(*args, **kwargs)
+
+    return wrapped
+
+
+def auto_placed(args: Any) -> Any:
+    """`args` with each array placed on an Explicit mesh moved to the same layout on its mesh's Auto twin
+    (`auto_axes`): values and devices unchanged, its sharding no longer part of its type."""
+    def one(x: Any) -> Any:
+        if isinstance(x, jax.Array) and jc.typed_sharding(getattr(x, "sharding", None)):
+            return jax.device_put(x, NamedSharding(auto_axes(x.sharding.mesh), x.sharding.spec))
+        return x
+
+    return jax.tree.map(one, args)
 
 
 def shardings(plan: Plan, mesh: Mesh) -> tuple[Any, Any]:

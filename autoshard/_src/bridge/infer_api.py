@@ -25,7 +25,7 @@ from ..inference.plan import InferenceConfig, InferencePlan, single_direction
 from . import hlo as _hlo
 from .call_args import positional
 from .devices import local_hardware
-from .emit import auto_axes
+from .emit import auto_axes, auto_placed, on_own_mesh
 from .infer_emit import constrained_program, explicit_program, layer_of_op
 from .infer_trace import TracedInference, trace_inference
 from .trace import check_args
@@ -79,6 +79,7 @@ def plan_traced(traced: TracedInference, config: InferenceConfig, signature: str
     return InferencePlan(config.axis_name, hardware.name, result, emission, signature, time.perf_counter() - t0)
 
 
+@on_own_mesh
 def plan_inference(fn: Callable, *args: Any, **kwargs: Any) -> InferencePlan:
     """`autoshard.plan(fn, *args, mode="inference", mesh=..., hardware=..., speeds=..., direction=...,
     max_fuse=..., data_argnums=..., emission=...)`; args may be ShapeDtypeStructs."""
@@ -129,15 +130,17 @@ class InferenceAutosharded:
             self._cache[sig] = (plan, program(traced, plan, mesh))
         return self._cache[sig]
 
+    @on_own_mesh
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        args = positional(self.fn, args, kwargs)
+        args = auto_placed(positional(self.fn, args, kwargs))
         plan, run = self._compiled(args)
         self._last = plan
         return run(*args)
 
+    @on_own_mesh
     def lower(self, *args: Any, **kwargs: Any) -> Any:
         """The jitted program's `lower` for these arguments (inspect `.compile().as_text()`)."""
-        args = positional(self.fn, args, kwargs)
+        args = auto_placed(positional(self.fn, args, kwargs))
         return self._compiled(args)[1].lower(*args)
 
     @property

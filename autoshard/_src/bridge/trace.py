@@ -346,7 +346,7 @@ def trace_step(fn: Callable, *args: Any, name: str | None = None,
     check_args(args)
     fn_name = name or getattr(fn, "__qualname__", None) or type(fn).__qualname__
     with _gc_paused():
-        closed, out_shape = make_jaxpr(fn, args, fn_name)
+        closed, out_shape = make_jaxpr(fn, jc.untyped(args), fn_name)   # arrays on an Explicit mesh: as shapes
         graph = _build_graph(closed, out_shape, args, fn_name, keep_eqns)
         infer_phases(graph, optimizer_scopes)
         attribute_modules(graph)

@@ -95,7 +95,10 @@ def mesh_spec(mesh: Any) -> MeshSpec:
 def check_distinct_devices(mesh: Any, where: str = "autoshard") -> None:
     """MeshError if a concrete mesh (one with a `.devices` array, a `jax.sharding.Mesh`) lists a device
     more than once: jax builds such a Mesh but fails with a bare assertion when an array is placed on it."""
-    devices = getattr(mesh, "devices", None)
+    try:
+        devices = getattr(mesh, "devices", None)
+    except (TypeError, ValueError):     # a jax AbstractMesh: axes, no devices
+        devices = None
     flat = list(getattr(devices, "flat", ()))
     keys = [(getattr(d, "platform", ""), getattr(d, "id", id(d))) for d in flat]
     counts = {k: keys.count(k) for k in set(keys)} if len(set(keys)) < len(keys) else {}
