@@ -15,6 +15,7 @@ from autoshard._src.core.kernels import (
     kernel_model,
     matmul_seconds,
     op_seconds,
+    split_k_seconds,
     tile_feed,
     tiles,
     waves,
@@ -136,3 +137,46 @@ def test_kernel_model_is_validated_and_round_trips():
                 {"sms": 8, "k_overhead": 1.5}):
         with pytest.raises(HardwareError):
             kernel_model(bad)
+
+
+def test_a_weight_gradient_convolution_splits_its_k_over_idle_sms():
+    # ResNet-50's first 1x1 filter gradient (batch 128, 56 x 56, 64 -> 64): M = N = 64 (one tile), K =
+    # 128*56*56. Unsplit, one SM would run all of K; cuDNN splits K over the SMs (its workspace holds
+    # sms / tiles float32 copies of the output) and reduces the partial sums
+    bw, k = 2.039e12, 128 * 56 * 56
+    conv = {"lhs_spec": (3, 0, 1, 2), "rhs_spec": (3, 0, 1, 2), "out_spec": (2, 3, 0, 1), "feature_group_count": 1}
+    x, dy, dw = (128, 56, 56, 64), (128, 56, 56, 64), (1, 1, 64, 64)
+    assert gemm_dims("conv_general_dilated", conv, [x, dy], dw) == (1, 64, 64, k)
+    flops = 2.0 * 64 * 64 * k
+    secs = op_seconds(A100, "conv_general_dilated", conv, [x, dy], dw, flops, 0, RATE, bw, peak=RATE)
+    unsplit = matmul_seconds(A100, 1, 64, 64, k, RATE)
+    one_tile_slices = split_k_seconds(A100, (256, 128), 1, 64 * 64, k, RATE, bw)
+    # 108 slices of one 256 x 128 tile, the partial sums written and read once
+    assert one_tile_slices == pytest.approx(2 * 256 * 128 * math.ceil(k / 108) / (RATE / 108)
+                                            + 2 * 4 * 108 * 64 * 64 / (0.9 * bw))
+    # the fastest tile: 64 x 64, 108 slices at its lower operand reuse
+    choices = [split_k_seconds(A100, t, 1, 64 * 64, k, RATE, bw) for t in ((256, 128), (128, 128), (128, 64), (64, 64))]
+    assert min(choices) == choices[-1] < one_tile_slices
+    assert secs == pytest.approx(A100.launch + min(unsplit, *choices))
+    assert secs < unsplit / 20
+    # a matmul of the same shape is priced unsplit (cuBLAS: SPLIT_K_OPS), and a product that fills the
+    # SMs gains nothing from slices
+    dot = {"contracting": ((0,), (0,)), "batch": ((), ())}
+    assert op_seconds(A100, "dot_general", dot, [(k, 64), (k, 64)], (64, 64), flops, 0, RATE, bw, peak=RATE) == \
+        pytest.approx(A100.launch + unsplit)
+    assert matmul_seconds(A100, 1, 8192, 8192, 1024, RATE, bw) == matmul_seconds(A100, 1, 8192, 8192, 1024, RATE)
+
+
+def test_the_tensor_search_prices_a_split_k_convolution_as_op_seconds():
+    # the vectorised pricing (tensor/kernel_costs.py) and op_seconds agree on a filter gradient
+    import numpy as np
+
+    from autoshard._src.tensor.kernel_costs import GemmCosts, _Gemm
+    bw, k = 2.039e12, 128 * 56 * 56
+    costs = GemmCosts(A100, {})
+    costs.gemms.append(_Gemm(1.0, RATE, (((1, -1),), ((64, -1),), ((256, -1),), ((k, -1),)), 0.0, (), 1.0, bw))
+    secs = costs.seconds(np.zeros((1, 1), dtype=np.int64), np.ones(1), lambda plans, loop: np.zeros(1, dtype=np.int64))
+    conv = {"lhs_spec": (3, 0, 1, 2), "rhs_spec": (3, 0, 1, 2), "out_spec": (2, 3, 0, 1), "feature_group_count": 1}
+    want = op_seconds(A100, "conv_general_dilated", conv, [(128, 56, 56, 64), (128, 56, 56, 256)], (1, 1, 64, 256),
+                      2.0 * 64 * 256 * k, 0, RATE, bw, peak=RATE, launches=0)
+    assert secs[0] == pytest.approx(want)

@@ -96,13 +96,38 @@ def waves(km: KernelModel, batch: int, m: int, n: int) -> int:
     return math.ceil(tiles(km, batch, m, n) / km.sms)
 
 
-def matmul_seconds(km: KernelModel, batch: int, m: int, n: int, k: int, peak: float) -> float:
+def matmul_seconds(km: KernelModel, batch: int, m: int, n: int, k: int, peak: float,
+                   split_bandwidth: float | None = None) -> float:
     """Compute time of `batch` m x k by k x n products on a GPU whose dense peak for their dtype is
     `peak` flop/s: whole waves of whole tiles, each tile at one SM's share of the sustained MMA rate,
     paying K + k_overhead steps and running slower when smaller than the largest tile (tile_seconds).
     Like cuBLAS's heuristics, the fastest of the model's tile and its halvings (down to 64 x 64) is
-    used: small products run in small tiles over more SMs."""
-    return min(waves(t, batch, m, n) * tile_seconds(km, t.tile, k, peak) for t in _tile_choices(km))
+    used: small products run in small tiles over more SMs. With `split_bandwidth` (the HBM bandwidth)
+    a product whose tiles leave SMs idle may also split its K over them (split_k_seconds)."""
+    best = min(waves(t, batch, m, n) * tile_seconds(km, t.tile, k, peak) for t in _tile_choices(km))
+    if split_bandwidth is None:
+        return best
+    return min(best, *(split_k_seconds(km, t.tile, tiles(t, batch, m, n), batch * m * n, k, peak, split_bandwidth)
+                       for t in _tile_choices(km)))
+
+
+def split_k_seconds(km: KernelModel, tile: tuple[int, int], n_tiles: Any, outputs: Any, k: Any, peak: float,
+                    bandwidth: float) -> Any:
+    """Time of a product of `n_tiles` output tiles (`outputs` elements) with its K split into
+    sms // n_tiles slices, one tile-slice per SM in a single wave, each slice's float32 partial sums
+    written to a workspace and read back by the reduction (numbers or numpy arrays; one slice, in whole
+    waves, when the tiles fill the SMs: then slower than unsplit by the partials' traffic).
+
+    cuDNN's weight-gradient convolutions run so. In the compiled ResNet-50 step on an H200
+    (bench/results/gpu_step_dumps_h200.tar.xz, its `__cudnn$convBackwardFilter` calls) each 1x1 filter
+    gradient's workspace is 132 / tiles times its float32 output (132, 66, 33, 16 for 1, 2, 4, 8 tiles
+    of 256 x 128 on the 132 SMs), and the stem's algorithm sets split-K knob 120; CUTLASS's "split-K"
+    GEMM is the same scheme (partial products over K slices, then a reduction)."""
+    slices = km.sms // n_tiles
+    slices = slices + (slices < 1)                     # tiles that fill the SMs: one slice, whole waves
+    partials = 2.0 * 4.0 * slices * outputs           # float32 partial outputs, written then read once
+    n_waves = -(-(n_tiles * slices) // km.sms)
+    return n_waves * tile_seconds(km, tile, -(-k // slices), peak) + partials / (bandwidth * km.bandwidth_efficiency)
 
 
 def tile_seconds(km: KernelModel, tile: tuple[int, int], k: Any, peak: float) -> Any:
@@ -169,6 +194,11 @@ def gemm_dims(primitive: str, params: Mapping[str, Any], in_shapes: Sequence[Seq
     return b * groups, m, n // groups, k
 
 
+# products whose library kernels split K over idle SMs (split_k_seconds): cuDNN's convolutions, seen in
+# their workspaces; cuBLAS's matmuls are priced unsplit (the H100's measured weight-gradient GEMMs,
+# bench/results/gemm_validate_h100.md, already run slower than the unsplit model)
+SPLIT_K_OPS = frozenset({"conv_general_dilated"})
+
 # ops that start a kernel of their own after XLA's fusion (elementwise ops fuse into them: no launch)
 KERNEL_OPS = frozenset({"dot_general", "conv_general_dilated", "reduce_sum", "reduce_max", "reduce_min",
                         "reduce_prod", "argmax", "argmin", "cumsum", "cumprod", "cummax", "cummin",
@@ -195,7 +225,8 @@ def op_seconds(km: KernelModel, primitive: str, params: Mapping[str, Any], in_sh
     achievable rate, peak x compute_efficiency). `scale` multiplies the compute (a FlashAttention core's
     matmuls: core/attention.py)."""
     dims = gemm_dims(primitive, params, in_shapes, out_shape)
-    compute = scale * (matmul_seconds(km, *dims, peak) if dims is not None and all(dims) else flops / flop_rate)
+    split = bandwidth if primitive in SPLIT_K_OPS else None
+    compute = scale * (matmul_seconds(km, *dims, peak, split) if dims is not None and all(dims) else flops / flop_rate)
     launch = km.launch * (launches if launches is not None else float(primitive in KERNEL_OPS))
     return launch + max(compute, memory_seconds(km, nbytes, bandwidth))
 

@@ -21,7 +21,7 @@ from ..core.attention import ATTENTION_MODES, priced_fusion
 from ..core.collectives import KINDS
 from ..core.cost import CostModel
 from ..core.errors import ConfigError
-from ..core.fusion import window_fusion
+from ..core.fusion import ALIAS_OPS, window_fusion
 from ..core.graph import OpGraph, nbytes
 from ..core.hardware import HardwareSpec
 from ..core.kernels import compute_dtype
@@ -92,6 +92,9 @@ class SearchResult:
 
 
 _MATERIALISED = ("dot_general", "conv_general_dilated")     # results XLA writes to memory, never fused away
+# kernels of their own whose backward results are written whole too: a scatter-add (the gradient of a
+# gather: the loss's take_along_axis, whose [B, S, V] cotangent XLA:GPU updates in place)
+_SCATTERS = ("scatter-add", "scatter_add", "scatter")
 _BUCKET = {"forward": "fwd_comm", "backward": "bwd_comm", "grad": "grad_sync", "optimizer": "opt_comm",
            "other": "fwd_comm"}
 
@@ -375,17 +378,33 @@ class _Evaluator(MemoryModel):
         self.acts = sorted(acts.items())
         self.cut_copies = sorted(cut_copies.items())
         # the backward pass's working set beside the saved activations: the cotangent a matmul or
-        # convolution computes (elementwise results fuse into their consumers; gradients are counted
-        # as gradients), at most the largest of them at a time
+        # convolution computes, or a fusion writes for one to read (a library GEMM reads its operands
+        # from memory: the logits' cotangent, softmax - one-hot, is written whole for the two matmuls of
+        # the output layer's backward, beside the saved logits; XLA:GPU's buffers show both at the peak),
+        # in the GEMM's narrowest operand type (XLA:GPU converts a mixed-precision matmul's float32
+        # cotangent in the fusion that writes it: attention's dS, float16 in the compiled GPT step);
+        # other elementwise results fuse into their consumers; gradients are counted as gradients; at
+        # most the largest of them at a time
         largest: dict[tuple[int, ...], float] = {}
+        group = self.fused.group
         for i, w in weights.items():
             op = g.ops[i]
-            if w > 0 and op.phase == "backward" and op.primitive in _MATERIALISED and i not in grad_ops:
-                for v, s, d in zip(op.outputs, op.out_shapes, op.out_dtypes, strict=True):
-                    if v in unsaved:          # a flash kernel's [B, H, S, S] gradients stay on chip
+            if w <= 0 or op.phase != "backward" or i in grad_ops:
+                continue
+            library = op.primitive in _MATERIALISED or op.primitive in _SCATTERS
+            if not library and group[i] < 0:
+                continue
+            for v, s, d in zip(op.outputs, op.out_shapes, op.out_dtypes, strict=True):
+                if v in unsaved:          # a flash kernel's [B, H, S, S] gradients stay on chip
+                    continue
+                size = float(nbytes(s, d))
+                if not library:
+                    itemsize = self._gemm_operand_itemsize(v)
+                    if itemsize is None:
                         continue
-                    key = self._cmask(fg.value_factors(v, len(s)))
-                    largest[key] = max(largest.get(key, 0.0), float(nbytes(s, d)))
+                    size = min(size, float(math.prod(s) * itemsize))
+                key = self._cmask(fg.value_factors(v, len(s)))
+                largest[key] = max(largest.get(key, 0.0), size)
         self.backward_values = sorted(largest.items())
 
     def _reads_layout(self, v: int, layout: tuple):
@@ -396,6 +415,21 @@ class _Evaluator(MemoryModel):
             f = of.get(c)
             return f is not None and any(x == v and f.in_factors[k] == layout for k, x in enumerate(ops[c].inputs))
         return reads
+
+    def _gemm_operand_itemsize(self, v: int) -> int | None:
+        """The narrowest operand itemsize of the matmuls and convolutions reading `v` (through views),
+        or None when none does."""
+        ops, values = self.graph.ops, self.graph.values
+        todo, out = [v], None
+        while todo:
+            for c in values[todo.pop()].consumers:
+                reader = ops[c]
+                if reader.primitive in _MATERIALISED:
+                    size = min(nbytes((1,), d) for d in reader.in_dtypes)
+                    out = size if out is None else min(out, size)
+                elif self.fused.group[c] < 0 and reader.primitive in ALIAS_OPS:
+                    todo.extend(reader.outputs)
+        return out
 
     # --- evaluation --------------------------------------------------------------------------
     def _or(self, plans: np.ndarray, idxs: tuple[int, ...]) -> np.ndarray:

@@ -14,7 +14,7 @@ import dataclasses
 import numpy as np
 
 from ..core.graph import Op
-from ..core.kernels import KernelModel, _tile_choices, gemm_roles, tile_seconds
+from ..core.kernels import SPLIT_K_OPS, KernelModel, _tile_choices, gemm_roles, split_k_seconds, tile_seconds
 from .factors import FactorGraph, OpFactors
 
 
@@ -26,6 +26,7 @@ class _Gemm:
     memory: float                              # seconds to move the whole op's bytes
     loop: tuple[int, ...]                      # candidates splitting the op (its bytes divide by them)
     scale: float = 1.0                         # multiplier of its compute (FlashAttention: causal, recompute)
+    split_bandwidth: float | None = None       # HBM bandwidth where K may split over idle SMs (SPLIT_K_OPS)
 
 
 class GemmCosts:
@@ -48,7 +49,8 @@ class GemmCosts:
         if dims is None:
             return False
         moved = op.bytes if nbytes is None else nbytes
-        self.gemms.append(_Gemm(weight, peak, dims, moved / (bandwidth * self.km.bandwidth_efficiency), loop, scale))
+        self.gemms.append(_Gemm(weight, peak, dims, moved / (bandwidth * self.km.bandwidth_efficiency), loop, scale,
+                                bandwidth if op.primitive in SPLIT_K_OPS else None))
         return True
 
     def _dims(self, op: Op, of: OpFactors, fg: FactorGraph):
@@ -78,8 +80,11 @@ class GemmCosts:
             compute = None
             for t in tiles:
                 tm, tn = t.tile
-                waves = np.ceil(b * np.ceil(m / tm) * np.ceil(n / tn) / km.sms)
-                secs = waves * tile_seconds(km, t.tile, k, g.peak)
+                n_tiles = b * np.ceil(m / tm) * np.ceil(n / tn)
+                secs = np.ceil(n_tiles / km.sms) * tile_seconds(km, t.tile, k, g.peak)
+                if g.split_bandwidth is not None:
+                    secs = np.minimum(secs, split_k_seconds(km, t.tile, n_tiles, b * m * n, k, g.peak,
+                                                            g.split_bandwidth))
                 compute = secs if compute is None else np.minimum(compute, secs)
             memory = g.memory / msize[or_masks(plans, g.loop)]
             out += g.weight * np.maximum(g.scale * compute, memory)
