@@ -270,7 +270,7 @@ def mpmd_pipelined(loss_fn: Callable, params: Any, batch: Any, *, submeshes: Seq
                             f"splits into {M} micro-batches; got {sorted(sizes)}.")
     B = sizes.pop()
     cut = cut_stages(loss_fn, params, batch, S=sched.num_stages, mb=B // M, B=B, plan=plan, schedule=schedule,
-                     check_loss=check_loss, hardware=hardware,
+                     check_loss=check_loss, hardware=hardware, three_d="3d" in getattr(plan, "predicted", {}),
                      mesh_shape={f"stage{r}": dict(mesh.shape) for r, mesh in enumerate(meshes)})
     if cut.edges is not None:
         raise PipelineError("autoshard MPMD pipeline: the plan cuts the loss into a DAG of stages (GraphPipe); this "
