@@ -5,6 +5,9 @@ typed error before anything runs."""
 
 from __future__ import annotations
 
+import json
+import math
+
 import jax
 import numpy as np
 import optax
@@ -12,7 +15,8 @@ import pytest
 
 import autoshard
 import models
-from autoshard._src.bridge.runtimes.mpmd import issue_order, mpmd_pipelined
+from autoshard._src.bridge.runtimes.from_plan import mpmd_from_plan
+from autoshard._src.bridge.runtimes.mpmd import MpmdPipeline, issue_order, mpmd_pipelined
 from autoshard._src.bridge.runtimes.submeshes import stage_meshes
 from autoshard._src.pipeline.schedules.registry import schedule as build_schedule
 
@@ -91,3 +95,55 @@ def test_a_bad_stage_assignment_is_a_typed_error_before_anything_runs(assignment
     # nothing was placed or donated: the caller's arrays are intact
     assert all(not x.is_deleted() for x in jax.tree.leaves((params, batch)))
     np.testing.assert_allclose(float(jax.jit(m.loss)(params, batch)), float(m.loss(params, batch)), rtol=1e-6)
+
+
+def alpa_like_plan():
+    """tests/plan/test_joint_plan.py's model: on 8 H100s the 3-D search gives its 3 stages unequal submeshes
+    (2, 2 and 4 devices), a plan the SPMD runtime refuses (`runnable` False). Planned abstractly at batch 64."""
+    big = models.get("gpt", "debug", vocab_size=16384, num_layers=3, d_model=128, batch_size=64, seq_len=64)
+    return autoshard.plan(big.train_step, *big.abstract_state(), mesh="auto", devices=8, hardware="h100-sxm")
+
+
+def test_the_3d_searchs_unequal_plan_runs_mpmd_like_one_device():
+    plan = alpa_like_plan()
+    chosen = plan.predicted["3d"]["chosen"]
+    assert not plan.runnable and sorted(d * t for d, t in chosen["submeshes"]) == [2, 2, 4]
+    m = models.get("gpt", "debug", vocab_size=16384, num_layers=3, d_model=128, batch_size=8, seq_len=64)
+    params, batch = m.init(jax.random.key(0)), m.batch()
+    run = mpmd_from_plan(m.loss, params, batch, plan)
+    assert [math.prod(mesh.shape.values()) for mesh in run.meshes] == [d * t for d, t in chosen["submeshes"]]
+    assert run.M == chosen["microbatches"] and run.schedule.name == chosen["schedule"]
+    assert run.batch_axes == [st.batch_axes for st in plan.stages]
+    state = run.init(params, m.optimizer)
+    losses = []
+    for _ in range(3):
+        state, loss = run.step(state, batch, m.optimizer)
+        losses.append(float(loss))
+    want, p_ref, _ = reference(m, params, batch)
+    np.testing.assert_allclose(losses, want, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(run.gather(state)), jax.tree.leaves(p_ref), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+
+
+def test_a_plan_file_edited_to_drop_a_device_is_a_typed_error():
+    data = json.loads(alpa_like_plan().to_json())
+    data["predicted"]["3d"]["chosen"]["submeshes"] = [[2, 1], [2, 1], [1, 2]]      # 6 of the 8 devices
+    plan = autoshard.Plan.from_json(json.dumps(data))
+    m = models.get("gpt", "debug", vocab_size=16384, num_layers=3, d_model=128, batch_size=8, seq_len=64)
+    params, batch = m.init(jax.random.key(0)), m.batch()
+    with pytest.raises(autoshard.PipelineError, match=r"devices \[6, 7\] belong to no stage"):
+        mpmd_from_plan(m.loss, params, batch, plan)
+    assert all(not x.is_deleted() for x in jax.tree.leaves((params, batch)))
+
+
+def test_autoshard_pipelined_runs_an_unequal_plan_mpmd():
+    plan = alpa_like_plan()
+    m = models.get("gpt", "debug", vocab_size=16384, num_layers=3, d_model=128, batch_size=8, seq_len=64)
+    params, batch = m.init(jax.random.key(0)), m.batch()
+    run = autoshard.pipelined(m.loss, params, batch, mesh={"devices": 8}, num_microbatches=2, plan=plan)
+    assert isinstance(run, MpmdPipeline) and "MPMD: 3 stages" in run.describe()
+    loss, grads = run.value_and_grad(params, batch)
+    want, want_g = jax.jit(jax.value_and_grad(m.loss))(params, batch)
+    np.testing.assert_allclose(float(loss), float(want), rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(want_g), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)

@@ -53,4 +53,6 @@ def mpmd_from_plan(loss_fn: Callable, params: Any, batch: Any, plan: Any, *, num
     M = num_microbatches if num_microbatches is not None else int(chosen["microbatches"])
     return mpmd_pipelined(loss_fn, params, batch, submeshes=plan_submeshes(plan), num_microbatches=M,
                           schedule=chosen.get("schedule", "1f1b"), devices=devices,
-                          param_specs=stage_param_specs(plan), check_loss=check_loss, plan=plan)
+                          param_specs=stage_param_specs(plan), check_loss=check_loss, plan=plan,
+                          batch_axes=[tuple(a for a in st.batch_axes if a in ("data", "model")) or ("data",)
+                                      for st in plan.stages])

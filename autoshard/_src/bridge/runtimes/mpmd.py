@@ -21,6 +21,7 @@ optimizer state stay there between steps.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -65,10 +66,14 @@ def issue_order(sched: Schedule) -> list[Task]:
     return order
 
 
-def batch_spec(x: Any, mesh: Mesh) -> P:
-    """A micro-batch leaf (or activation): split on its leading dim over "data" where it divides."""
-    d = mesh.shape["data"]
-    return P("data") if d > 1 and getattr(x, "ndim", 0) and x.shape[0] % d == 0 else P()
+def batch_spec(x: Any, mesh: Mesh, axes: tuple[str, ...] = ("data",)) -> P:
+    """A micro-batch leaf (or activation): split on its leading dim over the stage's batch `axes` where they
+    divide it, else over "data", else whole."""
+    for ax in (tuple(axes), ("data",)):
+        n = math.prod(mesh.shape[a] for a in ax)
+        if n > 1 and getattr(x, "ndim", 0) and x.shape[0] % n == 0:
+            return P(ax if len(ax) > 1 else ax[0])
+    return P()
 
 
 def model_spec(shape: tuple[int, ...], mesh: Mesh) -> P:
@@ -79,9 +84,9 @@ def model_spec(shape: tuple[int, ...], mesh: Mesh) -> P:
     return P()
 
 
-def _move(tree: Any, mesh: Mesh) -> Any:
+def _move(tree: Any, mesh: Mesh, axes: tuple[str, ...] = ("data",)) -> Any:
     """Cross-mesh transfer of activations or their gradients onto `mesh` (asynchronous)."""
-    return jax.tree.map(lambda x: jax.device_put(x, NamedSharding(mesh, batch_spec(x, mesh))), tree)
+    return jax.tree.map(lambda x: jax.device_put(x, NamedSharding(mesh, batch_spec(x, mesh, axes))), tree)
 
 
 def _fwd(fn: Callable) -> Callable:
@@ -113,7 +118,8 @@ class MpmdPipeline:
     """A `StageCut` run as one jitted forward and backward per stage on its own submesh (module doc)."""
 
     def __init__(self, cut: StageCut, meshes: Sequence[Mesh], sched: Schedule,
-                 param_specs: Callable[[int, str, tuple[int, ...], Mesh], P] | None = None):
+                 param_specs: Callable[[int, str, tuple[int, ...], Mesh], P] | None = None,
+                 batch_axes: Sequence[tuple[str, ...]] | None = None):
         if sched.num_stages != len(cut.fns) or len(sched.ranks) != len(meshes):
             raise PipelineError(f"autoshard MPMD pipeline: the schedule has {sched.num_stages} stages on "
                                 f"{len(sched.ranks)} ranks; the cut has {len(cut.fns)} stages and there are "
@@ -122,6 +128,7 @@ class MpmdPipeline:
         S = sched.num_stages
         self.meshes = [self.rank_meshes[sched.rank_of[s]] for s in range(S)]
         self.M = sched.num_microbatches[0]
+        self.batch_axes = [tuple(a) for a in batch_axes] if batch_axes is not None else [("data",)] * S
         self.order = issue_order(sched)
         spec = param_specs or (lambda s, key, shape, mesh: model_spec(shape, mesh))
         shapes = {k: tuple(x.shape) for k, x in zip(cut.keys, cut.p_leaves, strict=True)}
@@ -171,7 +178,29 @@ class MpmdPipeline:
 
     # one step
 
-    def value_and_grad(self, placed: list[dict[str, jax.Array]], batch: Any) -> tuple[jax.Array, list[dict]]:
+    # the `autoshard.Pipelined` surface: stack / __call__ / unstack / value_and_grad / stages
+
+    stack = place
+    unstack = gather
+
+    @property
+    def stages(self) -> tuple:
+        return self.cut.infos
+
+    def value_and_grad(self, params: Any, batch: Any) -> tuple[jax.Array, Any]:
+        """(loss, gradient tree) for a parameter tree; each gradient leaf on its owner stage's devices."""
+        loss, grads = self(self.place(params), batch)
+        return loss, self.gather(grads)
+
+    def describe(self) -> str:
+        rows = [f"MPMD: {self.num_stages} stages, {self.M} micro-batches, schedule {self.schedule.name!r}",
+                "| stage | devices | mesh | eqns | params |", "|---|---|---|---|---|"]
+        for st, mesh in zip(self.cut.infos, self.meshes, strict=True):
+            ids = [d.id for d in mesh.devices.flat]
+            rows.append(f"| {st.index} | {ids} | {dict(mesh.shape)} | {st.eqns} | {len(st.params)} |")
+        return "\n".join(rows)
+
+    def __call__(self, placed: list[dict[str, jax.Array]], batch: Any) -> tuple[jax.Array, list[dict]]:
         """(loss, per-stage gradients {key: leaf} on the stages' meshes): the schedule issued without waiting."""
         S, sched = self.num_stages, self.schedule
         mbs = self._microbatches(batch)
@@ -192,7 +221,7 @@ class MpmdPipeline:
                 if not succs[s]:
                     losses.append(y)
                 for v in succs[s]:
-                    inbox[(v, m, s)] = _move(y, self.meshes[v])
+                    inbox[(v, m, s)] = _move(y, self.meshes[v], self.batch_axes[v])
                 continue
             y, vjp = held.pop((s, m))
             ct = cts.pop((s, m)) if succs[s] else None
@@ -201,14 +230,14 @@ class MpmdPipeline:
             else:
                 grads[s], dxs = acc(vjp, ct, y, grads[s])
             for u, dx in zip(preds[s], dxs, strict=True):
-                moved = _move(dx, self.meshes[u])
+                moved = _move(dx, self.meshes[u], self.batch_axes[u])
                 cts[(u, m)] = moved if (u, m) not in cts else jax.tree.map(jnp.add, cts[(u, m)], moved)
         loss = sum(x.astype(jnp.float32) for x in losses) / self.M
         return loss, self._sum_tied(grads)
 
     def step(self, state: MpmdState, batch: Any, optimizer: Any) -> tuple[MpmdState, jax.Array]:
         """One training step: gradients, then each stage's optimizer update on its own mesh."""
-        loss, grads = self.value_and_grad(state.params, batch)
+        loss, grads = self(state.params, batch)
         out = [self._update(s, optimizer, state.opt_states[s])(state.params[s], state.opt_states[s], grads[s])
                for s in range(self.num_stages)]
         return MpmdState([p for p, _ in out], [o for _, o in out]), loss
@@ -234,7 +263,7 @@ class MpmdPipeline:
                                 f"that splits into {self.M} micro-batches.")
         mb = B // self.M
         chunks = [jax.tree.map(lambda x, m=m: x[m * mb:(m + 1) * mb], staged) for m in range(self.M)]
-        return [[_move(c, mesh) for c in chunks] for mesh in self.meshes]
+        return [[_move(c, mesh, ax) for c in chunks] for mesh, ax in zip(self.meshes, self.batch_axes, strict=True)]
 
     def _sum_tied(self, grads: list[dict]) -> list[dict]:
         """A parameter held by several stages (tied embeddings): every copy's gradient becomes the copies' sum,
@@ -252,12 +281,13 @@ class MpmdPipeline:
 def mpmd_pipelined(loss_fn: Callable, params: Any, batch: Any, *, submeshes: Sequence[Any], num_microbatches: int,
                    schedule: str = "1f1b", devices: Sequence[Any] | None = None, virtual_stages: int = 2,
                    param_specs: Callable | None = None, check_loss: bool = True, hardware: Any = None,
-                   plan: Any = None) -> MpmdPipeline:
+                   plan: Any = None, batch_axes: Sequence[tuple[str, ...]] | None = None) -> MpmdPipeline:
     """Cut `loss_fn(params, batch) -> scalar` into stages and run them MPMD, one rank per entry of `submeshes`
     ((data, model) shapes or {"devices", "shape"}: `submeshes.stage_meshes`, checked before anything runs).
     `schedule`: a registered name ("gpipe", "1f1b", "interleaved-1f1b": `virtual_stages` stages per rank);
     `param_specs(stage, key, shape, mesh) -> PartitionSpec`: each stage's parameter shardings (default
-    `model_spec`); `plan`: a pipeline plan with as many stages, guiding the cut as in `autoshard.pipelined`."""
+    `model_spec`); `plan`: a pipeline plan with as many stages, guiding the cut as in `autoshard.pipelined`;
+    `batch_axes`: per stage, the mesh axes splitting its micro-batches (default "data")."""
     meshes = stage_meshes(submeshes, devices)
     R, M = len(meshes), num_microbatches
     if isinstance(M, bool) or not isinstance(M, int) or M < 1:
@@ -275,4 +305,4 @@ def mpmd_pipelined(loss_fn: Callable, params: Any, batch: Any, *, submeshes: Seq
     if cut.edges is not None:
         raise PipelineError("autoshard MPMD pipeline: the plan cuts the loss into a DAG of stages (GraphPipe); this "
                             "runtime runs chains of stages so far. Fix: run it with autoshard.pipelined (SPMD).")
-    return MpmdPipeline(cut, meshes, sched, param_specs)
+    return MpmdPipeline(cut, meshes, sched, param_specs, batch_axes)
