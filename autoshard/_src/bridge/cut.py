@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -46,9 +46,6 @@ from .remat import eqn_blocks, run_eqns
 from .repack import Repacker
 from .runtime import pipeline_value_and_grad
 from .trace import eqn_flops
-
-if TYPE_CHECKING:
-    from .runtimes.mpmd import MpmdPipeline
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,7 +141,7 @@ def pipelined(loss_fn: Callable, params: Any, batch: Any, *, mesh: Any, num_micr
               schedule: str = "1f1b", plan: Any = None, pipe_axis: str = "pipe",
               data_axes: tuple[str, ...] | None = None, check_loss: bool = True,
               hardware: Any = None, tensor_in_stages: bool | None = None,
-              virtual_stages: int | None = None) -> Pipelined | MpmdPipeline:
+              virtual_stages: int | None = None) -> Pipelined:
     """Cut `loss_fn(params, batch) -> scalar loss` into one stage per `pipe_axis` rank and build
     the shard_map pipeline program (see the module docstring). `plan`: a pipeline Plan from
     `autoshard.plan(..., pipeline="rannc")` whose stage count matches; its parameter placement
@@ -166,19 +163,14 @@ def pipelined(loss_fn: Callable, params: Any, batch: Any, *, mesh: Any, num_micr
     (`PipelineProgram.cpu_deadlocks`) and otherwise runs the stages data parallel, with a warning;
     True / False skip the check (keep the stage plans / run data parallel).
 
-    A 3-D plan whose stages sit on unequal submeshes (`plan.runnable` False) runs on the MPMD runtime
-    (`runtimes.mpmd.MpmdPipeline`, the same surface) over the mesh's devices, each stage on its own submesh.
+    `autoshard.pipelined` (`runtimes.choose`) runs a 3-D plan on unequal stage submeshes (`plan.runnable`
+    False) on the MPMD runtime instead, over the mesh's devices (`runtimes.mpmd.MpmdPipeline`, this surface).
 
     `schedule="interleaved-1f1b"` cuts v stages per pipe rank (stage k on rank k % pipe): v is the
     plan's stage count / pipe, else `virtual_stages` (default 2)."""
     if not callable(loss_fn):
         raise PipelineError(f"autoshard.pipelined: loss_fn must be callable, got {type(loss_fn).__name__}.")
     mesh = _mesh(mesh)
-    if plan is not None and getattr(plan, "is_pipeline", False) and "3d" in plan.predicted and not plan.runnable:
-        from .runtimes.from_plan import mpmd_from_plan  # imported here: the runtimes build on this module
-
-        return mpmd_from_plan(loss_fn, params, batch, plan, num_microbatches=num_microbatches,
-                              devices=list(mesh.devices.flat), check_loss=check_loss)
     if plan is not None and hasattr(plan, "check_runnable"):
         plan.check_runnable("autoshard.pipelined: plan=")     # unequal stage submeshes: planned, not run
     three_d = plan is not None and bool(getattr(plan, "is_pipeline", False)) and "3d" in plan.predicted
