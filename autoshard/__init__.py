@@ -32,9 +32,9 @@ if TYPE_CHECKING:   # the lazy names below, for type checkers and IDEs
     from ._src.bridge.audit import audit as audit
     from ._src.bridge.checkpoint import restore as restore
     from ._src.bridge.checkpoint import save as save
-    from ._src.bridge.cut import pipelined as pipelined
     from ._src.bridge.decorator import autoshard as autoshard
     from ._src.bridge.pipelined_step import value_and_grad as value_and_grad
+    from ._src.bridge.runtimes.choose import pipelined as pipelined
     from ._src.bridge.trace import trace as trace
     from ._src.core.graph import OpGraph as OpGraph
     from ._src.core.grouping import Grouping as Grouping
@@ -54,7 +54,7 @@ __getattr__, __dir__ = lazy_attributes(__name__, {
     "audit": "autoshard._src.bridge.audit",
     "Audit": "autoshard._src.bridge.audit",
     "value_and_grad": "autoshard._src.bridge.pipelined_step",
-    "pipelined": "autoshard._src.bridge.cut",
+    "pipelined": "autoshard._src.bridge.runtimes.choose",
     "save": "autoshard._src.bridge.checkpoint",
     "restore": "autoshard._src.bridge.checkpoint",
     # pure, but they load numpy, scipy and networkx (0.5 s): lazy too, so the CLI's Ctrl-C handler

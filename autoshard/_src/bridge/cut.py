@@ -171,6 +171,9 @@ def pipelined(loss_fn: Callable, params: Any, batch: Any, *, mesh: Any, num_micr
     (`PipelineProgram.cpu_deadlocks`) and otherwise runs the stages data parallel, with a warning;
     True / False skip the check (keep the stage plans / run data parallel).
 
+    `autoshard.pipelined` (`runtimes.choose`) runs a 3-D plan on unequal stage submeshes (`plan.runnable`
+    False) on the MPMD runtime instead, over the mesh's devices (`runtimes.mpmd.MpmdPipeline`, this surface).
+
     `schedule="interleaved-1f1b"` cuts v stages per pipe rank (stage k on rank k % pipe): v is the
     plan's stage count / pipe, else `virtual_stages` (default 2)."""
     if not callable(loss_fn):
@@ -185,14 +188,58 @@ def pipelined(loss_fn: Callable, params: Any, batch: Any, *, mesh: Any, num_micr
     S = stage_count(plan, schedule, S, virtual_stages)      # stages to cut (pipe ranks x chunks)
     if three_d:      # stages see the whole micro-batch, split over the data axes by XLA
         mb *= math.prod(mesh.shape[a] for a in axes)
+    c = cut_stages(loss_fn, params, batch, S=S, mb=mb, B=B, plan=plan, schedule=schedule, check_loss=check_loss,
+                   hardware=hardware, mesh_shape=dict(mesh.shape), three_d=three_d,
+                   acts=(lambda prog, modules: ActivationSpecs(prog, modules, plan, mesh)) if three_d else None)
+    specs = stage_specs(plan_stages(plan, S), c.keys, c.holders, c.owner, c.p_leaves, mesh) if three_d else (None, None)
+    form = c.form
+    program = pipeline_value_and_grad(c.fns, mesh, num_microbatches=num_microbatches, schedule=c.schedule,
+                                      edges=c.edges, pipe_axis=pipe_axis, data_axes=axes, tied=c.tied,
+                                      stage_specs=specs[0], compute_specs=specs[1],
+                                      batch_globals=form.globals if form is not None and form.stats else None)
+    if three_d and tensor_in_stages is None:
+        runnable_here(program, c.keys, c.holders, c.p_leaves, batch)
+    elif three_d and not tensor_in_stages:
+        program.drop_tensor_plans()
+    if c.acts is not None:      # data-parallel stages place no activations either
+        c.acts.enabled = program.tensor_in_stages
+        program.activation_specs = c.acts
+    return Pipelined(program, c.infos, c.treedef, c.keys, tuple(c.owner), tuple(map(tuple, c.holders)))
+
+
+@dataclasses.dataclass(frozen=True)
+class StageCut:
+    """A loss cut into stage functions (`_stage_fn`): what any runtime needs to run them."""
+
+    fns: list[Callable]                    # stage s: fn(params {key: leaf}, batch, *inputs per predecessor)
+    edges: list[tuple[int, int]] | None    # the stage DAG (None: a chain)
+    schedule: str                          # the schedule to run ("graph-1f1b" for a DAG cut with "1f1b")
+    keys: tuple[str, ...]                  # parameter leaves' keypaths
+    treedef: Any
+    p_leaves: list
+    holders: list[set[int]]                # the stages holding each leaf (tied: several)
+    owner: list[int]
+    tied: list                             # per tied leaf: [(stage, dict path)] of its copies
+    form: LossForm | None
+    infos: tuple[StageInfo, ...]
+    acts: Any = None                       # a 3-D cut's `ActivationSpecs`
+
+
+def cut_stages(loss_fn: Callable, params: Any, batch: Any, *, S: int, mb: int, B: int, plan: Any = None,
+               schedule: str = "1f1b", check_loss: bool = True, hardware: Any = None,
+               mesh_shape: dict | None = None, three_d: bool = False, acts: Callable | None = None) -> StageCut:
+    """Trace `loss_fn` at micro-batch size `mb` (batch `B`) and cut it into S stage functions (the module
+    docstring); `acts(prog, modules)`: a 3-D cut's activation constraints. Runtime-independent: the SPMD
+    runtime (`pipelined`) and the MPMD one (`runtimes.mpmd`) both run the result."""
+    mesh_shape = mesh_shape or {}
     closed, prog, treedef, keys, p_leaves = _trace(loss_fn, params, batch, mb)
     form = loss_form(loss_fn, params, batch, prog, closed, mb, B, strict=check_loss)
     if form is not None:
         prog = form.prog          # batch-size literals at their full-batch values
         if check_loss and form.inexact:
-            raise _inexact_error(form, mb, mesh)
+            raise _inexact_error(form, mb, mesh_shape)
     if check_loss:
-        _check_chunk_mean(loss_fn, params, batch, form, mb, mesh)
+        _check_chunk_mean(loss_fn, params, batch, form, mb, mesh_shape)
     g = _analyse(prog, closed, keys)
     rate, bandwidth = _rates(hardware, p_leaves)
     dag = plan_edges(plan_stages(plan, S)) if plan is not None else None
@@ -206,25 +253,13 @@ def pipelined(loss_fn: Callable, params: Any, batch: Any, *, mesh: Any, num_micr
     holders, owner = _holders(g, cut.stage)
     needs_batch_only = _batch_only_needs(g, cut, S)
     blocks = eqn_blocks(prog, plan.predicted["3d"]["unit_labels"]) if three_d else []
-    acts = ActivationSpecs(prog, g.modules, plan, mesh) if three_d else None
+    act = acts(prog, g.modules) if acts is not None else None
     fns = [_stage_fn(s, prog, cut.stage, needs_batch_only[s], [cut.sends[u] for u in cut.preds[s]],
-                     None if s == cut.sink else cut.sends[s], keys, holders, g.loss_key, acts,
+                     None if s == cut.sink else cut.sends[s], keys, holders, g.loss_key, act,
                      (blocks, plan.stages[s].remat if three_d else "none"), form) for s in range(S)]
     tied = [[(h, dict_path(keys[i])) for h in sorted(holders[i])] for i in range(len(keys)) if len(holders[i]) > 1]
-    specs = stage_specs(plan_stages(plan, S), keys, holders, owner, p_leaves, mesh) if three_d else (None, None)
-    program = pipeline_value_and_grad(fns, mesh, num_microbatches=num_microbatches, schedule=schedule,
-                                      edges=cut.edges, pipe_axis=pipe_axis, data_axes=axes, tied=tied,
-                                      stage_specs=specs[0], compute_specs=specs[1],
-                                      batch_globals=form.globals if form is not None and form.stats else None)
-    if three_d and tensor_in_stages is None:
-        runnable_here(program, keys, holders, p_leaves, batch)
-    elif three_d and not tensor_in_stages:
-        program.drop_tensor_plans()
-    if acts is not None:      # data-parallel stages place no activations either
-        acts.enabled = program.tensor_in_stages
-        program.activation_specs = acts
     infos = _stage_infos(g, cut, S, holders, owner)
-    return Pipelined(program, infos, treedef, keys, tuple(owner), tuple(map(tuple, holders)))
+    return StageCut(fns, cut.edges, schedule, keys, treedef, p_leaves, holders, owner, tied, form, infos, act)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -429,10 +464,10 @@ def _stage_infos(g: _Eqns, cut: _Cut, S: int, holders: list[set[int]], owner: li
     return tuple(infos)
 
 
-def _inexact_error(form: LossForm, mb: int, mesh: Mesh) -> PipelineError:
+def _inexact_error(form: LossForm, mb: int, mesh_shape: dict) -> PipelineError:
     return PipelineError(
         f"autoshard.pipelined: the loss cannot be computed exactly from {form.chunks} chunks of {mb} samples "
-        f"(micro-batches x data-parallel replicas, mesh {dict(mesh.shape)}): {form.inexact}. A pipelined loss must "
+        f"(micro-batches x data-parallel replicas, mesh {mesh_shape}): {form.inexact}. A pipelined loss must "
         "be affine in sums over the samples: a mean or sum of per-sample terms, or a ratio such as "
         "sum(ce * mask) / sum(mask) whose denominator comes from the batch alone (the pipeline computes it on "
         "the whole batch). Fix: write the loss in that form (e.g. no max over samples, no parameter-dependent "
@@ -441,7 +476,7 @@ def _inexact_error(form: LossForm, mb: int, mesh: Mesh) -> PipelineError:
 
 
 def _check_chunk_mean(loss_fn: Callable, params: Any, batch: Any, form: LossForm | None, mb: int,
-                      mesh: Mesh) -> None:
+                      mesh_shape: dict) -> None:
     """The loss's structure makes the pipeline exact on every batch; this compares the two on the example
     batch once, for mixing the structure cannot see (a cumsum or sort over the batch axis)."""
     leaves = jax.tree.leaves((params, batch))
@@ -457,7 +492,7 @@ def _check_chunk_mean(loss_fn: Callable, params: Any, batch: Any, form: LossForm
         raise PipelineError(
             f"autoshard.pipelined: on the example batch, loss_fn over all {form.chunks * mb} samples is {full:.6g} but "
             f"the mean over the {form.chunks} chunks of {mb} samples the pipeline computes (micro-batches x "
-            f"data-parallel replicas, mesh {dict(mesh.shape)}) is {mean:.6g}: the loss mixes samples in a way other "
+            f"data-parallel replicas, mesh {mesh_shape}) is {mean:.6g}: the loss mixes samples in a way other "
             "than sums over them (e.g. a cumsum, sort or normalisation across the batch axis), so pipelining would "
             "change it. Fix: compute per-sample terms and reduce them with a mean, a sum or sum(l * mask) / "
             "sum(mask), or pass check_loss=False to train on the mean of the per-chunk losses.")

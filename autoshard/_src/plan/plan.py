@@ -169,7 +169,9 @@ class Plan:
             f"{where}: the plan gives its stages unequal submeshes ({stage_submeshes(self.stages)}; "
             f"{devices} devices, predicted step {self.predicted['step_time'] * 1e3:.3f} ms), which autoshard plans "
             "and prices but cannot run yet: the pipeline runtime runs stages on equal submeshes of one pipe x data x "
-            f"model mesh. The best runnable plan of the same search: {runnable_alternative(self.predicted['3d'])}.")
+            f"model mesh. The best runnable plan of the same search: {runnable_alternative(self.predicted['3d'])}. "
+            "The loss alone runs as planned on the MPMD runtime: autoshard.pipelined(loss_fn, params, batch, "
+            "mesh=..., num_microbatches=..., plan=plan).")
 
     # --- pytrees -------------------------------------------------------------------------------
     @property

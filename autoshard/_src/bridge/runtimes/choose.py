@@ -1,0 +1,44 @@
+"""`autoshard.pipelined`: the plan picks the runtime. A 3-D plan whose stages sit on unequal submeshes
+(`plan.runnable` False) runs MPMD (`mpmd.MpmdPipeline`, the `Pipelined` surface) over the mesh's devices;
+everything else runs on the SPMD runtime (`cut.pipelined`)."""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+from jax.sharding import Mesh
+
+from ..cut import Pipelined
+from ..cut import pipelined as spmd_pipelined
+from .from_plan import mpmd_from_plan
+from .mpmd import MpmdPipeline
+
+
+def runs_mpmd(plan: Any) -> bool:
+    """A 3-D plan the SPMD runtime cannot run (stages on unequal submeshes)."""
+    return (plan is not None and bool(getattr(plan, "is_pipeline", False)) and "3d" in plan.predicted
+            and not plan.runnable)
+
+
+@functools.wraps(spmd_pipelined)
+def pipelined(loss_fn: Callable, params: Any, batch: Any, *, mesh: Any, num_microbatches: int,
+              plan: Any = None, check_loss: bool = True, **options: Any) -> Pipelined | MpmdPipeline:
+    if not runs_mpmd(plan):
+        return spmd_pipelined(loss_fn, params, batch, mesh=mesh, num_microbatches=num_microbatches, plan=plan,
+                              check_loss=check_loss, **options)
+    return mpmd_from_plan(loss_fn, params, batch, plan, num_microbatches=num_microbatches,
+                          devices=_devices(mesh), check_loss=check_loss)
+
+
+def _devices(mesh: Any) -> list | None:
+    """The devices a mesh argument names: a Mesh's own, or the first prod(sizes) of jax's for a dict
+    (anything else: all devices, and the stage assignment check reports a mismatch)."""
+    if isinstance(mesh, Mesh):
+        return list(mesh.devices.flat)
+    if isinstance(mesh, Mapping) and all(isinstance(v, int) for v in mesh.values()):
+        return jax.devices()[:math.prod(mesh.values())]
+    return None
