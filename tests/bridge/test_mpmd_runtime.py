@@ -51,7 +51,8 @@ def train(run, m, params, batch, opt, steps=3):
     return losses, state
 
 
-@pytest.mark.parametrize("schedule, adam", [("1f1b", False), ("gpipe", False), ("1f1b", True)])
+@pytest.mark.parametrize("schedule, adam", [("1f1b", False), pytest.param("gpipe", False, marks=pytest.mark.slow),
+                                            pytest.param("1f1b", True, marks=pytest.mark.slow)])
 def test_gpt_on_stages_of_2_2_and_4_devices_trains_like_one_device(schedule, adam):
     m = models.get("gpt", "debug", batch_size=8)
     params, batch = m.init(jax.random.key(0)), m.batch()
@@ -146,6 +147,7 @@ def test_a_plan_file_edited_to_drop_a_device_is_a_typed_error():
     assert all(not x.is_deleted() for x in jax.tree.leaves((params, batch)))
 
 
+@pytest.mark.slow
 def test_autoshard_pipelined_runs_an_unequal_plan_mpmd():
     plan = alpa_like_plan()
     m = models.get("gpt", "debug", vocab_size=16384, num_layers=3, d_model=128, batch_size=8, seq_len=64)
