@@ -118,6 +118,7 @@ def pipelined_step(params, opt_state, batch):
     return optax.apply_updates(params, updates), opt_state, loss
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:autoshard. the plan gives its stages")
 def test_decorated_pipeline_step_on_an_explicit_mesh_and_under_its_context():
     opts = {"pipeline": "rannc", "num_microbatches": 2, **HW}
