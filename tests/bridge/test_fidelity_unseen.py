@@ -241,25 +241,77 @@ def test_post_ln_encoder_data_parallel():
     check(autoshard.plan(step, *args, mesh={"data": 8}, hardware="cpu-sim"), step, args)
 
 
-@pytest.mark.parametrize("sp", ["auto", "on"])
-def test_post_ln_encoder_on_model_4(sp):
+def _sequence_parallel(plan):
+    """The plan splits the stream's sequence: Megatron-SP's reduce-scatter out of the row-parallel matmuls."""
+    assert any(c["kind"] == "reduce-scatter" for c in plan.predicted["collectives"]), plan.explain()
+    return plan
+
+
+def test_post_ln_encoder_on_model_4_auto():
     step, args = _encoder("post")
-    plan = autoshard.plan(step, *args, mesh={"model": 4}, hardware="cpu-sim", search={"sequence_parallel": sp})
-    check(plan, step, args)
+    check(autoshard.plan(step, *args, mesh={"model": 4}, hardware="cpu-sim"), step, args)
+
+
+HEAD_GATHER = (
+    "Under Megatron-SP the replicated LM head's weight gradient x^T dlogits contracts over the "
+    "sequence-split batch x sequence: the plan prices a local partial product and an all-reduce of dW, XLA's "
+    "dot partitioner instead all-gathers the final stream (and here the logits' cotangent, [2,32,128]) and "
+    "computes dW whole")
+
+
+# a batch of 2 does not split over 4 devices: with sequence_parallel="on" the plan splits the sequence
+@pytest.mark.xfail(strict=True, reason=(
+    "batch 2, SP on: all-gather@model predicted 131,072 B, compiled 180,224 B (-27 %); all-reduce@model "
+    "265,728 vs 231,936 B (+15 %: the head's dW all-reduce, 32,768 B, is absent); argument+temp 797,408 vs "
+    "922,636 B (-14 %). " + HEAD_GATHER))
+def test_post_ln_encoder_on_model_4_sequence_parallel():
+    step, args = _encoder("post", batch=2)
+    plan = autoshard.plan(step, *args, mesh={"model": 4}, hardware="cpu-sim", search={"sequence_parallel": "on"})
+    check(_sequence_parallel(plan), step, args)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "megatron-sp expert, batch 8: all-gather@model predicted 524,288 B, compiled 589,824 B (-11 %); "
+    "one stream gather more than the 8 priced (9 x 65,536 B); argument+temp 1,674,704 vs 1,972,620 B "
+    "(-15.1 %, temp 1,169,228 predicted activations vs 1,467,144 compiled). " + HEAD_GATHER))
+def test_post_ln_encoder_megatron_sp_expert():
+    step, args = _encoder("post")
+    plan = autoshard.expert_plan("megatron-sp", step, *args, mesh={"model": 4}, hardware="cpu-sim")
+    check(_sequence_parallel(plan), step, args)
 
 
 def test_pre_ln_encoder_on_2x4_sequence_parallel():
+    step, args = _encoder("pre", batch=2)
+    plan = autoshard.plan(step, *args, mesh={"data": 2, "model": 4}, hardware="cpu-sim",
+                          search={"sequence_parallel": "on"})
+    check(_sequence_parallel(plan), step, args)
+
+
+def test_pre_ln_encoder_on_2x4_sp_on_without_a_sequence_split():
+    """sequence_parallel="on" searches the sequence-parallel space only; with a batch of 8 its best plan
+    splits the batch instead, and that plan is audited like any other."""
     step, args = _encoder("pre")
     plan = autoshard.plan(step, *args, mesh={"data": 2, "model": 4}, hardware="cpu-sim",
                           search={"sequence_parallel": "on"})
     check(plan, step, args)
 
 
-@pytest.mark.parametrize("sp", [pytest.param("auto", marks=pytest.mark.slow), "on"])
-def test_remat_encoder_on_model_4(sp):
+@pytest.mark.slow
+def test_remat_encoder_on_model_4_auto():
     step, args = _encoder("post", remat=True)
-    plan = autoshard.plan(step, *args, mesh={"model": 4}, hardware="cpu-sim", search={"sequence_parallel": sp})
-    check(plan, step, args)
+    check(autoshard.plan(step, *args, mesh={"model": 4}, hardware="cpu-sim"), step, args)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "nn.remat blocks, batch 2, SP on: all-gather@model predicted 163,840 B, compiled 394,752 B (-58 %): the "
+    "plan's stage has remat='none' (the remat is the model's own), so it prices each stream gather once "
+    "forward and once backward, while XLA gathers again inside every recomputed block (query/key/value, "
+    "FFN) and gathers the sequence-split biases (256 B each); all-reduce@model 331,264 vs 365,056 B; "
+    "argument+temp 791,684 vs 1,041,348 B (-24 %). " + HEAD_GATHER))
+def test_remat_encoder_on_model_4_sequence_parallel():
+    step, args = _encoder("post", remat=True, batch=2)
+    plan = autoshard.plan(step, *args, mesh={"model": 4}, hardware="cpu-sim", search={"sequence_parallel": "on"})
+    check(_sequence_parallel(plan), step, args)
 
 
 def _checkpointed_encoder(d, vocab, seq):
@@ -310,7 +362,7 @@ def test_pre_ln_encoder_on_3d_mesh():
 @pytest.mark.slow
 @pytest.mark.parametrize("sp", ["auto", "on"])
 def test_encoder_planned_for_h100_audited_on_cpu(sp):
-    step, args = _encoder("post", layers=4, d=128, seq=64, vocab=256)
+    step, args = _encoder("post", layers=4, d=128, seq=64, vocab=256, batch=2 if sp == "on" else 8)
     plan = autoshard.plan(step, *args, mesh={"data": 2, "model": 4}, hardware="h100-sxm",
                           search={"sequence_parallel": sp})
     check(plan, step, args)
