@@ -1,0 +1,368 @@
+"""Audit fidelity on models written here, not taken from the zoo (issue 32): small linen, nnx and
+plain-jax train steps with SGD and Adam, planned on 1-D, 2-D and 3-D meshes with sequence
+parallelism on and automatic, and compiled on 8 simulated CPU devices. For each, the compiled
+program's collective bytes per kind and mesh axes are within 10 % of the plan's prediction and its
+argument + temp memory within 15 %."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from flax import nnx
+
+import autoshard
+
+BYTES_TOL, MEMORY_TOL = 0.10, 0.15
+
+
+def _abstract(tree):
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
+
+
+def _linen_step(model, opt, loss_of):
+    """A train step of a linen `model`: the loss closes over the batch."""
+    def step(params, opt_state, batch):
+        def loss(p):
+            return loss_of(model.apply({"params": p}, batch["x"]), batch["y"])
+        grads = jax.grad(loss)(params)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+    return step
+
+
+def _mse(out, y):
+    return jnp.mean((out - y) ** 2)
+
+
+def _xent(logits, y):
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+
+def _linen_case(model, opt, x, y, loss_of=_mse):
+    params = model.init(jax.random.key(0), x)["params"]
+    step = _linen_step(model, opt, loss_of)
+    return step, _abstract((params, opt.init(params), {"x": x, "y": y}))
+
+
+def check(plan, step, args):
+    """Audit `plan` and assert the compiled program is within tolerance of the prediction, per
+    collective kind and axes and on argument + temp memory; returns the audit."""
+    a = autoshard.audit(plan, step, *args)
+    for key in set(a.predicted_collectives) | set(a.audited_collectives):
+        p = a.predicted_collectives.get(key, 0.0)
+        c = a.audited_collectives.get(key, {"bytes": 0.0})["bytes"]
+        assert abs(c - p) <= BYTES_TOL * max(p, c), (key, p, c, a.report())
+    p, c = a.predicted_memory["argument+temp"], a.memory["argument+temp"]
+    assert abs(c - p) <= MEMORY_TOL * max(p, c), (p, c, a.report())
+    assert a.fidelity_ok, a.report()
+    return a
+
+
+# --- MLPs ------------------------------------------------------------------------------------------
+
+class MLP(nn.Module):
+    hidden: int = 256
+    out: int = 64
+    layers: int = 2
+
+    @nn.compact
+    def __call__(self, x):
+        for _ in range(self.layers):
+            x = nn.relu(nn.Dense(self.hidden)(x))
+        return nn.Dense(self.out)(x)
+
+
+def _mlp(opt, layers=2, hidden=256, batch=32, width=64):
+    x = jnp.ones((batch, width))
+    return _linen_case(MLP(hidden, width, layers), opt, x, jnp.zeros((batch, width)))
+
+
+SGD_COPIES = (
+    "XLA's copy insertion copies a donated weight whose input-gradient matmul the in-place update does not "
+    "depend on (dx = dy W^T is not an operand of W - lr x^T dy), and buffer assignment places the copy in temp: "
+    "copies of Dense_1/Dense_2 kernels (32,768 + 65,536 B) the plan does not count")
+
+
+@pytest.mark.parametrize("opt", [
+    pytest.param(optax.sgd(0.1), id="sgd", marks=pytest.mark.xfail(strict=True, reason=(
+        "planned as Megatron over data (no gradient sync; grads predicted 0): argument+temp predicted 238,976 B, "
+        "compiled 304,512 B (temp 114,688 vs 180,224, -22 %). " + SGD_COPIES))),
+    pytest.param(optax.adam(1e-3), id="adam")])
+def test_data_parallel_mlp(opt):
+    step, args = _mlp(opt)
+    plan = autoshard.plan(step, *args, mesh={"data": 8}, hardware="cpu-sim")
+    a = check(plan, step, args)
+    assert a.audited_collectives                     # the gradients or activations are reduced over data
+
+
+def test_plain_jax_dict_mlp_data_parallel():
+    k0, k1 = jax.random.split(jax.random.key(0))
+    params = {"w_in": jax.random.normal(k0, (64, 256)) * 0.05, "b_in": jnp.zeros(256),
+              "w_out": jax.random.normal(k1, (256, 64)) * 0.05}
+    opt = optax.sgd(0.1, momentum=0.9)
+    batch = {"x": jnp.ones((64, 64)), "y": jnp.zeros((64, 64))}
+
+    def step(p, s, b):
+        def loss(p):
+            return _mse(jnp.tanh(b["x"] @ p["w_in"] + p["b_in"]) @ p["w_out"], b["y"])
+        g = jax.grad(loss)(p)
+        u, s = opt.update(g, s, p)
+        return optax.apply_updates(p, u), s
+
+    args = _abstract((params, opt.init(params), batch))
+    check(autoshard.plan(step, *args, mesh={"data": 8}, hardware="cpu-sim"), step, args)
+
+
+def _fsdp_mlp():
+    return _mlp(optax.adam(1e-3), hidden=512, width=128)
+
+
+def test_fsdp_mlp_expert():
+    step, args = _fsdp_mlp()
+    check(autoshard.expert_plan("fsdp", step, *args, mesh={"data": 8}, hardware="cpu-sim"), step, args)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "search={'storage_modes': ('zero3',)} picks tensor parallelism over data with ZeRO-3 storage: the "
+    "Dense_1 bias is stored P(data) while its add reads the row-parallel all-reduce's whole output; the plan "
+    "prices gathering the bias (all-gather@data 2,048 B) but nothing pins the add's output, so XLA's sharding "
+    "propagation keeps the add split like the bias and all-gathers the 32x512 activation instead, forward "
+    "and backward (all-gather@data compiled 131,072 B). Memory is within tolerance (827,076 vs 923,720 B)"))
+def test_fsdp_mlp_forced_zero3_storage():
+    step, args = _fsdp_mlp()
+    forced = autoshard.plan(step, *args, mesh={"data": 8}, hardware="cpu-sim",
+                            search={"storage_modes": ("zero3",)})
+    check(forced, step, args)
+
+
+def _megatron_mlp():
+    return _mlp(optax.sgd(0.1), layers=4, hidden=512, width=128, batch=16)
+
+
+def test_megatron_mlp_sgd_on_2x4_expert():
+    step, args = _megatron_mlp()
+    mesh = {"data": 2, "model": 4}
+    check(autoshard.expert_plan("data-megatron", step, *args, mesh=mesh, hardware="cpu-sim"), step, args)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "auto plan: 2-D tensor parallelism (kernels split over data x model, batch replicated; only biases "
+    "reduced). argument+temp predicted 930,048 B, compiled 715,904 B (+30 %): the plan keeps every weight "
+    "gradient alive at the end of the backward (grads 345,216 B) as if the all-reduce combiner held them, "
+    "but no kernel gradient is reduced, so XLA writes each into its donated weight's buffer (freed by the "
+    "copy insertion makes for the weight's input-gradient matmul) and updates in place; temp holds one "
+    "weight copy (131,072 B) instead"))
+def test_megatron_mlp_sgd_on_2x4_auto():
+    step, args = _megatron_mlp()
+    check(autoshard.plan(step, *args, mesh={"data": 2, "model": 4}, hardware="cpu-sim"), step, args)
+
+
+class NnxMLP(nnx.Module):
+    def __init__(self, d, h, rngs):
+        self.up = nnx.Linear(d, h, rngs=rngs)
+        self.down = nnx.Linear(h, d, rngs=rngs)
+
+    def __call__(self, x):
+        return self.down(nnx.gelu(self.up(x)))
+
+
+def test_nnx_mlp_data_parallel_adam():
+    graphdef, params = nnx.split(NnxMLP(64, 256, nnx.Rngs(0)), nnx.Param)
+    opt = optax.adam(1e-3)
+    batch = {"x": jnp.ones((32, 64)), "y": jnp.zeros((32, 64))}
+
+    def step(p, s, b):
+        def loss(p):
+            return _mse(nnx.merge(graphdef, p)(b["x"]), b["y"])
+        g = jax.grad(loss)(p)
+        u, s = opt.update(g, s, p)
+        return optax.apply_updates(p, u), s
+
+    args = _abstract((params, opt.init(params), batch))
+    check(autoshard.plan(step, *args, mesh={"data": 8}, hardware="cpu-sim"), step, args)
+
+
+# --- encoders --------------------------------------------------------------------------------------
+
+class PostLN(nn.Module):
+    """BERT-style: attention and FFN, each followed by add + LayerNorm."""
+    heads: int
+    ffn: int
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.LayerNorm()(x + nn.MultiHeadDotProductAttention(num_heads=self.heads)(x, x))
+        h = nn.Dense(x.shape[-1])(nn.gelu(nn.Dense(self.ffn)(x)))
+        return nn.LayerNorm()(x + h)
+
+
+class PreLN(nn.Module):
+    heads: int
+    ffn: int
+
+    @nn.compact
+    def __call__(self, x):
+        y = nn.LayerNorm()(x)
+        x = x + nn.MultiHeadDotProductAttention(num_heads=self.heads)(y, y)
+        return x + nn.Dense(x.shape[-1])(nn.gelu(nn.Dense(self.ffn)(nn.LayerNorm()(x))))
+
+
+class Encoder(nn.Module):
+    block: str = "post"
+    layers: int = 2
+    d: int = 64
+    heads: int = 4
+    vocab: int = 128
+    remat: bool = False
+
+    @nn.compact
+    def __call__(self, tokens):
+        x = nn.Embed(self.vocab, self.d)(tokens)
+        cls = PostLN if self.block == "post" else PreLN
+        if self.remat:
+            cls = nn.remat(cls)
+        for _ in range(self.layers):
+            x = cls(self.heads, 4 * self.d)(x)
+        if self.block == "pre":
+            x = nn.LayerNorm()(x)
+        return nn.Dense(self.vocab)(x)
+
+
+def _encoder(block="post", opt=None, batch=8, seq=32, **kw):
+    tokens = jnp.zeros((batch, seq), jnp.int32)
+    return _linen_case(Encoder(block, **kw), opt or optax.adam(1e-3), tokens, tokens, _xent)
+
+
+def test_post_ln_encoder_data_parallel():
+    step, args = _encoder("post", optax.sgd(0.1))
+    check(autoshard.plan(step, *args, mesh={"data": 8}, hardware="cpu-sim"), step, args)
+
+
+def _sequence_parallel(plan):
+    """The plan splits the stream's sequence: Megatron-SP's reduce-scatter out of the row-parallel matmuls."""
+    assert any(c["kind"] == "reduce-scatter" for c in plan.predicted["collectives"]), plan.explain()
+    return plan
+
+
+def test_post_ln_encoder_on_model_4_auto():
+    step, args = _encoder("post")
+    check(autoshard.plan(step, *args, mesh={"model": 4}, hardware="cpu-sim"), step, args)
+
+
+HEAD_GATHER = (
+    "Under Megatron-SP the replicated LM head's weight gradient x^T dlogits contracts over the "
+    "sequence-split batch x sequence: the plan prices a local partial product and an all-reduce of dW, XLA's "
+    "dot partitioner instead all-gathers the final stream (and here the logits' cotangent, [2,32,128]) and "
+    "computes dW whole")
+
+
+# a batch of 2 does not split over 4 devices: with sequence_parallel="on" the plan splits the sequence
+@pytest.mark.xfail(strict=True, reason=(
+    "batch 2, SP on: all-gather@model predicted 131,072 B, compiled 180,224 B (-27 %); all-reduce@model "
+    "265,728 vs 231,936 B (+15 %: the head's dW all-reduce, 32,768 B, is absent); argument+temp 797,408 vs "
+    "922,636 B (-14 %). " + HEAD_GATHER))
+def test_post_ln_encoder_on_model_4_sequence_parallel():
+    step, args = _encoder("post", batch=2)
+    plan = autoshard.plan(step, *args, mesh={"model": 4}, hardware="cpu-sim", search={"sequence_parallel": "on"})
+    check(_sequence_parallel(plan), step, args)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "megatron-sp expert, batch 8: all-gather@model predicted 524,288 B, compiled 589,824 B (-11 %); "
+    "one stream gather more than the 8 priced (9 x 65,536 B); argument+temp 1,674,704 vs 1,972,620 B "
+    "(-15.1 %, temp 1,169,228 predicted activations vs 1,467,144 compiled). " + HEAD_GATHER))
+def test_post_ln_encoder_megatron_sp_expert():
+    step, args = _encoder("post")
+    plan = autoshard.expert_plan("megatron-sp", step, *args, mesh={"model": 4}, hardware="cpu-sim")
+    check(_sequence_parallel(plan), step, args)
+
+
+def test_pre_ln_encoder_on_2x4_sequence_parallel():
+    step, args = _encoder("pre", batch=2)
+    plan = autoshard.plan(step, *args, mesh={"data": 2, "model": 4}, hardware="cpu-sim",
+                          search={"sequence_parallel": "on"})
+    check(_sequence_parallel(plan), step, args)
+
+
+def test_pre_ln_encoder_on_2x4_sp_on_without_a_sequence_split():
+    """sequence_parallel="on" searches the sequence-parallel space only; with a batch of 8 its best plan
+    splits the batch instead, and that plan is audited like any other."""
+    step, args = _encoder("pre")
+    plan = autoshard.plan(step, *args, mesh={"data": 2, "model": 4}, hardware="cpu-sim",
+                          search={"sequence_parallel": "on"})
+    check(plan, step, args)
+
+
+@pytest.mark.slow
+def test_remat_encoder_on_model_4_auto():
+    step, args = _encoder("post", remat=True)
+    check(autoshard.plan(step, *args, mesh={"model": 4}, hardware="cpu-sim"), step, args)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "nn.remat blocks, batch 2, SP on: all-gather@model predicted 163,840 B, compiled 394,752 B (-58 %): the "
+    "plan's stage has remat='none' (the remat is the model's own), so it prices each stream gather once "
+    "forward and once backward, while XLA gathers again inside every recomputed block (query/key/value, "
+    "FFN) and gathers the sequence-split biases (256 B each); all-reduce@model 331,264 vs 365,056 B; "
+    "argument+temp 791,684 vs 1,041,348 B (-24 %). " + HEAD_GATHER))
+def test_remat_encoder_on_model_4_sequence_parallel():
+    step, args = _encoder("post", remat=True, batch=2)
+    plan = autoshard.plan(step, *args, mesh={"model": 4}, hardware="cpu-sim", search={"sequence_parallel": "on"})
+    check(_sequence_parallel(plan), step, args)
+
+
+def _checkpointed_encoder(d, vocab, seq):
+    """An encoder step whose blocks are wrapped in jax.checkpoint inside the step (not nn.remat)."""
+    model = Encoder("pre", layers=2, d=d, vocab=vocab)
+    tokens = jnp.zeros((8, seq), jnp.int32)
+    params = model.init(jax.random.key(0), tokens)["params"]
+    opt = optax.adam(1e-3)
+    embed, block = nn.Embed(vocab, d), PreLN(4, 4 * d)
+    head_norm, head = nn.LayerNorm(), nn.Dense(vocab)
+
+    def forward(p, t):
+        x = embed.apply({"params": p["Embed_0"]}, t)
+        for i in range(2):
+            x = jax.checkpoint(lambda q, x: block.apply({"params": q}, x))(p[f"PreLN_{i}"], x)
+        return head.apply({"params": p["Dense_0"]}, head_norm.apply({"params": p["LayerNorm_0"]}, x))
+
+    def step(p, s, b):
+        g = jax.grad(lambda p: _xent(forward(p, b["x"]), b["y"]))(p)
+        u, s = opt.update(g, s, p)
+        return optax.apply_updates(p, u), s
+
+    return step, _abstract((params, opt.init(params), {"x": tokens, "y": tokens}))
+
+
+def test_encoder_with_jax_checkpoint_data_parallel():
+    step, args = _checkpointed_encoder(64, 128, 32)
+    check(autoshard.plan(step, *args, mesh={"data": 8}, hardware="cpu-sim"), step, args)
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason=(
+    "d=32, vocab=64, seq=16: the planner replicates the batch and every weight but the FFN's (no gradient "
+    "sync); argument+temp predicted 332,552 B, compiled 973,192 B (temp 150,660 vs 791,300 B). XLA:CPU's "
+    "memory-usage report shows the full-batch attention buffers (f32[8,4,16,16] scores, f32[8,16,32] "
+    "streams) of the recomputed blocks live together with the replicated weights' gradients and Adam "
+    "temporaries; which of these the plan leaves out is not yet diagnosed (the d=64 case above passes)"))
+def test_tiny_checkpointed_encoder_replicated():
+    step, args = _checkpointed_encoder(32, 64, 16)
+    check(autoshard.plan(step, *args, mesh={"data": 8}, hardware="cpu-sim"), step, args)
+
+
+def test_pre_ln_encoder_on_3d_mesh():
+    step, args = _encoder("pre")
+    check(autoshard.plan(step, *args, mesh={"x": 2, "y": 2, "z": 2}, hardware="cpu-sim"), step, args)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sp", ["auto", "on"])
+def test_encoder_planned_for_h100_audited_on_cpu(sp):
+    step, args = _encoder("post", layers=4, d=128, seq=64, vocab=256, batch=2 if sp == "on" else 8)
+    plan = autoshard.plan(step, *args, mesh={"data": 2, "model": 4}, hardware="h100-sxm",
+                          search={"sequence_parallel": sp})
+    check(plan, step, args)
