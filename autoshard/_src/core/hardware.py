@@ -173,17 +173,6 @@ _PRESETS: dict[str, HardwareSpec] = {
                 "matmuls; halves of the sparsity figures 1979/989), 80 GB HBM3 at 3.35 TB/s; NVLink4 900 GB/s "
                 "total = 450 GB/s per direction through NVSwitch; DGX H100: 8 GPUs per node, one 400 Gb/s "
                 f"(50 GB/s) ConnectX-7 InfiniBand NDR port per GPU. {_LATENCY_NOTE} {_EFF_NOTE}")),
-    "h200-sxm": HardwareSpec(
-        name="h200-sxm",
-        flops={"float32": 494.7e12, "bfloat16": 989.4e12, "float16": 989.4e12},
-        memory_bytes=141 * 10**9, memory_bandwidth=4.8e12, devices_per_node=8,
-        intra_node_bandwidth=450e9, intra_node_latency=2e-6,
-        inter_node_bandwidth=50e9, inter_node_latency=5e-6,
-        collective_efficiency=_EFFICIENCY, compute_efficiency=0.6, kernels=GPU_KERNELS["h200"],
-        source=("NVIDIA H200 SXM datasheet: the H100's Hopper die and tensor-core rates (989 TFLOP/s dense "
-                "bf16/fp16, 495 TFLOP/s dense TF32), 141 GB HBM3e at 4.8 TB/s; NVLink4 900 GB/s total = 450 GB/s "
-                "per direction through NVSwitch; DGX/HGX H200: 8 GPUs per node, one 400 Gb/s (50 GB/s) "
-                f"ConnectX-7 InfiniBand NDR port per GPU. {_LATENCY_NOTE} {_EFF_NOTE}")),
     "a100-sxm": HardwareSpec(
         name="a100-sxm",
         flops={"float32": 156e12, "bfloat16": 312e12, "float16": 312e12},
@@ -244,6 +233,15 @@ _PRESETS: dict[str, HardwareSpec] = {
                 "self-consistent numbers (100 GFLOP/s, 24 GiB host memory / 8 devices, ~10 GB/s memory copies "
                 "between devices). Not a performance model of any real hardware.")),
 }
+
+# the H100's die, links and efficiencies with HBM3e: only memory and its bandwidth differ
+_PRESETS["h200-sxm"] = dataclasses.replace(
+    _PRESETS["h100-sxm"], name="h200-sxm", memory_bytes=141 * 10**9, memory_bandwidth=4.8e12,
+    kernels=GPU_KERNELS["h200"],
+    source=("NVIDIA H200 SXM datasheet: the H100's Hopper die and tensor-core rates (989 TFLOP/s dense "
+            "bf16/fp16, 495 TFLOP/s dense TF32), 141 GB HBM3e at 4.8 TB/s; NVLink4 900 GB/s total = 450 GB/s "
+            "per direction through NVSwitch; DGX/HGX H200: 8 GPUs per node, one 400 Gb/s (50 GB/s) "
+            f"ConnectX-7 InfiniBand NDR port per GPU. {_LATENCY_NOTE} {_EFF_NOTE}"))
 
 
 def presets() -> list[str]:
