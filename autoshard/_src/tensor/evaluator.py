@@ -344,6 +344,42 @@ class _Evaluator(MemoryModel):
             gathered[(dims_for(v), val.shape)] += val.nbytes * max(1, len(uses))
         self.gathered = [(dims, shape, b) for (dims, shape), b in sorted(gathered.items())]
         self.state = [(dims, shape, b) for (role, dims, shape), b in sorted(tensors.items()) if role == "state"]
+        self._build_activations(weights)
+        unsaved = self.fused.unsaved
+        # the backward pass's working set beside the saved activations: the cotangent a matmul or
+        # convolution computes, or a fusion writes for one to read (a library GEMM reads its operands
+        # from memory: the logits' cotangent, softmax - one-hot, is written whole for the two matmuls of
+        # the output layer's backward, beside the saved logits; XLA:GPU's buffers show both at the peak),
+        # in the GEMM's narrowest operand type (XLA:GPU converts a mixed-precision matmul's float32
+        # cotangent in the fusion that writes it: attention's dS, float16 in the compiled GPT step);
+        # other elementwise results fuse into their consumers; gradients are counted as gradients; at
+        # most the largest of them at a time
+        largest: dict[tuple[int, ...], float] = {}
+        group = self.fused.group
+        for i, w in weights.items():
+            op = g.ops[i]
+            if w <= 0 or op.phase != "backward" or i in grad_ops:
+                continue
+            library = op.primitive in _MATERIALISED or op.primitive in _SCATTERS
+            if not library and group[i] < 0:
+                continue
+            for v, s, d in zip(op.outputs, op.out_shapes, op.out_dtypes, strict=True):
+                if v in unsaved:          # a flash kernel's [B, H, S, S] gradients stay on chip
+                    continue
+                size = float(nbytes(s, d))
+                if not library:
+                    itemsize = self._gemm_operand_itemsize(v)
+                    if itemsize is None:
+                        continue
+                    size = min(size, float(math.prod(s) * itemsize))
+                key = self._cmask(fg.value_factors(v, len(s)))
+                largest[key] = max(largest.get(key, 0.0), size)
+        self.backward_values = sorted(largest.items())
+
+    def _build_activations(self, weights: dict[int, float]) -> None:
+        """The activations the backward pass keeps (`acts`) and the cut values kept in two layouts
+        (`cut_copies`), per instance weight."""
+        g, fg = self.graph, self.fg
         # activations kept for the backward pass (residuals), per instance weight
         # a value cut at a region boundary is kept in the layout the region's backward reads too (the
         # all-gathered stream of sequence parallelism, the dispatched tokens; see memory.py)
@@ -377,35 +413,6 @@ class _Evaluator(MemoryModel):
                     acts[self._cmask(fg.value_factors(v, len(s)))] += w * nbytes(s, d)
         self.acts = sorted(acts.items())
         self.cut_copies = sorted(cut_copies.items())
-        # the backward pass's working set beside the saved activations: the cotangent a matmul or
-        # convolution computes, or a fusion writes for one to read (a library GEMM reads its operands
-        # from memory: the logits' cotangent, softmax - one-hot, is written whole for the two matmuls of
-        # the output layer's backward, beside the saved logits; XLA:GPU's buffers show both at the peak),
-        # in the GEMM's narrowest operand type (XLA:GPU converts a mixed-precision matmul's float32
-        # cotangent in the fusion that writes it: attention's dS, float16 in the compiled GPT step);
-        # other elementwise results fuse into their consumers; gradients are counted as gradients; at
-        # most the largest of them at a time
-        largest: dict[tuple[int, ...], float] = {}
-        group = self.fused.group
-        for i, w in weights.items():
-            op = g.ops[i]
-            if w <= 0 or op.phase != "backward" or i in grad_ops:
-                continue
-            library = op.primitive in _MATERIALISED or op.primitive in _SCATTERS
-            if not library and group[i] < 0:
-                continue
-            for v, s, d in zip(op.outputs, op.out_shapes, op.out_dtypes, strict=True):
-                if v in unsaved:          # a flash kernel's [B, H, S, S] gradients stay on chip
-                    continue
-                size = float(nbytes(s, d))
-                if not library:
-                    itemsize = self._gemm_operand_itemsize(v)
-                    if itemsize is None:
-                        continue
-                    size = min(size, float(math.prod(s) * itemsize))
-                key = self._cmask(fg.value_factors(v, len(s)))
-                largest[key] = max(largest.get(key, 0.0), size)
-        self.backward_values = sorted(largest.items())
 
     def _reads_layout(self, v: int, layout: tuple):
         """A predicate on op indices: does the op read `v` in `layout` (a cut's factors per dim)?"""
