@@ -209,7 +209,9 @@ def activation_constraints(graph: OpGraph, op_map: dict[int, int], fg: Any, axes
     for op in todo:
         if op.nested and not (cut_after and _escapes(graph, op, outputs)):
             continue
-        src = op_map.get(op.index, op.index)
+        # an analysed op reads its own factors: the last instance of a block type is analysed apart
+        # because it differs at its edge (its output enters the head, not the next block's regions)
+        src = op.index if op.index in fg.op_factors else op_map.get(op.index, op.index)
         if src not in fg.op_factors or not graph.ops[src].outputs:
             continue
         boundary = graph.ops[src].outputs[0] in cut_after
