@@ -33,6 +33,7 @@ def test_rows_are_priced_with_their_schedule_recompute_and_sequence_parallelism(
     assert full["pipeline_options"]["remat"] == "full" and full["search"]["sequence_parallel"] == "off"
 
 
+@pytest.mark.slow
 def test_smallest_row_end_to_end(tmp_path):
     rows = pr.main(["--rows", "SC21 1.7B", "--model", "gpu", "--out-dir", str(tmp_path)])
     (r,) = rows

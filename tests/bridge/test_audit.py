@@ -63,6 +63,7 @@ def test_audit_rejects_a_mesh_that_differs_from_the_plan():
         autoshard.audit(plan, m.train_step, *args, mesh=_mesh((4, 2), ("data", "model")))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("expert", EXPERTS)
 def test_expert_plans_are_plans_the_audit_confirms(expert):
     m = models.get("gpt", "debug", batch_size=8, num_heads=8)

@@ -38,6 +38,7 @@ def _like(tree, shardings):
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
 
 
+@pytest.mark.slow
 def test_megatron_state_restores_into_an_fsdp_step_and_training_continues(tmp_path):
     m, params, opt_state, batch = _setup()
     want, _, _ = run_steps(jax.jit(m.train_step), params, opt_state, batch, 3)

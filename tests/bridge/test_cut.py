@@ -47,6 +47,7 @@ def test_matches_single_device(name, overrides, mesh, microbatches, schedule):
     assert sorted(owned) == sorted(jax.tree_util.keystr(kp) for kp, _ in paths)
 
 
+@pytest.mark.slow
 def test_tied_embedding_is_copied_and_its_gradients_summed():
     m, params, batch = model_args("gpt")
     run = autoshard.pipelined(m.loss, params, batch, mesh={"pipe": 4}, num_microbatches=2)
@@ -84,6 +85,7 @@ def test_plan_guides_the_cut():
     assert_close(run.value_and_grad(params, batch), jax.value_and_grad(m.loss)(params, batch))
 
 
+@pytest.mark.slow
 def test_training_on_stacked_params_matches_train_step():
     m, params, batch = model_args("gpt")
     run = autoshard.pipelined(m.loss, params, batch, mesh={"pipe": 2, "data": 4}, num_microbatches=1)

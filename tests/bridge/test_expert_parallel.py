@@ -13,6 +13,9 @@ import pytest
 import autoshard
 import models
 
+pytestmark = pytest.mark.slow     # heavy: CI's second step (`pytest -m slow`)
+
+
 SIZES = dict(num_layers=2, d_model=128, num_heads=8, d_ff=512, num_experts=8, seq_len=32, batch_size=16,
              vocab_size=1024)
 

@@ -105,6 +105,7 @@ def test_flat_dict_of_weights_is_parameters():
     assert not [line for line in lines if "not applicable" in line and "megatron-sp" not in line], lines
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["gpt", "gpt_nnx", "bert", "t5"])
 def test_megatron_priced_for_every_zoo_transformer(name):
     m = models.get(name, "debug")

@@ -236,6 +236,7 @@ def _encoder(block="post", opt=None, batch=8, seq=32, **kw):
     return _linen_case(Encoder(block, **kw), opt or optax.adam(1e-3), tokens, tokens, _xent)
 
 
+@pytest.mark.slow
 def test_post_ln_encoder_data_parallel():
     step, args = _encoder("post", optax.sgd(0.1))
     check(autoshard.plan(step, *args, mesh={"data": 8}, hardware="cpu-sim"), step, args)
@@ -292,6 +293,7 @@ def test_remat_encoder_on_model_4_auto():
     check(autoshard.plan(step, *args, mesh={"model": 4}, hardware="cpu-sim"), step, args)
 
 
+@pytest.mark.slow
 @pytest.mark.xfail(strict=True, reason=(
     "nn.remat blocks, batch 2, SP on: all-gather@model predicted 163,840 B, compiled 394,752 B (-58 %): the "
     "plan's stage has remat='none' (the remat is the model's own), so it prices each stream gather once "
@@ -344,6 +346,7 @@ def test_tiny_checkpointed_encoder_replicated():
     check(autoshard.plan(step, *args, mesh={"data": 8}, hardware="cpu-sim"), step, args)
 
 
+@pytest.mark.slow
 def test_pre_ln_encoder_on_3d_mesh():
     step, args = _encoder("pre")
     check(autoshard.plan(step, *args, mesh={"x": 2, "y": 2, "z": 2}, hardware="cpu-sim"), step, args)

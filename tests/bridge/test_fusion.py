@@ -87,6 +87,7 @@ def test_returned_intermediates_are_written_once_by_the_fusion():
     assert b == 3 * 256 * 64 * F32
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["gpt_nnx", "t5", "resnet"])
 def test_fused_bytes_follow_xla_cpu_compiled_bytes(name):
     """The whole train step without XLA:GPU's normalisation fusion: fused bytes within 0.7-1.3x of

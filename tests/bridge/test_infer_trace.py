@@ -27,6 +27,7 @@ class Toy(nn.Module):
         return nn.Dense(10)(jnp.mean(x, axis=(1, 2)))
 
 
+@pytest.mark.slow
 def test_flax_cnn_layers_and_windows():
     images = jnp.ones((2, 16, 16, 3))
     params = Toy().init(jax.random.key(0), images)

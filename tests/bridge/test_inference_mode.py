@@ -17,6 +17,9 @@ from autoshard import ConfigError, MeshError, PlanError
 from autoshard._src.bridge.infer_api import audit_inference
 from autoshard._src.inference.plan import InferencePlan
 
+pytestmark = pytest.mark.slow     # heavy: CI's second step (`pytest -m slow`)
+
+
 TOL = 1e-5
 SLOW_NET = {"base": "cpu-sim", "inter_node_latency": 2e-3, "inter_node_bandwidth": 1e8}   # fusion pays (toy)
 SLOW_NODES = {"base": "cpu-sim", "flops": {"float32": 1e9}, "inter_node_latency": 1e-4}  # fusion pays (ResNet)

@@ -21,6 +21,7 @@ from tests.bridge.test_runtime import assert_close, chain_problem, mesh
     ((2, 2), ("pipe", "data"), 4, 2),
     ((2,), ("pipe",), 6, 2),
 ])
+@pytest.mark.slow
 def test_interleaved_matches_single_device(shape, names, stages, microbatches):
     m = mesh(shape, names)
     fns, params, data, full_loss = chain_problem(stages)

@@ -119,6 +119,7 @@ def alpa_like_plan():
     return autoshard.plan(big.train_step, *big.abstract_state(), mesh="auto", devices=8, hardware="h100-sxm")
 
 
+@pytest.mark.slow
 def test_the_3d_searchs_unequal_plan_runs_mpmd_like_one_device():
     plan = alpa_like_plan()
     chosen = plan.predicted["3d"]["chosen"]

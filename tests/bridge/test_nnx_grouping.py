@@ -54,6 +54,7 @@ class Net(nnx.Module):
         return self.head(x)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("form", ["list", "sequential", "scanned"])
 @pytest.mark.parametrize("n", [6, 12, 24])
 def test_identical_nnx_blocks_group_as_one_type(form, n):

@@ -41,6 +41,7 @@ def _problem():
     # interleaved: 4 stages on 2 pipe ranks, each rank's block carries the pieces of its two stages
     ({"pipe": 2, "data": 2}, {"schedule": "interleaved-1f1b", "virtual_stages": 2}),
 ])
+@pytest.mark.slow
 def test_repack_equals_the_runtime_stack_and_unstack(shape, kw):
     params, batch = _problem()
     run = autoshard.pipelined(_loss, params, batch, mesh=shape, num_microbatches=2, **kw)

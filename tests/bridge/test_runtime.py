@@ -109,6 +109,7 @@ def test_1f1b_reuses_input_slots():
     assert_close(one_f.value_and_grad(params, data), jax.value_and_grad(full_loss)(params, data))
 
 
+@pytest.mark.slow
 def test_graph_pipeline_matches_single_device():
     # stages 0 and 1 are branches reading the batch; 2 joins them; 3 is the head (Fig. 2's shape)
     m = mesh((4, 2), ("pipe", "data"))
@@ -139,6 +140,7 @@ def test_graph_pipeline_matches_single_device():
     assert_close(prog.value_and_grad(params, data), jax.value_and_grad(full)(params, data))
 
 
+@pytest.mark.slow
 def test_fan_out_sums_gradients():
     # stage 0 feeds both 1 and 2 (two ppermute groups); 3 joins; its input gradient sums both paths
     m = mesh((4,), ("pipe",))

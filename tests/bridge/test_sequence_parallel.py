@@ -17,6 +17,9 @@ import models
 
 from .test_experts_apply import Block  # LayerNorm -> nn.MultiHeadDotProductAttention -> MLP, residuals
 
+pytestmark = pytest.mark.slow     # heavy: CI's second step (`pytest -m slow`)
+
+
 MESH = {"model": 4}
 SIZES = dict(d_model=64, num_heads=4, seq_len=32, batch_size=8, vocab_size=256, num_layers=2)
 

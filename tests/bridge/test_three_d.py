@@ -64,6 +64,7 @@ def model_split(stage) -> int:
     return sum(1 for _, spec in stage.param_specs if any("model" in axes for axes in spec))
 
 
+@pytest.mark.slow
 def test_gpt_megatron_stages_train_like_one_device_and_compile_as_planned():
     fast, m, params, batch = train_both("gpt", hardware="h100-sxm",
                                         pipeline_options={"expert": "megatron", "remat": "full"})
@@ -155,6 +156,7 @@ def test_pipe_axis_beyond_the_block_count_is_a_typed_error():
         autoshard.plan(make_step(m), *args, mesh=MESH, pipeline="auto", pipeline_options={"k": 2})
 
 
+@pytest.mark.slow
 def test_tensor_plan_with_planned_remat_trains_like_one_device_within_its_memory():
     """A tight budget makes the planner rematerialise a one-stage plan; autoshard.value_and_grad runs
     the loss block by block under that policy, and XLA's temp memory matches the prediction."""

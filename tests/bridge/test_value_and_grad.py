@@ -78,6 +78,7 @@ def test_value_and_grad_outside_a_pipeline_is_jax():
     assert_close(got, want)
 
 
+@pytest.mark.slow
 def test_pipelined_decorator_errors():
     m = models.get("gpt", "debug")
     params, batch = m.init(jax.random.key(0)), m.batch()

@@ -40,6 +40,7 @@ PARAMS = [pytest.param(*c, marks=() if c[0] in FAST and len(c[1]) == 1 else pyte
                        id=f"{c[0]}{'-scan' if len(c[1]) > 1 else ''}") for c in CASES]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,kw,settles", PARAMS)
 def test_window_fusion_matches_the_whole_graph_on_priced_ops(name, kw, settles, monkeypatch):
     monkeypatch.setattr(search, "WINDOW_SHARE", 1.0)      # windows of any size (12 layers: most of the graph)

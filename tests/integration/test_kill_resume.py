@@ -12,11 +12,15 @@ from pathlib import Path
 
 import jax
 import numpy as np
+import pytest
 
 import autoshard
 import models
 
 from .._reference import run_steps
+
+pytestmark = pytest.mark.slow     # heavy: CI's second step (`pytest -m slow`)
+
 
 WORKER = Path(__file__).with_name("_train_worker.py")
 ROOT = Path(__file__).resolve().parents[2]

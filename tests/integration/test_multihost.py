@@ -14,8 +14,12 @@ from pathlib import Path
 import jax
 import numpy as np
 import optax
+import pytest
 
 import models
+
+pytestmark = pytest.mark.slow     # heavy: CI's second step (`pytest -m slow`)
+
 
 WORKER = Path(__file__).with_name("_multihost_worker.py")
 ROOT = Path(__file__).resolve().parents[2]

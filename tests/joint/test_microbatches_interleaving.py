@@ -41,6 +41,7 @@ def _summary(res):
             tuple((s.start, s.stop, s.row, s.storage, s.remat, s.sequence_parallel) for s in p.stages))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("budget", [None, 0.5])
 def test_pruning_by_the_lower_bound_never_changes_the_result(graph, monkeypatch, budget):
     g, gr = graph

@@ -57,6 +57,7 @@ def _train(m, step, steps=3):
     return run_steps(step, params, m.init_opt_state(params), m.batch(), steps)
 
 
+@pytest.mark.slow
 def test_autoshard_equals_single_device():
     m = _small(dtype="float32")
     ref_losses, ref_params, _ = _train(m, jax.jit(m.train_step))
@@ -68,6 +69,7 @@ def test_autoshard_equals_single_device():
     assert any(any(s) for s in step.plan.input_specs_flat), step.explain()
 
 
+@pytest.mark.slow
 def test_autoshard_bfloat16_smoke():
     m = _small()
     step = autoshard.autoshard(m.train_step, mesh=MESH, hardware=FAST_LINKS)

@@ -99,6 +99,7 @@ def test_scan_count_matches_unrolled(name):
         assert unrolled == scanned.num_params() == m.num_params()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overrides", [dict(scan_layers=True), dict(remat=True), dict(scan_layers=True, remat=True)])
 def test_gpt_scan_remat_trains(overrides):
     losses = _train(models.get("gpt", "debug", **overrides))

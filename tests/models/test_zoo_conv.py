@@ -11,6 +11,8 @@ import pytest
 import autoshard
 import models
 
+pytestmark = pytest.mark.slow     # heavy: CI's second step (`pytest -m slow`)
+
 
 def _size(tree):
     return sum(x.size for x in jax.tree.leaves(tree))

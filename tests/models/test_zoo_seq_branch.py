@@ -164,6 +164,7 @@ def _positions_changed(apply, params, batch, key, pos):
     return np.abs(np.asarray(apply(params, batch) - out)).max(axis=(0, 2)) > 1e-6
 
 
+@pytest.mark.slow
 def test_t5_decoder_is_causal_and_encoder_bidirectional():
     m = models.get("t5", "debug")
     params = jax.jit(m.init)(jax.random.key(0))
@@ -173,6 +174,7 @@ def test_t5_decoder_is_causal_and_encoder_bidirectional():
     assert _positions_changed(apply, params, m.batch(), "inputs", 15).all()
 
 
+@pytest.mark.slow
 def test_moe_is_causal():
     m = models.get("moe", "debug")
     params = jax.jit(m.init)(jax.random.key(0))
@@ -181,6 +183,7 @@ def test_moe_is_causal():
     assert not changed[:9].any() and changed[9:].all()
 
 
+@pytest.mark.slow
 def test_moe_switch_ffn_matches_per_token_reference():
     # capacity_factor 0.5: capacity = ceil(0.5 * 16 / 4) = 2 tokens per expert per sequence, so
     # some tokens overflow and must get a zero output (they keep only the residual).
@@ -213,6 +216,7 @@ def test_moe_switch_ffn_matches_per_token_reference():
     np.testing.assert_allclose(float(aux), aux_ref, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_moe_loss_adds_weighted_aux_loss():
     m = models.get("moe", "debug")
     no_aux = models.get("moe", "debug", aux_loss_weight=0.0)

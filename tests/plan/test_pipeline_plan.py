@@ -99,6 +99,7 @@ def test_bad_pipeline_arguments_are_typed_errors(bert, kw, match):
         autoshard.plan(m.train_step, *args, mesh={"data": 8}, hardware="v100-sxm", **kw)
 
 
+@pytest.mark.slow
 def test_measured_profile_times_ops_on_the_device():
     m = models.get("mlp", "debug")
     args = m.abstract_state()
@@ -169,6 +170,7 @@ def mmt():
     return m, m.abstract_state()
 
 
+@pytest.mark.slow
 def test_graphpipe_plans_keep_branches_parallel(mmt):
     m, args = mmt
     p = autoshard.plan(m.train_step, *args, mesh={"data": 8}, hardware="v100-sxm", pipeline="graphpipe")
@@ -250,6 +252,7 @@ def test_measured_curves_refuse_a_program_that_changes_with_the_batch():
     assert list(curves[:, 1]) == full                                    # the traced batch itself
 
 
+@pytest.mark.slow
 def test_auto_pipeline_picks_the_faster_partitioner(mmt):
     m, args = mmt
     kw = dict(mesh={"data": 8}, hardware="v100-sxm")
@@ -280,6 +283,7 @@ def test_auto_pipeline_skips_what_does_not_apply(mmt, kw, chosen, skipped):
     assert f"{skipped} skipped: " in p.explain()
 
 
+@pytest.mark.slow
 def test_auto_pipeline_routes_options_and_reports_errors(mmt):
     m, args = mmt
     p = autoshard.plan(m.train_step, *args, mesh={"data": 8}, hardware="v100-sxm", pipeline="auto",

@@ -256,6 +256,7 @@ def test_unknown_primitive_is_replicated_with_a_warning():
     assert any("my_opaque_op" in warning for warning in p.warnings), p.warnings
 
 
+@pytest.mark.slow
 def test_megatron_expert_keeps_position_tables_whole():
     """T5's relative attention bias ([buckets, heads]) is named like an embedding; Megatron splits
     its heads, never its buckets, and the shared vocabulary embedding is split by rows."""

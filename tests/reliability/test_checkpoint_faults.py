@@ -58,6 +58,7 @@ def test_the_fault_steps_are_the_save_protocols_steps():
     assert tuple(STEPS_LEAVE) == disk.SAVE_STEPS
 
 
+@pytest.mark.slow
 def test_a_save_killed_after_any_step_leaves_the_old_or_the_new_checkpoint(tmp_path):
     """SIGKILL right after each step of `save(overwrite=True)` (synchronous, and asynchronous for the
     steps its background thread runs): `restore` gives the old state before the new one is sealed and

@@ -167,6 +167,7 @@ def test_absurd_device_count_in_the_cli_is_one_line_at_once(capsys):
     assert len(err) == 1 and "more than any cluster" in err[0]
 
 
+@pytest.mark.slow
 def test_sigint_in_every_phase_is_one_line_and_130():
     """Ctrl-C while tracing, planning, compiling and stepping: exit 130, the one line, no traceback
     and no crash (it segfaulted 6 of 8 times). The delays land in different phases of `run`."""

@@ -207,6 +207,7 @@ def test_audit_on_an_explicit_mesh_and_under_its_context():
     assert inside.audited_collectives == want.audited_collectives
 
 
+@pytest.mark.slow
 def test_pipelined_on_an_explicit_mesh_and_under_its_context():
     params, _, batch = fresh()
     mesh4 = {"pipe": 2, "data": 2}

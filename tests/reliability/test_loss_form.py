@@ -60,6 +60,7 @@ def copies(tree):
     return jax.tree.map(lambda x: np.array(x, copy=True), tree)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("loss,key,values", [(masked_mean, "mask", MASKS), (token_mean, "lengths", LENGTHS)],
                          ids=["masked_mean", "token_mean"])
 def test_ratio_loss_trains_like_one_device_on_every_batch_under_rannc(loss, key, values):

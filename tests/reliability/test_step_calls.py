@@ -106,6 +106,7 @@ KEY_CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:.*the plan gives its stages")   # the pipeline case's replicas
 @pytest.mark.parametrize("case", KEY_CASES, ids=list(KEY_CASES))
 def test_typed_prng_keys_train_like_one_device(case):
@@ -155,6 +156,7 @@ def test_keywords_that_cannot_bind_are_typed_errors(fn, kwargs, pattern):
     assert alive((params, opt, batch))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("outer", ["jit", "grad", "vmap"])
 def test_a_step_under_an_outer_transformation_says_how_to_compose(outer):
     params, opt, batch = fresh()

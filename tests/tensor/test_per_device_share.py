@@ -70,6 +70,7 @@ def batch_split(fg, graph, axes_of: dict, mesh) -> float:
     return float(math.prod(mesh.axis_size(a) for a in axes))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", models.names())
 def test_tensor_plan_prices_each_op_at_its_share(name):
     graph, grouping = traced(name)
@@ -117,6 +118,7 @@ def check_stage(name, graph, units, space, axes_of: dict, kinds, where: str) -> 
             check_shares(graph, ev, ev.row(axes_of), split, f"{name} {where} {sl}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", models.names())
 def test_3d_tables_price_each_op_at_its_share(name):
     """Every unit kind under the best tensor plan of a data 8 x model 8 stage submesh (the 3-D

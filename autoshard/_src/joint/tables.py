@@ -180,11 +180,10 @@ def _priced(space: PlanSpace, units: Units, hw: HardwareSpec, cost: CostModel, o
     vals = {a: np.zeros((K, Z, C)) for a in ARRAYS}
     for k, kind in enumerate(units.kinds):
         evs = _evaluators(space, hw, cost, options, kind)
-        for ev in evs.values():        # evaluated once per storage mode: price the GEMMs once
-            if ev.gemm_costs is not None:
-                ev.gemm_costs = _GemmOnce(ev.gemm_costs)
+        by_mode = {n: evs[n].evaluate_modes(plans, modes) for n in ("fwd", "fwd_dots", "fwd_attn", "bwd", "const",
+                                                                     "step", "held")}
         for z, storage in enumerate(modes):
-            fwd, dots, attn, bwd, const, step, held = (evs[n].evaluate(plans, storage) for n in
+            fwd, dots, attn, bwd, const, step, held = (by_mode[n][storage] for n in
                                                        ("fwd", "fwd_dots", "fwd_attn", "bwd", "const", "step", "held"))
             vals["fwd"][k, z] = fwd["compute"] + fwd["fwd_comm"] + fwd["bwd_comm"]
             vals["fwd_dots"][k, z] = dots["compute"]
@@ -211,23 +210,6 @@ def _priced(space: PlanSpace, units: Units, hw: HardwareSpec, cost: CostModel, o
             vals["acts_dots"][k, z] = dots["activations"]
             vals["data"][k, z] = held["data"]
     return vals
-
-
-class _GemmOnce:
-    """An evaluator's kernel-model GEMM pricing, answered once per plan array: it does not depend on
-    the storage mode, and `_priced` evaluates the same plans under every mode (the kernel model is
-    about half of an evaluation)."""
-
-    def __init__(self, inner) -> None:
-        self.inner, self.plans, self.msize, self.result = inner, None, None, None
-
-    def seconds(self, plans: np.ndarray, msize: np.ndarray, or_masks) -> np.ndarray:
-        if plans is not self.plans or msize is not self.msize:
-            self.plans, self.msize, self.result = plans, msize, self.inner.seconds(plans, msize, or_masks)
-        return self.result
-
-    def __getattr__(self, name: str):
-        return getattr(self.inner, name)
 
 
 def _undominated(vals: dict[str, np.ndarray]) -> np.ndarray:

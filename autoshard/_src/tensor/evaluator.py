@@ -461,10 +461,36 @@ class _Evaluator(MemoryModel):
 
     def evaluate(self, plans: np.ndarray, storage: str) -> dict[str, np.ndarray]:
         """Per-plan step time, memory and breakdown for plans[C, K] (axis masks per factor)."""
+        return self.evaluate_modes(plans, (storage,))[storage]
+
+    def evaluate_modes(self, plans: np.ndarray, modes: Sequence[str]) -> dict[str, dict[str, np.ndarray]]:
+        """`evaluate` under each storage mode of `modes`: the compute, collectives and activations do not
+        depend on how parameters and optimizer state are stored, so they are priced once."""
         C = plans.shape[0]
-        out = {k: np.zeros(C) for k in ("compute", "fwd_comm", "bwd_comm", "opt_comm", "grad_sync",
-                                         "storage_comm", "params", "grads", "optimizer",
-                                         "activations", "data", "cpu_temp_extra", "regathered", "regather_comm")}
+        base = {k: np.zeros(C) for k in ("compute", "fwd_comm", "bwd_comm", "opt_comm", "grad_sync",
+                                          "storage_comm", "params", "grads", "optimizer",
+                                          "activations", "data", "cpu_temp_extra", "regathered", "regather_comm")}
+        self._add_times(base, plans)
+        shared = self._shared_memory(base, plans)
+        for fs, b in self.data:
+            base["data"] += b / self.msize[self._or(plans, fs)]
+        results = {}
+        for storage in modes:
+            out = {k: v.copy() for k, v in base.items()}
+            self._storage_memory(out, plans, storage, shared)
+            # the sync hides behind the backward (one micro-batch here; SearchOptions.overlap)
+            bwd_compute = out["compute"] * self.bwd_share
+            sync_exposed = np.maximum(0.0, out["grad_sync"] - self.options.overlap * bwd_compute)
+            out["step_time"] = (out["compute"] + out["fwd_comm"] + out["bwd_comm"] + out["opt_comm"]
+                                + sync_exposed + out["storage_comm"])
+            out["memory"] = (out["params"] + out["grads"] + out["optimizer"] + out["activations"]
+                             + out["data"])
+            results[storage] = out
+        return results
+
+    def _add_times(self, out: dict[str, np.ndarray], plans: np.ndarray) -> None:
+        """Compute and the tensor-parallel / gradient collectives of plans[C, K] into `out`."""
+        C = plans.shape[0]
         for (loop, red, kind), work, ar_bytes, count in self.groups:
             s_mask = self._or(plans, loop)
             n = self.msize[s_mask]
@@ -485,18 +511,6 @@ class _Evaluator(MemoryModel):
             m = self._or(plans, fs)
             out["fwd_comm" if phase == "forward" else "bwd_comm"] += self._coll(
                 "all-gather", b * np.ones(C), m)
-
-        self._add_memory(out, plans, storage)
-        for fs, b in self.data:
-            out["data"] += b / self.msize[self._or(plans, fs)]
-        # the sync hides behind the backward (one micro-batch here; SearchOptions.overlap)
-        bwd_compute = out["compute"] * self.bwd_share
-        sync_exposed = np.maximum(0.0, out["grad_sync"] - self.options.overlap * bwd_compute)
-        out["step_time"] = (out["compute"] + out["fwd_comm"] + out["bwd_comm"] + out["opt_comm"]
-                            + sync_exposed + out["storage_comm"])
-        out["memory"] = (out["params"] + out["grads"] + out["optimizer"] + out["activations"]
-                         + out["data"])
-        return out
 
     def op_shares(self, row: np.ndarray) -> list[tuple[int, float, float, float]]:
         """Per priced op under one plan (a row of axis masks): (op index, executions, flops, bytes),

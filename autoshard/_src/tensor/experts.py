@@ -83,6 +83,16 @@ def region_twins(fg: FactorGraph, factors: list[int]) -> list[int]:
 
 
 def tensor_parallel_factors(graph: OpGraph, fg: FactorGraph, in_map: dict[int, int]) -> list[int]:
+    """`_tensor_parallel_factors`, once per factor graph and input map (the 3-D search asks per submesh)."""
+    hit = fg.builds.get(("tensor-parallel factors", id(in_map)))
+    if hit is not None and hit[0] is in_map and fg.graph is graph:
+        return list(hit[1])
+    out = _tensor_parallel_factors(graph, fg, in_map)
+    fg.builds[("tensor-parallel factors", id(in_map))] = (in_map, tuple(out))
+    return out
+
+
+def _tensor_parallel_factors(graph: OpGraph, fg: FactorGraph, in_map: dict[int, int]) -> list[int]:
     """Factors Megatron splits, found from the program's structure, not from names: the inner dim of a
     column-parallel / row-parallel matmul pair. A factor qualifies when a forward matmul of activations
     by weights produces it (a weight dim the activation lacks: the FFN hidden dim, the attention heads),

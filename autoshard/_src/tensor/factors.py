@@ -117,7 +117,11 @@ class FactorGraph:
         return tuple([get((value, d - rank)) if shape[lead + d] != 1 else None for d in range(rank)])
 
     def divides(self, factor: int, n: int) -> bool:
-        return all(s % n == 0 for s in self.factor_sizes.get(factor, ()))
+        # a factor's sizes repeat once per dim it names (thousands for the residual stream): distinct once
+        distinct = self.builds.get(("distinct sizes", factor))
+        if distinct is None:
+            distinct = self.builds[("distinct sizes", factor)] = frozenset(self.factor_sizes.get(factor, ()))
+        return all(s % n == 0 for s in distinct)
 
     def factor_size(self, factor: int) -> int:
         return max(self.factor_sizes.get(factor, [1]))

@@ -20,16 +20,31 @@ def kept_share(before: np.ndarray, kept: np.ndarray) -> np.ndarray:
 class MemoryModel:
     """Memory per device of plans[C, K] (see the module docstring)."""
 
-    def _add_memory(self, out: dict[str, np.ndarray], plans: np.ndarray, storage: str) -> None:
-        """Parameters, gradients, optimizer state and activations per device, under the storage mode
-        (see _gradient_memory), into `out` (whose storage_comm gets ZeRO-1's gather latency)."""
+    def _shared_memory(self, out: dict[str, np.ndarray], plans: np.ndarray) -> dict:
+        """What every storage mode shares, into `out` (saved activations, the backward's working set, values
+        kept in two layouts, the reduced gradients); returned: the parameters' masks and gradient bytes."""
         C, full = plans.shape[0], self.nm - 1
+        masks = [self._storage_masks(plans, dims, shape, full) for dims, shape, _ in self.params]
         grads_before = np.zeros(C)      # every gradient as its op produces it (whole over ZeRO axes)
+        for (m, _), (_, _, b) in zip(masks, self.params, strict=True):
+            grads_before += b / self.msize[m]
+        for fs, b in self.acts:
+            out["activations"] += b / self.msize[self._or(plans, fs)]
+        working = np.zeros(C)
+        for fs, b in self.backward_values:
+            working = np.maximum(working, b / self.msize[self._or(plans, fs)])
+        out["activations"] += working
+        self._cut_copy_memory(out, plans)
+        out["grads_before"] = grads_before
+        out["grads_reduced"] = self._reduced_gradient_bytes(plans)
+        return {"masks": masks, "grads_before": grads_before}
+
+    def _storage_memory(self, out: dict[str, np.ndarray], plans: np.ndarray, storage: str, shared: dict) -> None:
+        """Parameters, optimizer state, ZeRO's gathered copies and the gradients under `storage`."""
+        C, full = plans.shape[0], self.nm - 1
         grads_kept = np.zeros(C)        # as the optimizer keeps it (a ZeRO gradient scattered)
-        for dims, shape, b in self.params:
-            m, free = self._storage_masks(plans, dims, shape, full)
+        for (m, free), (_, _, b) in zip(shared["masks"], self.params, strict=True):
             n, nt = self.msize[m], self.msize[free]
-            grads_before += b / n
             if storage == "replicated":
                 out["params"] += b / n
                 grads_kept += b / n
@@ -51,15 +66,17 @@ class MemoryModel:
             m, free = self._storage_masks(plans, dims, shape, full)
             n = self.msize[m]
             out["optimizer"] += b / n if storage == "replicated" else b / (n * self.msize[free])
-        for fs, b in self.acts:
-            out["activations"] += b / self.msize[self._or(plans, fs)]
-        working = np.zeros(C)
-        for fs, b in self.backward_values:
-            working = np.maximum(working, b / self.msize[self._or(plans, fs)])
-        out["activations"] += working
+        grads_before = shared["grads_before"]
+        out["grads_kept"] = grads_kept
+        out["grads_scattered"] = out["grads_reduced"] * kept_share(grads_before, grads_kept)
+        out["grads"], out["cpu_temp_extra"] = self._gradient_memory(plans, out["activations"], grads_before,
+                                                                    grads_kept, out)
+
+    def _cut_copy_memory(self, out: dict[str, np.ndarray], plans: np.ndarray) -> None:
+        """Values cut at a region boundary, kept in the layouts the backward reads (and re-gathered)."""
         for (before, after, own_kept, copy_kept), b in self.cut_copies:   # a value in two layouts
-            moved = np.zeros(C, dtype=bool)
-            sliced = np.ones(C, dtype=bool)      # the kept layout is a slice of the moved one (a gather)
+            moved = np.zeros(plans.shape[0], dtype=bool)
+            sliced = np.ones(plans.shape[0], dtype=bool)      # the kept layout is a slice of the moved one (a gather)
             for i, j in zip(before, after, strict=True):
                 bm, am = (plans[:, i] if i >= 0 else 0), (plans[:, j] if j >= 0 else 0)
                 moved |= bm != am
@@ -80,11 +97,6 @@ class MemoryModel:
                 out["regathered"] += np.where(gathered, copy - own, 0.0)
                 out["regather_comm"] += np.where(gathered, self._coll("all-gather", copy, before_mask & ~after_mask),
                                                  0.0)
-        out["grads_before"], out["grads_kept"] = grads_before, grads_kept
-        out["grads_reduced"] = self._reduced_gradient_bytes(plans)
-        out["grads_scattered"] = out["grads_reduced"] * kept_share(grads_before, grads_kept)
-        out["grads"], out["cpu_temp_extra"] = self._gradient_memory(plans, out["activations"], grads_before,
-                                                                    grads_kept, out)
 
     def _gradient_memory(self, plans: np.ndarray, acts: np.ndarray, before: np.ndarray, kept: np.ndarray,
                          out: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:

@@ -375,6 +375,26 @@ def _candidate_factors(graph: OpGraph, fg: FactorGraph, weights: dict[int, float
                        ) -> tuple[tuple[int, ...], dict[int, list[int]]]:
     """The factors the search may split (sorted) and, per factor, the axis masks that divide it.
     Factors beyond the plan space cap are left out, with a note."""
+    cands, _ = _ranked_factors(graph, fg, weights)
+    masks_of = {f: [m for m in _axis_masks(mesh) if fg.divides(f, _mask_size(mesh, m))]
+                for f in cands}
+    kept: list[int] = []
+    total = 1
+    for f in cands:
+        if total * len(masks_of[f]) > options.max_plans:
+            notes.append(f"factor {f} (size {fg.factor_size(f)}) left unsplit: plan space cap")
+            continue
+        kept.append(f)
+        total *= len(masks_of[f])
+    return tuple(sorted(kept)), masks_of
+
+
+def _ranked_factors(graph: OpGraph, fg: FactorGraph, weights: dict[int, float]) -> tuple[list[int], dict]:
+    """(the factors worth splitting, largest first; their bytes): mesh-independent, so once per factor graph
+    and weights (the 3-D search asks for every submesh shape)."""
+    hit = fg.builds.get(("ranked factors", id(weights)))
+    if hit is not None and hit[0] is weights:
+        return hit[1]
     # factors worth splitting: those of parameters and data inputs, largest first, that some op
     # iterates over, except a stacked scan's layer axis: the loop slices it, and splitting it
     # would cost a gather per iteration that the op model does not see
@@ -399,17 +419,8 @@ def _candidate_factors(graph: OpGraph, fg: FactorGraph, weights: dict[int, float
             if f is not None and f not in fg.repeated and f in in_loops:
                 weight_of[f] += graph.values[v].nbytes
     cands = sorted(weight_of, key=lambda f: (-weight_of[f], f))
-    masks_of = {f: [m for m in _axis_masks(mesh) if fg.divides(f, _mask_size(mesh, m))]
-                for f in cands}
-    kept: list[int] = []
-    total = 1
-    for f in cands:
-        if total * len(masks_of[f]) > options.max_plans:
-            notes.append(f"factor {f} (size {fg.factor_size(f)}) left unsplit: plan space cap")
-            continue
-        kept.append(f)
-        total *= len(masks_of[f])
-    return tuple(sorted(kept)), masks_of
+    fg.builds[("ranked factors", id(weights))] = (weights, (cands, dict(weight_of)))
+    return cands, weight_of
 
 
 def _enumerate_plans(fg: FactorGraph, cands_t: tuple[int, ...], masks_of: dict[int, list[int]]) -> np.ndarray:
@@ -428,8 +439,9 @@ def _enumerate_plans(fg: FactorGraph, cands_t: tuple[int, ...], masks_of: dict[i
 def _best_choice(ev: _Evaluator, plans: np.ndarray, storage_modes: tuple[str, ...], budget: float) -> PlanChoice:
     """The best plan of each storage mode, then the best of those."""
     best = None
+    by_mode = ev.evaluate_modes(plans, storage_modes)
     for storage in storage_modes:
-        res = ev.evaluate(plans, storage)
+        res = by_mode[storage]
         feasible = res["memory"] <= budget
         # lexicographic: feasible first, then time (rounded so float noise cannot break ties), then
         # fewer sharded factors, then enumeration order
