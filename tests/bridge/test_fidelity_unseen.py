@@ -125,12 +125,6 @@ def test_fsdp_mlp_expert():
     check(autoshard.expert_plan("fsdp", step, *args, mesh={"data": 8}, hardware="cpu-sim"), step, args)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "search={'storage_modes': ('zero3',)} picks tensor parallelism over data with ZeRO-3 storage: the "
-    "Dense_1 bias is stored P(data) while its add reads the row-parallel all-reduce's whole output; the plan "
-    "prices gathering the bias (all-gather@data 2,048 B) but nothing pins the add's output, so XLA's sharding "
-    "propagation keeps the add split like the bias and all-gathers the 32x512 activation instead, forward "
-    "and backward (all-gather@data compiled 131,072 B). Memory is within tolerance (827,076 vs 923,720 B)"))
 def test_fsdp_mlp_forced_zero3_storage():
     step, args = _fsdp_mlp()
     forced = autoshard.plan(step, *args, mesh={"data": 8}, hardware="cpu-sim",

@@ -21,6 +21,7 @@ from ..tensor.search import (
     PlanChoice,
     SearchOptions,
     SearchResult,
+    _grad_ops,
     analysis,
     evaluate_assignment,
     search,
@@ -190,7 +191,8 @@ def describe_factors(graph: OpGraph, fg, candidates: tuple[int, ...],
 
 
 def activation_constraints(graph: OpGraph, op_map: dict[int, int], fg: Any, axes_of: dict[int, tuple[str, ...]],
-                           ops: set[int] | None = None, keys: list[str] | None = None) -> list[tuple[str, Spec]]:
+                           ops: set[int] | None = None, keys: list[str] | None = None,
+                           storage: str = "replicated") -> list[tuple[str, Spec]]:
     """(op key, spec) of the forward matmul / gather / convolution outputs the plan splits (of `ops`
     only, when given): what emission pins so XLA follows the plan between the parameters. A value cut
     at a region boundary (an MoE dispatch or expert output) gets a second entry for the same op: the
@@ -200,10 +202,10 @@ def activation_constraints(graph: OpGraph, op_map: dict[int, int], fg: Any, axes
     # with the sequence split outside the tensor-parallel regions XLA may also gather a region's big
     # activations for a weight gradient instead of the stream's cotangent: pin the backward matmuls too
     backward_too = any(axes_of.get(f) for f in getattr(fg, "sequence", ()))
-    pinned = _pinned(graph, fg)
+    pinned = _pinned(graph, fg) | (_stored_reads(graph) if storage == "zero3" else set())
     out = []
     todo = graph.ops if ops is None else [graph.ops[i] for i in sorted(ops)]
-    phases = constrained_phases(graph, fg, axes_of)     # an op maps to one of its own phase
+    phases = constrained_phases(graph, fg, axes_of, storage)     # an op maps to one of its own phase
     todo = [op for op in todo if op.phase in phases and (cut_after or pinned or op.primitive in _CONSTRAINED)]
     outputs = frozenset(graph.outputs)      # a list of every gradient: membership once per op is O(n^2)
     for op in todo:
@@ -244,6 +246,25 @@ def _escapes(graph: OpGraph, op, outputs: frozenset[int]) -> bool:
     return v in outputs or any(graph.ops[c].top_eqn != op.top_eqn for c in graph.values[v].consumers)
 
 
+def _stored_reads(graph: OpGraph) -> set[int]:
+    """Under ZeRO-3, the forward reads of parameters outside the matmuls (a bias reshaped for its add, a
+    norm's scale) and the ops using them (the add): pinned to the layouts the plan computes with, so XLA
+    gathers the small parameter as priced. Left free, XLA keeps the add split like the stored bias and
+    gathers the activation (and its cotangent) instead."""
+    def free_forward(i: int) -> bool:
+        op = graph.ops[i]
+        return op.phase == "forward" and bool(op.outputs) and op.primitive not in _CONSTRAINED and not op.nested
+
+    reads = {i for v in graph.inputs if graph.values[v].role == "parameter"
+             for i in graph.values[v].consumers if free_forward(i)}
+    users = {c for i in reads for c in graph.values[graph.ops[i].outputs[0]].consumers if free_forward(c)}
+    # and the gradients computed outside the matmuls (a bias's sum over the batch): whole as computed, so
+    # XLA slices the stored shard off the result rather than splitting the cotangent the sum reads
+    grads = {i for i in _grad_ops(graph, [op.index for op in graph.ops if op.phase == "backward"])
+             if graph.ops[i].primitive not in _CONSTRAINED and graph.ops[i].outputs and not graph.ops[i].nested}
+    return {graph.ops[i].outputs[0] for i in reads | users | grads}
+
+
 def _pinned(graph: OpGraph, fg: Any) -> set[int]:
     """The other operands of an MoE dispatch / combine (routing weights, masks): they keep their planned
     layout even when it is replicated (left free, XLA shards them like the experts and gathers back)."""
@@ -251,10 +272,13 @@ def _pinned(graph: OpGraph, fg: Any) -> set[int]:
             for u in graph.ops[c].inputs if u != v and graph.values[u].producer is not None}
 
 
-def constrained_phases(graph: OpGraph, fg: Any, axes_of: dict[int, tuple[str, ...]]) -> frozenset[str]:
+def constrained_phases(graph: OpGraph, fg: Any, axes_of: dict[int, tuple[str, ...]],
+                       storage: str = "replicated") -> frozenset[str]:
     """The phases of the ops `activation_constraints` may constrain: the forward pass (and the backward
-    with a split sequence), and those of the ops making region boundaries and pinned operands."""
-    phases = {"forward", "backward"} if any(axes_of.get(f) for f in getattr(fg, "sequence", ())) else {"forward"}
+    with a split sequence or ZeRO-3's gradients), and those of the ops making region boundaries and
+    pinned operands."""
+    backward = storage == "zero3" or any(axes_of.get(f) for f in getattr(fg, "sequence", ()))
+    phases = {"forward", "backward"} if backward else {"forward"}
     values = graph.values
     for v in (*(v for v, _, _ in getattr(fg, "cuts", ())), *_pinned(graph, fg)):
         if values[v].producer is not None:
@@ -322,8 +346,9 @@ def build_plan(graph: OpGraph, grouping: Grouping, mesh: MeshSpec, hw: HardwareS
             out_specs.append(tuple(() for _ in graph.values[vid].shape))
 
     # only the constrained phases' ops are mapped (ops correspond phase by phase)
-    phases = tuple(p for p in PHASES if p in constrained_phases(graph, fg, axes_of))
-    constraints = activation_constraints(graph, instance_maps(graph, grouping, res.periods, phases), fg, axes_of)
+    phases = tuple(p for p in PHASES if p in constrained_phases(graph, fg, axes_of, res.best.storage))
+    constraints = activation_constraints(graph, instance_maps(graph, grouping, res.periods, phases), fg, axes_of,
+                                         storage=res.best.storage)
 
     warnings = tuple(f"unknown primitive '{graph.ops[i].primitive}' in module "
                      f"'{graph.ops[i].module or '(root)'}': its operands are replicated"

@@ -332,16 +332,14 @@ class _Evaluator(MemoryModel):
                 fs = fg.value_factors(src) if g.values[src].shape == val.shape else (None,) * len(val.shape)
                 self.data.append((self._cmask(fs), val.nbytes))
         self.params = [(dims, shape, b) for (role, dims, shape), b in sorted(tensors.items()) if role == "parameter"]
-        # ZeRO-3 gathers a parameter once per forward use (XLA keeps the gathered copy for the
-        # backward pass instead of gathering again; a tied embedding read by two modules is
-        # gathered twice): bytes of parameters times their number of using modules
+        # ZeRO-3 gathers a parameter once: emission pins its reads to the layout it is computed in
+        # (planner._stored_reads), and XLA keeps that gathered copy for every forward use (a tied
+        # embedding's lookup and head) and for the backward pass instead of gathering again
         gathered: dict[tuple, float] = defaultdict(float)
         for v in self.inputs:
             val = g.values[v]
-            if val.role != "parameter":
-                continue
-            uses = {g.ops[c].module for c in val.consumers if g.ops[c].phase == "forward"}
-            gathered[(dims_for(v), val.shape)] += val.nbytes * max(1, len(uses))
+            if val.role == "parameter":
+                gathered[(dims_for(v), val.shape)] += val.nbytes
         self.gathered = [(dims, shape, b) for (dims, shape), b in sorted(gathered.items())]
         self.state = [(dims, shape, b) for (role, dims, shape), b in sorted(tensors.items()) if role == "state"]
         self._build_activations(weights)
