@@ -38,6 +38,7 @@ def test_megatron_mlp_activation_all_reduces_are_the_predicted_ones():
     assert not report.gaps or all(g.what.startswith("memory") for g in report.gaps), report.report()
 
 
+@pytest.mark.slow
 def test_gpt_audit_names_every_collective_and_matches_bytes():
     m = models.get("gpt", "debug")
     args = m.abstract_state()

@@ -63,6 +63,7 @@ def test_megatron_state_restores_into_an_fsdp_step_and_training_continues(tmp_pa
     np.testing.assert_allclose(got + more, want, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_checkpoint_misuse_is_a_typed_error(tmp_path):
     m, params, opt_state, _ = _setup()
     with pytest.raises(autoshard.ConfigError, match="no checkpoint at"):

@@ -32,6 +32,7 @@ def model_args(name, **overrides):
     pytest.param("gpt", {"remat": True}, {"pipe": 2, "data": 2}, 2, "gpipe", marks=pytest.mark.slow),
     pytest.param("gpt_nnx", {}, {"pipe": 4}, 4, "1f1b", marks=pytest.mark.slow),
 ])
+@pytest.mark.slow
 def test_matches_single_device(name, overrides, mesh, microbatches, schedule):
     m, params, batch = model_args(name, **overrides)
     run = autoshard.pipelined(m.loss, params, batch, mesh=mesh, num_microbatches=microbatches, schedule=schedule)

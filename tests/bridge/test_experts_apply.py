@@ -49,6 +49,7 @@ class MLP(nn.Module):
         return nn.Dense(64)(x)
 
 
+@pytest.mark.slow
 def test_flax_default_names_alternate_column_and_row():
     x = jnp.ones((16, 64))
     params = MLP().init(jax.random.key(0), x)
@@ -69,6 +70,7 @@ class Block(nn.Module):
         return x + nn.Dense(32)(nn.gelu(nn.Dense(128)(h)))
 
 
+@pytest.mark.slow
 def test_multi_head_dot_product_attention_splits_heads():
     x = jnp.ones((8, 6, 32))
     params = Block().init(jax.random.key(0), x)

@@ -33,6 +33,7 @@ def test_interleaved_matches_single_device(shape, names, stages, microbatches):
     assert_close(grads, want_grads)
 
 
+@pytest.mark.slow
 def test_each_rank_holds_its_chunks_parameters():
     m = mesh((2,), ("pipe",))
     fns, params, data, _ = chain_problem(4, width=8)
@@ -76,6 +77,7 @@ def _mlp(width=8, layers=4, batch=16):
     return params, data, loss
 
 
+@pytest.mark.slow
 def test_pipelined_cuts_v_stages_per_rank_and_trains_like_one_device():
     """`autoshard.pipelined(..., schedule="interleaved-1f1b", virtual_stages=2)` on pipe 2: 4 stages,
     3 SGD steps equal to one device."""

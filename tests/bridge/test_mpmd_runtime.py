@@ -53,6 +53,7 @@ def train(run, m, params, batch, opt, steps=3):
 
 @pytest.mark.parametrize("schedule, adam", [("1f1b", False), pytest.param("gpipe", False, marks=pytest.mark.slow),
                                             pytest.param("1f1b", True, marks=pytest.mark.slow)])
+@pytest.mark.slow
 def test_gpt_on_stages_of_2_2_and_4_devices_trains_like_one_device(schedule, adam):
     m = models.get("gpt", "debug", batch_size=8)
     params, batch = m.init(jax.random.key(0)), m.batch()
@@ -137,6 +138,7 @@ def test_the_3d_searchs_unequal_plan_runs_mpmd_like_one_device():
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_a_plan_file_edited_to_drop_a_device_is_a_typed_error():
     data = json.loads(alpa_like_plan().to_json())
     data["predicted"]["3d"]["chosen"]["submeshes"] = [[2, 1], [2, 1], [1, 2]]      # 6 of the 8 devices

@@ -62,6 +62,7 @@ def assert_close(got, want, tol=1e-5):
     ("1f1b", (4, 2), ("pipe", "data"), 4),
     ("gpipe", (2, 2, 2), ("data", "pipe", "model"), 2),
 ])
+@pytest.mark.slow
 def test_chain_matches_single_device(schedule, shape, names, microbatches):
     m = mesh(shape, names)
     S = m.shape["pipe"]
@@ -166,6 +167,7 @@ def test_fan_out_sums_gradients():
     assert_close(prog.value_and_grad(params, data), jax.value_and_grad(full)(params, data))
 
 
+@pytest.mark.slow
 def test_tied_copies_get_the_summed_gradient():
     # one matrix E used by stage 0 (embed) and stage 2 (project back): each stage holds a copy and
     # both copies' gradients equal d loss / d E over both uses
@@ -200,6 +202,7 @@ def test_tied_copies_get_the_summed_gradient():
         wrong.value_and_grad([{"E": E}, mid_p, {"E": E, "bias": bias}], data)
 
 
+@pytest.mark.slow
 def test_optax_step_on_stacked_params_matches_per_stage_update():
     m = mesh((4, 2), ("pipe", "data"))
     fns, params, data, full_loss = chain_problem(4)
@@ -221,6 +224,7 @@ def test_optax_step_on_stacked_params_matches_per_stage_update():
     assert_close(prog.unstack(stacked), want)
 
 
+@pytest.mark.slow
 def test_mixed_dtypes_round_trip_exactly():
     m = mesh((2,), ("pipe",))
 

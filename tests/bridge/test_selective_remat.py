@@ -81,6 +81,7 @@ def residuals(loss, params, x):
 
 
 @pytest.mark.parametrize("block", [pytest.param(HandBlock, marks=pytest.mark.slow), FlaxBlock])
+@pytest.mark.slow
 def test_only_the_scores_are_recomputed(block):
     loss, params, x, labels = setup(block)
     grid = (B, HEADS, S, S)
@@ -100,6 +101,7 @@ def test_only_the_scores_are_recomputed(block):
     assert none - sel >= 2 * 2 * math.prod(grid) * 4 and sel > full
 
 
+@pytest.mark.slow
 def test_the_lowered_step_reruns_the_scores_matmul_and_softmax_only():
     """Per block, selective adds one [B, H, S, S] matmul (the scores) and one exp (the softmax) to the
     lowered step and no other matmul; full reruns every forward matmul."""
@@ -129,6 +131,7 @@ class DropoutBlock(nn.Module):
         return x + jnp.tanh(y)
 
 
+@pytest.mark.slow
 def test_dropout_on_the_probabilities_is_regenerated_not_saved():
     """The dropout mask's random bits, drawn on the grid from a key the step takes, are recomputed
     (priced among the recomputed ops; emitted: no grid residual, the same gradients)."""

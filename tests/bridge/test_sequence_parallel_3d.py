@@ -54,6 +54,7 @@ def test_sequence_parallel_stage_trains_like_one_device(gpt):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_megatron_grid_prices_megatron_with_and_without_sequence_parallelism(gpt):
     m, step, args = gpt
     kw = dict(mesh=MESH, pipeline="auto", num_microbatches=2, hardware="cpu-sim",

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 
 import autoshard
 from autoshard._src.bridge import trace as trace_module
@@ -34,6 +35,7 @@ def _counting(monkeypatch):
     return counts
 
 
+@pytest.mark.slow
 def test_first_call_traces_once(monkeypatch):
     opt = optax.adam(1e-2)
 

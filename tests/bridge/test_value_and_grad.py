@@ -154,6 +154,7 @@ def _user_losses():
 
 
 @pytest.mark.parametrize("idiom", ["nested_aux_argnums", pytest.param("closure", marks=pytest.mark.slow)])
+@pytest.mark.slow
 def test_pipelined_losses_as_users_write_them(idiom):
     """A lambda closing over the batch, a nested def reading it with argnums and has_aux: the
     pipelined step trains like the same step under jax.jit (the batch found among the closed-over

@@ -67,6 +67,7 @@ def test_window_fusion_matches_the_whole_graph_on_priced_ops(name, kw, settles, 
                    (full.group[i], full.bytes[i], full.launches[i], full.moved[i]), (name, gpu, i, g.ops[i])
 
 
+@pytest.mark.slow
 def test_window_fusion_defers_to_a_cached_whole_graph_fusion():
     g, grouping = _traced("gpt", {"num_layers": 12})
     scope, core = fusion_window(g, grouping)

@@ -71,6 +71,7 @@ def test_units_follow_the_blocks_with_embedding_first_and_head_last():
     assert units.cut_dep[0] == units.cut_dep[-1] == 0 and (units.cut_dep[1:-1] > 0).all()
 
 
+@pytest.mark.slow
 def test_one_stage_is_the_tensor_search():
     g = model(BLOCKS)
     gr = group(g)
@@ -83,6 +84,7 @@ def test_one_stage_is_the_tensor_search():
     assert res.tensor_only is not None and res.tensor_only.step_time <= p.step_time * (1 + 1e-9)
 
 
+@pytest.mark.slow
 def test_tight_memory_needs_stages_or_remat_and_nothing_fits_names_the_least():
     g = model(BLOCKS)
     gr = group(g)

@@ -40,6 +40,7 @@ def test_forward_shapes_and_dtypes():
     assert jax.eval_shape(m.loss, params, m.batch(abstract=True)).dtype == jnp.float32
 
 
+@pytest.mark.slow
 def test_causal():
     """A later token never changes an earlier position's logits."""
     m = _model(dtype="float32")

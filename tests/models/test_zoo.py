@@ -39,6 +39,7 @@ _SLOW_ZOO = {"resnet", "mmt", "wide_classifier", "moe", "dlrm"}
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in _SLOW_ZOO else n
                                   for n in models.names()])
+@pytest.mark.slow
 def test_debug_trains(name):
     m = models.get(name, "debug")
     assert (m.name, m.config_name) == (name, "debug")
@@ -65,6 +66,7 @@ def test_config_abstract(name, config):
 
 
 @pytest.mark.parametrize("name", ["gpt", "gpt_nnx"])
+@pytest.mark.slow
 def test_abstract_train_step(name):
     # The whole step must trace on ShapeDtypeStructs (what autoshard does), without memory.
     m = models.get(name, "gpt2-small")
@@ -132,6 +134,7 @@ def test_module_names():
     assert set(mlp) == {f"dense_{i}" for i in range(4)}
 
 
+@pytest.mark.slow
 def test_bfloat16_gpt():
     m = models.get("gpt", "debug", dtype="bfloat16")
     params = _init(m)

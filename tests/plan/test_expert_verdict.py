@@ -19,6 +19,7 @@ def gpt():
 
 
 @pytest.mark.parametrize("name,mesh", CASES)
+@pytest.mark.slow
 def test_capped_search_still_prices_every_expert_like_expert_plan(gpt, name, mesh):
     m, args = gpt
     search = {"max_plans": 4}        # the plan space holds one or two factors: experts split more

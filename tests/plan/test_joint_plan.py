@@ -45,6 +45,7 @@ def test_auto_mesh_plans_the_3d_space_and_beats_its_reference_points():
     assert again.stages == p.stages and again.predicted["3d"]["chosen"] == j["chosen"]
 
 
+@pytest.mark.slow
 def test_tight_memory_gets_stages_or_remat_and_no_fit_names_the_least_memory_plan():
     m, args = gpt()
     loose = autoshard.plan(m.train_step, *args, mesh="auto", devices=8, hardware="h100-sxm")
@@ -63,6 +64,7 @@ def test_tight_memory_gets_stages_or_remat_and_no_fit_names_the_least_memory_pla
     assert err.value.min_memory > 1e5
 
 
+@pytest.mark.slow
 def test_the_decorator_keeps_tensor_plans_for_auto_meshes():
     m, args = gpt()
     step = autoshard.autoshard(m.train_step, mesh="auto", hardware="h100-sxm")

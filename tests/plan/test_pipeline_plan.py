@@ -308,6 +308,7 @@ def test_cli_schedule_auto(capsys):
     assert "pipeline='auto' chose" in out and "rank 0 |" in out
 
 
+@pytest.mark.slow
 def test_graphpipe_per_stage_microbatch_option(mmt):
     m, args = mmt
     kw = dict(mesh={"data": 8}, hardware="v100-sxm", pipeline="graphpipe")

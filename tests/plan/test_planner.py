@@ -205,6 +205,7 @@ def test_decorator_replans_when_shapes_change():
     assert abs(float(loss) - float(ref)) < 1e-5
 
 
+@pytest.mark.slow
 def test_auto_mesh_chooses_a_factorisation():
     m = models.get("gpt", "debug", batch_size=64, d_model=256, num_heads=4, seq_len=64)
     p = autoshard.plan(m.train_step, *m.abstract_state(), mesh="auto", devices=8, hardware="h100-sxm")

@@ -41,6 +41,7 @@ def _branch_of(name: str) -> str:
     return name.split("/")[1]
 
 
+@pytest.mark.slow
 def test_structure(traced):
     name, m, _, graph = traced
     lg = layer_graph(graph, "v100-sxm")
@@ -103,6 +104,7 @@ def test_costs_and_bytes_add_up(traced):
         assert lg.nodes[u].output_bytes > 0
 
 
+@pytest.mark.slow
 def test_deterministic_and_hardware(traced):
     _, _, _, graph = traced
     a, b = layer_graph(graph, "v100-sxm"), layer_graph(graph, "v100-sxm")
@@ -112,6 +114,7 @@ def test_deterministic_and_hardware(traced):
     assert sum(n.forward for n in fast.nodes) < sum(n.forward for n in a.nodes)
 
 
+@pytest.mark.slow
 def test_depth_override():
     m, _, graph = _trace("mmt")
     auto = layer_graph(graph, "v100-sxm")
@@ -166,6 +169,7 @@ KERNELS = {"base": "v100-sxm", "kernels": "v100"}       # tile and wave quantiza
 @pytest.mark.parametrize("hw", ["v100-sxm", KERNELS], ids=["roofline", "kernels"])
 @pytest.mark.parametrize("name, kw", [("candle_uno", {"hidden": 512, "feature_dim": 512}),
                                       pytest.param("mmt", {"hidden": 128, "d_ff": 512}, marks=pytest.mark.slow)])
+@pytest.mark.slow
 def test_curves_match_the_step_traced_at_smaller_batches(name, kw, hw):
     """A node's curve at micro-batch b equals its cost in the step traced at batch b (the batch
     factor splits each op's shapes exactly: the roofline's flops and bytes, the kernel model's tiles).
