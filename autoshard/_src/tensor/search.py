@@ -259,8 +259,7 @@ def analysis(graph: OpGraph, grouping: Grouping) -> Analysis:
 
 
 def _analysis(graph: OpGraph, grouping: Grouping) -> Analysis:
-    weights, ops, pairs, periods = _analysed_ops(graph, grouping)
-    fg = analyze(graph, ops, pairs)
+    weights, ops, pairs, periods, fg = _linked_analysis(graph, grouping)
     grad_ops = _grad_ops(graph, [i for i, w in weights.items() if w > 0])
     return Analysis(weights, fg, grad_ops, tuple(periods), input_maps(graph, grouping, tuple(periods)),
                     any(op.phase == "optimizer" for op in graph.ops), fusion_window(graph, grouping))
@@ -278,6 +277,34 @@ def plan_space(graph: OpGraph, grouping: Grouping, mesh: MeshSpec, options: Sear
                      a.fused_update, a.window)
 
 
+def _linked_analysis(graph: OpGraph, grouping: Grouping) -> tuple:
+    """(`_analysed_ops`'s four, their factor graph). Every block type is first taken to repeat with period 1:
+    when that linking puts no factor twice on one of a type's parameters, neither does the linking of two
+    instances that `_period` tries (it unites a subset of the same dims), so the periods are 1 and the
+    factor graph stands. Otherwise the periods are found one by one and the ops linked again."""
+    if graph is grouping.graph and grouping.__dict__.get("_memo", {}).get(("analysed_ops",)) is None:
+        first = _find_analysed_ops(graph, grouping, [1] * len(grouping.block_types))
+        fg = analyze(graph, first[1], first[2])
+        if not any(_repeats_a_factor(graph, bt, fg) for bt in grouping.block_types):
+            grouping.memo(("analysed_ops",), lambda: first)
+            return (*first, fg)
+    weights, ops, pairs, periods = _analysed_ops(graph, grouping)
+    return weights, ops, pairs, periods, analyze(graph, ops, pairs)
+
+
+def _repeats_a_factor(graph: OpGraph, bt, fg: FactorGraph) -> bool:
+    """Does the linking put one factor on two dims of a parameter of the type's first instance?"""
+    if bt.count < 2 or bt.scanned:
+        return False
+    for i in bt.instances[0].ops:
+        for v in graph.ops[i].inputs:
+            if graph.values[v].role == "parameter":
+                fs = [f for f in fg.value_factors(v) if f is not None]
+                if len(set(fs)) < len(fs):
+                    return True
+    return False
+
+
 def _analysed_ops(graph: OpGraph, grouping: Grouping
                   ) -> tuple[dict[int, float], list[int], list[tuple[int, int]], list[int]]:
     """The ops to analyse (the remainder and representative instances of each block type) with
@@ -288,7 +315,7 @@ def _analysed_ops(graph: OpGraph, grouping: Grouping
     return grouping.memo(("analysed_ops",), lambda: _find_analysed_ops(graph, grouping))
 
 
-def _find_analysed_ops(graph: OpGraph, grouping: Grouping
+def _find_analysed_ops(graph: OpGraph, grouping: Grouping, periods_given: list[int] | None = None
                        ) -> tuple[dict[int, float], list[int], list[tuple[int, int]], list[int]]:
     weights: dict[int, float] = {}
     ops: list[int] = []
@@ -305,7 +332,7 @@ def _find_analysed_ops(graph: OpGraph, grouping: Grouping
             ops.extend(insts[0].ops)
             periods.append(1)
             continue
-        period = _period(graph, bt, grouping.remainder)
+        period = periods_given[len(periods)] if periods_given is not None else _period(graph, bt, grouping.remainder)
         periods.append(period)
         n = bt.count
         # the first `period` instances and the last count for themselves: they differ from the
