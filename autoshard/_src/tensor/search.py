@@ -402,7 +402,7 @@ def _candidate_factors(graph: OpGraph, fg: FactorGraph, weights: dict[int, float
                        ) -> tuple[tuple[int, ...], dict[int, list[int]]]:
     """The factors the search may split (sorted) and, per factor, the axis masks that divide it.
     Factors beyond the plan space cap are left out, with a note."""
-    cands, _ = _ranked_factors(graph, fg, weights)
+    cands = _ranked_factors(graph, fg, weights)
     masks_of = {f: [m for m in _axis_masks(mesh) if fg.divides(f, _mask_size(mesh, m))]
                 for f in cands}
     kept: list[int] = []
@@ -416,9 +416,9 @@ def _candidate_factors(graph: OpGraph, fg: FactorGraph, weights: dict[int, float
     return tuple(sorted(kept)), masks_of
 
 
-def _ranked_factors(graph: OpGraph, fg: FactorGraph, weights: dict[int, float]) -> tuple[list[int], dict]:
-    """(the factors worth splitting, largest first; their bytes): mesh-independent, so once per factor graph
-    and weights (the 3-D search asks for every submesh shape)."""
+def _ranked_factors(graph: OpGraph, fg: FactorGraph, weights: dict[int, float]) -> tuple[int, ...]:
+    """The factors worth splitting, largest first: mesh-independent, so once per factor graph and weights
+    (the 3-D search asks for every submesh shape)."""
     hit = fg.builds.get(("ranked factors", id(weights)))
     if hit is not None and hit[0] is weights:
         return hit[1]
@@ -445,9 +445,9 @@ def _ranked_factors(graph: OpGraph, fg: FactorGraph, weights: dict[int, float]) 
         for f in (*before, *after):
             if f is not None and f not in fg.repeated and f in in_loops:
                 weight_of[f] += graph.values[v].nbytes
-    cands = sorted(weight_of, key=lambda f: (-weight_of[f], f))
-    fg.builds[("ranked factors", id(weights))] = (weights, (cands, dict(weight_of)))
-    return cands, weight_of
+    cands = tuple(sorted(weight_of, key=lambda f: (-weight_of[f], f)))
+    fg.builds[("ranked factors", id(weights))] = (weights, cands)
+    return cands
 
 
 def _enumerate_plans(fg: FactorGraph, cands_t: tuple[int, ...], masks_of: dict[int, list[int]]) -> np.ndarray:
