@@ -1,4 +1,4 @@
-"""The peak live set of a compiled step, from XLA:GPU's dumps (no accelerator needed).
+"""The peak live set of a compiled step, from XLA:GPU's or XLA:CPU's dumps (no accelerator needed).
 
 `XLA_FLAGS=--xla_dump_to=DIR` writes, per compiled module, the scheduled HLO after optimizations
 (`*after_optimizations.txt`) and its buffer assignment (`*buffer-assignment.txt`). This script walks
@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.module is None:
         rows = []
         for mod, p in found.items():
-            m = re.search(r"allocation \d+: size (\d+), page 0, preallocated-temp", p.read_text())
+            m = re.search(r"allocation \d+: size (\d+),(?: page 0,)? preallocated-temp", p.read_text())
             rows.append((int(m.group(1)) if m else 0, mod))
         for temp, mod in sorted(rows, reverse=True):
             print(f"module {mod}: temp {temp / 2**20:,.0f} MiB")

@@ -8,7 +8,10 @@ applicable expert plan -- against the program XLA compiles: collective bytes per
 axes (target: within 10 %) and per-device argument + temp memory (target: within 15 %), or the gap
 named per module.
 
-    python bench/sweep.py [--quick] [--config bench/sweep.toml] [--out bench/results/sweep]
+    python bench/sweep.py [--quick] [--sequence-parallel on] [--config bench/sweep.toml] [--out ...]
+
+`--sequence-parallel on` plans every cell with the residual stream's sequence split wherever the model
+has tensor-parallel regions and audits those plans (written to bench/results/sweep_sp_on.*).
 
 Writes <out>.json (everything), <out>.csv (one row per cell), <out>.md (summary) and, when
 matplotlib is installed (`pip install -e .[bench]`), <out>.png.
@@ -40,10 +43,11 @@ def _gib(x: float | None) -> float | None:
     return None if x is None else x / 2**30
 
 
-def plan_cell(m, args, mesh: dict, hardware: str) -> tuple[dict, autoshard.Plan | None]:
+def plan_cell(m, args, mesh: dict, hardware: str, search: dict | None = None
+              ) -> tuple[dict, autoshard.Plan | None]:
     t0 = time.perf_counter()
     try:
-        plan = autoshard.plan(m.train_step, *args, mesh=mesh, hardware=hardware)
+        plan = autoshard.plan(m.train_step, *args, mesh=mesh, hardware=hardware, search=search)
     except autoshard.InfeasiblePlanError as e:
         return {"feasible": False, "error": str(e), "total_s": time.perf_counter() - t0}, None
     p = plan.predicted
@@ -103,8 +107,15 @@ def main() -> None:
     ap.add_argument("--roofline", action="store_true",
                     help="price on the pure roofline instead of the presets' GPU kernel model (tile/wave "
                          "quantisation, launches, achievable bandwidth; core/kernels.py)")
+    ap.add_argument("--sequence-parallel", choices=("auto", "on"), default="auto",
+                    help="'on': every plan splits the residual stream's sequence where the model has tensor-"
+                         "parallel regions (search={'sequence_parallel': 'on'}); auto plans audited only "
+                         "(the expert plans do not change)")
     opts = ap.parse_args()
-    opts.out = opts.out or str(Path(__file__).parent / "results" / f"sweep{'_roofline' if opts.roofline else ''}")
+    sp_on = opts.sequence_parallel == "on"
+    search = {"sequence_parallel": "on"} if sp_on else None
+    opts.out = opts.out or str(Path(__file__).parent / "results" / (
+        f"sweep{'_roofline' if opts.roofline else ''}{'_sp_on' if sp_on else ''}"))
     cfg = tomllib.loads(Path(opts.config).read_text())
     info = machine()
     t_start = time.perf_counter()
@@ -122,11 +133,11 @@ def main() -> None:
                 row = {"model": entry["name"], "config": entry["config"], "overrides": entry.get("overrides", {}),
                        "params": m.num_params(), "mesh": mesh_name, "mesh_axes": mesh, "kind": section,
                        "hardware": hw}
-                cell, plan = plan_cell(m, args, mesh, hw)
+                cell, plan = plan_cell(m, args, mesh, hw, search)
                 row.update(cell)
                 if section == "compiled" and plan is not None:
                     row["audit"] = audit_row(plan, m, args)
-                    if not opts.quick:
+                    if not (opts.quick or sp_on):
                         row["expert_audits"] = {}
                         for name, e in row["experts"].items():
                             if "reason" in e:
@@ -145,10 +156,11 @@ def main() -> None:
     out = Path(opts.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     report = {"bench": "sweep", "date": time.strftime("%Y-%m-%d"), "machine": info, "quick": opts.quick,
+              "sequence_parallel": opts.sequence_parallel,
               "config": cfg, "wall_s": wall, "rows": rows}
     out.with_suffix(".json").write_text(json.dumps(report, indent=1, default=float))
     write_csv(rows, out.with_suffix(".csv"))
-    md = summary_markdown(rows, wall, opts.quick)
+    md = summary_markdown(rows, wall, opts.quick, " (sequence parallelism forced on)" if sp_on else "")
     out.with_suffix(".md").write_text(md)
     print("\n" + md)
     plot(rows, out.with_suffix(".png"))
@@ -185,8 +197,8 @@ def _fmt(x: float | None) -> str:
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.3f}"
 
 
-def summary_markdown(rows: list[dict], wall: float, quick: bool) -> str:
-    lines = [f"## autoshard sweep{' (--quick)' if quick else ''}: {len(rows)} cells in {wall:.0f} s", "",
+def summary_markdown(rows: list[dict], wall: float, quick: bool, label: str = "") -> str:
+    lines = [f"## autoshard sweep{' (--quick)' if quick else ''}{label}: {len(rows)} cells in {wall:.0f} s", "",
              "Predicted step time (ms) of the automatic plan and of each expert plan (same cost model); "
              "'-' = not applicable or over the memory budget. Compiled cells: collective bytes predicted / "
              "compiled, argument+temp memory gap. Hardware: "

@@ -20,7 +20,8 @@ from jax.sharding import Mesh
 
 from ..core.collectives import lowered_kind
 from ..core.errors import PlanError
-from ..plan.plan import Plan
+from ..plan.plan import Plan, buffers
+from ..plan.platform_memory import memory_terms_on
 from . import hlo as _hlo
 from .api import bind
 from .emit import auto_axes, jit_step, make_mesh, on_own_mesh
@@ -169,9 +170,10 @@ def predicted_on(plan: Plan, platform: str) -> dict[str, float]:
 
 
 def compare(plan: Plan, records: list[_hlo.Collective], memory: Mapping[str, int], platform: str,
-            bytes_tol: float = BYTES_TOLERANCE, memory_tol: float = MEMORY_TOLERANCE
-            ) -> tuple[dict, dict, list[Gap], list[str]]:
-    """(predicted by key, audited by key, gaps, notes)."""
+            bytes_tol: float = BYTES_TOLERANCE, memory_tol: float = MEMORY_TOLERANCE,
+            terms: Mapping[str, float] | None = None) -> tuple[dict, dict, list[Gap], list[str]]:
+    """(predicted by key, audited by key, gaps, notes). `terms`: the plan's memory terms as priced for
+    `platform` (`plan.platform_memory.memory_terms_on`; default the plan's own)."""
     predicted = predicted_on(plan, platform)
     audited = _hlo.summarize(records)
     gaps: list[Gap] = []
@@ -192,8 +194,8 @@ def compare(plan: Plan, records: list[_hlo.Collective], memory: Mapping[str, int
             note = "bytes differ"
         gaps.append(Gap(f"collective {key}", p, a, tuple(sorted(mods.items(), key=lambda kv: -kv[1])),
                         False, note))
-    pm = predicted_memory(plan, platform)
-    m = plan.predicted["memory"]
+    m = terms if terms is not None else plan.predicted["memory"]
+    pm = buffers(m, platform)
     parts = {"argument": (("parameters", m["params"]), ("optimizer state", m["optimizer"]), ("batch", m["data"])),
              "argument+temp": (("saved activations", m["activations"]), ("gradients", m["grads"]),
                                ("XLA:CPU all-reduce results", pm["temp"] - m["grads"] - m["activations"]))}
@@ -202,8 +204,10 @@ def compare(plan: Plan, records: list[_hlo.Collective], memory: Mapping[str, int
         if abs(a - p) > memory_tol * max(p, a, 1.0):
             # no backend behaviour is known to account for these bytes: the gap counts against fidelity
             gaps.append(Gap(f"memory {name}", p, a, tuple((k, b) for k, b in parts[name] if b), False,
-                            "temp memory the plan does not account for (its parts listed)" if name != "argument"
-                            else "argument buffers should equal parameters + optimizer state + batch"))
+                            "argument buffers should equal parameters + optimizer state + batch" if name == "argument"
+                            else "temp memory the plan does not account for (its parts listed)" if a > p
+                            else "temp memory the plan predicts and the compiled program does not hold (its "
+                                 "parts listed)"))
     notes = list(BACKEND_NOTES.get(platform, ()))
     return dict(predicted), audited, gaps, notes
 
@@ -267,6 +271,7 @@ def audit(plan: Plan, step: Callable, *args: Any, mesh: Mesh | None = None) -> A
     ca = compiled.cost_analysis()
     ca = ca[0] if isinstance(ca, (list, tuple)) else ca
     cost = {k: float(ca[k]) for k in ("flops", "bytes accessed", "transcendentals") if k in ca}
-    predicted, audited, gaps, notes = compare(plan, records, memory, platform)
+    terms = memory_terms_on(plan, traced.graph, platform)     # saved activations as this compiler fuses
+    predicted, audited, gaps, notes = compare(plan, records, memory, platform, terms=terms)
     return Audit(platform, tuple(plan.mesh), tuple(records), memory, cost, predicted, audited,
-                 predicted_memory(plan, platform), tuple(gaps), tuple(notes))
+                 buffers(terms, platform), tuple(gaps), tuple(notes))

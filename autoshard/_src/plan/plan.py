@@ -38,6 +38,15 @@ class ArgStructure(Protocol):
     def partition_specs(self, specs: tuple[Spec, ...]) -> Any: ...
 
 
+def buffers(terms: Mapping[str, float], platform: str) -> dict[str, float]:
+    """Memory terms (params, optimizer, data, grads, activations, cpu_temp_extra) as XLA's buffers on
+    `platform`: arguments (parameters, optimizer state, the batch) and temporaries (gradients, saved
+    activations; on XLA:CPU a ZeRO gradient's whole all-reduce result, `cpu_temp_extra`)."""
+    arg = terms["params"] + terms["optimizer"] + terms["data"]
+    temp = terms["grads"] + terms["activations"] + (terms.get("cpu_temp_extra", 0.0) if platform == "cpu" else 0.0)
+    return {"argument": arg, "temp": temp, "argument+temp": arg + temp}
+
+
 @dataclasses.dataclass(frozen=True)
 class ParamReport:
     keypath: str
@@ -142,10 +151,7 @@ class Plan:
         """Predicted bytes per device as `platform` lays out the compiled step's buffers: arguments
         (parameters, optimizer state, the batch) and temporaries (gradients, saved activations; on
         XLA:CPU a ZeRO gradient's whole all-reduce result, `cpu_temp_extra`)."""
-        m = self.predicted["memory"]
-        arg = m["params"] + m["optimizer"] + m["data"]
-        temp = m["grads"] + m["activations"] + (m.get("cpu_temp_extra", 0.0) if platform == "cpu" else 0.0)
-        return {"argument": arg, "temp": temp, "argument+temp": arg + temp}
+        return buffers(self.predicted["memory"], platform)
 
     @property
     def activation_constraints(self) -> tuple[tuple[str, Spec], ...]:

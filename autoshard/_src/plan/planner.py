@@ -361,6 +361,8 @@ def build_plan(graph: OpGraph, grouping: Grouping, mesh: MeshSpec, hw: HardwareS
     predicted = {"step_time": b.step_time, "breakdown": dict(b.breakdown), "memory": dict(b.memory),
                  "comm_bytes": dict(b.comm_bytes), "collectives": collectives,
                  "memory_budget": res.budget, "feasible": b.feasible,
+                 # the factor graph the plan's factor ids index (plan.platform_memory re-prices in it)
+                 "space": "sequence_parallel" if getattr(fg, "sequence", None) else "tensor",
                  "plans_evaluated": b.plans_evaluated, "search_seconds": seconds}
     if experts is not None:
         predicted["experts"] = experts
