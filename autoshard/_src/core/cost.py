@@ -216,8 +216,7 @@ def _fit_lines(samples: Sequence[CollectiveSample], mesh: MeshSpec) -> dict:
                               f"({sizes[0]:.0f} bytes); time at least two sizes so latency and bandwidth separate.")
         a = np.stack([np.ones_like(sizes), sizes], axis=1)
         scale = np.array([1.0, 1.0 / sizes.max()])            # condition the columns before solving
-        from scipy.optimize import nnls   # here: importing it costs ~0.4 s; only measured samples need it
-
+        from scipy.optimize import nnls  # here: importing it costs ~0.4 s; only measured samples need it
         coef, _ = nnls(a * scale, np.array([t for _, t in pts]))
         lines[key] = (float(coef[0] * scale[0]), float(coef[1] * scale[1]))
     return lines
