@@ -96,6 +96,7 @@ _MATERIALISED = ("dot_general", "conv_general_dilated")     # results XLA writes
 # kernels of their own whose backward results are written whole too: a scatter-add (the gradient of a
 # gather: the loss's take_along_axis, whose [B, S, V] cotangent XLA:GPU updates in place)
 _SCATTERS = ("scatter-add", "scatter_add", "scatter")
+_GRADIENT_REDUCTIONS = ("reduce_sum", "reduce_max")      # a global norm (optax.clip_by_global_norm) reads these
 _BUCKET = {"forward": "fwd_comm", "backward": "bwd_comm", "grad": "grad_sync", "optimizer": "opt_comm",
            "other": "fwd_comm"}
 
@@ -134,7 +135,8 @@ class _Shared:
 
 # what _build_groups / _build_tensors / _build_reshards set (read-only afterwards)
 _BUILT = ("partial_cuts", "gemm_costs", "phase_work", "fused", "op_loops", "groups", "gathers", "data", "params",
-          "gathered", "state", "acts", "cut_copies", "backward_values", "reshards")
+          "param_largest", "update_reads_all", "gathered", "state", "acts", "cut_copies", "backward_values",
+          "reshards")
 
 
 class _Evaluator(MemoryModel, CommRecords):
@@ -308,6 +310,7 @@ class _Evaluator(MemoryModel, CommRecords):
         # parameters and optimizer state, aggregated by (per-dim candidate factor, shape): every
         # layer of a 96-layer model adds bytes to the same few entries
         tensors: dict[tuple, float] = defaultdict(float)
+        largest: dict[tuple, float] = defaultdict(float)      # one parameter's bytes per entry
         self.data: list[tuple[tuple[int, ...], float]] = []
         dims_of: dict[int, tuple[int, ...]] = {}      # per representative input (layers share one)
 
@@ -323,12 +326,19 @@ class _Evaluator(MemoryModel, CommRecords):
         for v in self.inputs:
             val = g.values[v]
             if val.role in ("parameter", "state"):
-                tensors[(val.role, dims_for(v), val.shape)] += val.nbytes
+                key = (val.role, dims_for(v), val.shape)
+                tensors[key] += val.nbytes
+                largest[key] = max(largest[key], float(val.nbytes))
             else:
                 src = self.in_map.get(v, v)
                 fs = fg.value_factors(src) if g.values[src].shape == val.shape else (None,) * len(val.shape)
                 self.data.append((self._cmask(fs), val.nbytes))
         self.params = [(dims, shape, b) for (role, dims, shape), b in sorted(tensors.items()) if role == "parameter"]
+        self.param_largest = [largest[k] for k in sorted(tensors) if k[0] == "parameter"]
+        # an update that reads a reduction over a gradient (a global norm to clip by) waits for every
+        # gradient; otherwise each parameter's update reads its own gradient only (memory.py)
+        self.update_reads_all = any(op.phase == "optimizer" and op.primitive in _GRADIENT_REDUCTIONS
+                                    and op.in_shapes and len(op.in_shapes[0]) > 0 for op in g.ops)
         # ZeRO-3 gathers a parameter once: emission pins its reads to the layout it is computed in
         # (planner._stored_reads), and XLA keeps that gathered copy for every forward use (a tied
         # embedding's lookup and head) and for the backward pass instead of gathering again

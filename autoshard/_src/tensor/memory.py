@@ -26,8 +26,10 @@ class MemoryModel:
         C, full = plans.shape[0], self.nm - 1
         masks = [self._storage_masks(plans, dims, shape, full) for dims, shape, _ in self.params]
         grads_before = np.zeros(C)      # every gradient as its op produces it (whole over ZeRO axes)
-        for (m, _), (_, _, b) in zip(masks, self.params, strict=True):
+        largest = np.zeros(C)           # the largest one parameter's gradient
+        for (m, _), (_, _, b), one in zip(masks, self.params, self.param_largest, strict=True):
             grads_before += b / self.msize[m]
+            largest = np.maximum(largest, one / self.msize[m])
         for fs, b in self.acts:
             out["activations"] += b / self.msize[self._or(plans, fs)]
         working = np.zeros(C)
@@ -36,6 +38,7 @@ class MemoryModel:
         out["activations"] += working
         self._cut_copy_memory(out, plans)
         out["grads_before"] = grads_before
+        out["grads_largest"] = largest
         out["grads_reduced"] = self._reduced_gradient_bytes(plans)
         return {"masks": masks, "grads_before": grads_before}
 
@@ -104,20 +107,27 @@ class MemoryModel:
         the extra XLA:CPU needs).
 
         The backward pass frees the saved activations as it produces the gradients, layer by layer,
-        so the live set peaks at one end: all activations (its start) or all gradients (its end).
+        so the live set peaks at one end: all activations (its start) or the gradients (its end).
         With the optimizer in the step, XLA's all-reduce combiner merges the gradient reductions into
-        a few collectives after the backward pass, so every gradient (`before`: whole over ZeRO axes)
+        a few collectives after the backward pass, so every reduced gradient (whole over ZeRO axes)
         is alive at its end, and each reduction's result is a second buffer: an all-reduce is not in
         place, a reduce-scatter's result is the kept shard. XLA:CPU has no reduce-scatter: its
-        all-reduce's result is whole. Without the optimizer the gradients are the step's outputs
-        (`kept`), alive beside everything else; so are a pipeline stage's accumulated gradients."""
+        all-reduce's result is whole. A gradient no reduction waits for is consumed by its parameter's
+        update as the backward produces it (the update is scheduled right after), so of those one is
+        alive at a time, the largest counted; unless the updates read a reduction over every gradient
+        (a global norm), which holds them all to the end. Without the optimizer the gradients are the
+        step's outputs (`kept`), alive beside everything else; so are a pipeline stage's accumulated
+        gradients."""
         if not self.fused_update:
             return kept, np.zeros(plans.shape[0])
         if self.accumulate:
             return before, np.zeros(plans.shape[0])
         reduced, scattered = out["grads_reduced"], out["grads_scattered"]
-        gpu = np.maximum(0.0, before + scattered - acts)
-        cpu = np.maximum(0.0, before + reduced - acts)
+        waiting = before if self.update_reads_all else np.minimum(before, reduced)    # held to the end
+        # one gradient beside the activations still saved (the first: nearly all of them)
+        alone = np.where(before > waiting * (1 + 1e-9), np.minimum(out["grads_largest"], before - waiting), 0.0)
+        gpu = np.maximum(0.0, waiting + scattered - acts) + alone
+        cpu = np.maximum(0.0, waiting + reduced - acts) + alone
         return gpu, cpu - gpu
 
     def _reduced_gradient_bytes(self, plans: np.ndarray) -> np.ndarray:
