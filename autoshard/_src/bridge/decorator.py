@@ -37,7 +37,7 @@ from .emit import (
     signature,
 )
 from .infer_api import InferenceAutosharded
-from .pipelined_step import pipelined_step, rematerialised
+from .pipelined_step import pipelined_step, remat_traced
 from .plan_fit import check_fingerprint, check_outputs
 from .trace import Traced, trace_step
 
@@ -153,9 +153,11 @@ class Autosharded:
         if self._plan.is_pipeline:
             self._prepare_pipeline(args, traced)
             return
+        replay = False
         if self._plan.stages[0].remat != "none":
-            traced = self._rematerialised(abstract)
-        self._jitted = jit_step(traced, self._plan, self._mesh, abstract, donate=self.config.donate, guard=True)
+            traced, replay = remat_traced(self.fn, self._plan, self._mesh, abstract, traced)
+        self._jitted = jit_step(traced, self._plan, self._mesh, abstract, donate=self.config.donate, guard=True,
+                                remat=replay)
         self._in_shardings, _ = shardings(self._plan, self._mesh)
 
     def _select(self, args: tuple) -> None:
@@ -174,19 +176,6 @@ class Autosharded:
             self._programs[key] = tuple(getattr(self, name) for name in _PROGRAM)
         for name, value in zip(_PROGRAM, self._programs[key], strict=True):
             setattr(self, name, value)
-
-    def _rematerialised(self, abstract: tuple) -> Traced:
-        """The step traced again with its autoshard.value_and_grad losses run block by block under the
-        plan's remat policy (a step without that call keeps every activation: warned)."""
-        step, calls = rematerialised(self.fn, self._plan, self._mesh)
-        traced = trace_step(step, *abstract)
-        if not calls():
-            warnings.warn(
-                f"autoshard: the plan rematerialises ({self._plan.stages[0].remat!r}) but the step never calls "
-                "autoshard.value_and_grad, so the loss runs without it and keeps its activations (more memory "
-                "than planned). Fix: compute the gradients with autoshard.value_and_grad, or plan with "
-                "pipeline_options={'remat': 'none'}.", stacklevel=4)
-        return traced
 
     def _prepare_pipeline(self, args: tuple, traced: Traced) -> None:
         # the step's state stays the user's pytrees, stored ZeRO-style between steps; only the

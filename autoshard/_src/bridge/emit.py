@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -19,6 +20,7 @@ from ..plan.plan import Plan
 from ..plan.specs import Spec
 from ..plan.validate import check_constraints_matched
 from . import compat as jc
+from .remat_jaxpr import eval_with_replays, replays
 from .trace import Traced
 
 
@@ -155,10 +157,11 @@ def shardings(plan: Plan, mesh: Mesh) -> tuple[Any, Any]:
     return ins, outs
 
 
-def constrained(traced: Traced, plan: Plan, mesh: Mesh) -> Callable:
+def constrained(traced: Traced, plan: Plan, mesh: Mesh, remat: bool = False) -> Callable:
     """The traced step re-evaluated from its jaxpr with `with_sharding_constraint` on the planned
     activations (graph rewriting without touching the user's code). Constraints name ops by their
-    stable key (`op_keys`); this trace's keys map them to its top-level eqns."""
+    stable key (`op_keys`); this trace's keys map them to its top-level eqns. `remat`: the plan's
+    rematerialisation replayed in the traced backward pass (`remat_jaxpr`)."""
     graph = traced.graph
     index = {k: i for i, k in enumerate(op_keys(graph))}
     by_eqn: dict[int, list[tuple[tuple[int, ...] | None, NamedSharding]]] = {}
@@ -183,12 +186,28 @@ def constrained(traced: Traced, plan: Plan, mesh: Mesh) -> Callable:
                 outs = [*outs[:at], jax.lax.with_sharding_constraint(outs[at], s), *outs[at + 1:]]
         return outs
 
+    schedule = replays(traced.closed, graph, remat_labels(plan), plan.stages[0].remat) if remat else None
+    if remat and not schedule:
+        warnings.warn(f"autoshard: the plan rematerialises ({plan.stages[0].remat!r}) blocks "
+                      f"{list(remat_labels(plan))[:3]}, but no forward value of the traced step's blocks is read "
+                      "by its backward pass, so nothing is replayed (memory as without remat). Fix: plan the step "
+                      "as it is traced (the blocks' module paths must match), or plan with remat 'none'.",
+                      stacklevel=4)
+
     def run(*call_args):
         flat = jax.tree_util.tree_leaves(call_args)
-        return jax.tree_util.tree_unflatten(traced.out_tree, jc.eval_jaxpr_with(traced.closed, flat, after))
+        outs = (jc.eval_jaxpr_with(traced.closed, flat, after) if not schedule
+                else eval_with_replays(traced.closed, flat, after, schedule))
+        return jax.tree_util.tree_unflatten(traced.out_tree, outs)
 
     run.__name__ = graph.name.rpartition(".")[2] or "step"
     return run
+
+
+def remat_labels(plan: Plan) -> tuple[str, ...]:
+    """The block instances a plan rematerialises: its units' labels (a 3-D search's one-stage plan) or
+    the tensor search's (`predicted["remat_labels"]`)."""
+    return tuple(plan.predicted.get("3d", {}).get("unit_labels", ()) or plan.predicted.get("remat_labels", ()))
 
 
 def donated_argnums(plan: Plan, nargs: int) -> tuple[int, ...]:
@@ -260,9 +279,10 @@ def shape_guarded(fn: Callable, args: tuple) -> Callable:
 
 
 def jit_step(traced: Traced, plan: Plan, mesh: Mesh, args: tuple, donate: bool = True,
-             guard: bool = False) -> Callable:
+             guard: bool = False, remat: bool = False) -> Callable:
     """`jax.jit` of the traced step under the plan's constraints and shardings; with `guard`,
-    tracing it for arguments unlike `args` raises ShapesChanged (before anything runs or is donated)."""
+    tracing it for arguments unlike `args` raises ShapesChanged (before anything runs or is donated);
+    with `remat`, the plan's rematerialisation replayed in the traced backward pass."""
     if plan.is_pipeline:
         raise PlanError(f"autoshard: a pipeline plan ({len(plan.stages)} stages) cannot be run as one jit "
                         "program: that would silently drop its stages. Fix: run the step with "
@@ -270,7 +290,7 @@ def jit_step(traced: Traced, plan: Plan, mesh: Mesh, args: tuple, donate: bool =
                         "loss with autoshard.pipelined(loss_fn, params, batch, mesh=..., num_microbatches=..., "
                         "plan=plan), or use a tensor sharding plan (no pipeline=...).")
     ins, outs = shardings(plan, mesh)
-    fn = constrained(traced, plan, mesh)
+    fn = constrained(traced, plan, mesh, remat)
     if guard:
         fn = shape_guarded(fn, args)
     outs = jax.tree_util.tree_unflatten(traced.out_tree, outs)

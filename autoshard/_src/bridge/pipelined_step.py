@@ -35,7 +35,7 @@ from .emit import partition_spec
 from .loss_call import LossCall
 from .remat import remat_loss
 from .repack import storage_sharding
-from .trace import Traced
+from .trace import Traced, trace_step
 
 
 @dataclasses.dataclass
@@ -145,6 +145,16 @@ def rematerialised(fn: Callable, plan: Plan, mesh: Any = None) -> tuple[Callable
 
     step.__name__ = getattr(fn, "__name__", "step")
     return step, lambda: state.calls
+
+
+def remat_traced(fn: Callable, plan: Plan, mesh: Any, abstract: tuple, traced: Traced) -> tuple[Traced, bool]:
+    """(the step's trace to emit, whether the emission replays the plan's remat in it): a step whose
+    autoshard.value_and_grad calls ran block by block under `jax.checkpoint` is traced again that way;
+    any other step (jax.value_and_grad, jax.grad, nnx.grad, a Hugging Face script) keeps its trace and
+    the emission replays the blocks' forward in its backward pass (`remat_jaxpr`)."""
+    step, calls = rematerialised(fn, plan, mesh)
+    again = trace_step(step, *abstract)
+    return (again, False) if calls() else (traced, True)
 
 
 def _loss_constraints(prog: Any, modules: list[str], plan: Plan, mesh: Any) -> Callable:

@@ -18,7 +18,7 @@ step           optimizer ops + ZeRO-1 parameter all-gather         per step
 static         parameters + gradients + optimizer state (+ ZeRO-3  held
                gathered copies, saved weight-only values)
 acts           forward values the backward reads                   size x micro-batches in flight
-acts_dots      the matmul outputs among them                       (remat 'dots' keeps only these)
+acts_dots      every forward matmul output                         (remat 'dots' keeps each one)
 acts_attn      the attention scores / probabilities among them     (remat 'selective' drops these,
                and the all-gathered sequence-parallel stream:      re-gathered by the backward)
 data           the batch inputs the unit reads                     size x in flight
@@ -101,8 +101,8 @@ class ShapeTables:
 def _evaluators(space: PlanSpace, hw: HardwareSpec, cost: CostModel, options: SearchOptions, kind) -> dict:
     """One evaluator per slice of `kind` (built once; each storage mode is a separate evaluation)."""
     sl = kind.slices
-    out = {name: space.evaluator(hw, cost, options, sl[name], ()) for name in ("fwd", "fwd_dots", "fwd_attn", "bwd",
-                                                                                "const", "step")}
+    out = {name: space.evaluator(hw, cost, options, sl[name], (), keep_all=name == "fwd_dots")
+           for name in ("fwd", "fwd_dots", "fwd_attn", "bwd", "const", "step")}
     out["held"] = space.evaluator(hw, cost, options, {}, kind.inputs, accumulate=True)
     return out
 

@@ -6,7 +6,7 @@ import dataclasses
 import math
 import time
 
-from ..core.errors import ConfigError, PipelineError
+from ..core.errors import ConfigError, InfeasiblePlanError, PipelineError
 from ..core.graph import OpGraph
 from ..core.grouping import group
 from ..core.hardware import HardwareSpec
@@ -48,8 +48,11 @@ def make_plan(graph: OpGraph, config: Config, hardware: HardwareSpec, *, profile
     elif config.pipeline is None:
         grouping = group(graph)
         group_seconds = time.perf_counter() - t0
-        plan = tensor_plan(graph, mesh=config.mesh, hw=hardware, options=config.search, devices=config.devices,
-                           grouping=grouping)
+        try:
+            plan = tensor_plan(graph, mesh=config.mesh, hw=hardware, options=config.search, devices=config.devices,
+                               grouping=grouping)
+        except InfeasiblePlanError as err:
+            plan = _with_remat(graph, config, hardware, grouping, err)
     else:
         group_seconds = 0.0
         mesh = MeshSpec((("data", config.devices),)) if config.mesh == "auto" else config.mesh
@@ -61,6 +64,27 @@ def make_plan(graph: OpGraph, config: Config, hardware: HardwareSpec, *, profile
               "search_seconds": plan.predicted["search_seconds"],
               "total_seconds": trace_seconds + time.perf_counter() - t0}
     return dataclasses.replace(plan, predicted={**plan.predicted, "timing": timing})
+
+
+def _with_remat(graph: OpGraph, config: Config, hardware: HardwareSpec, grouping, err: InfeasiblePlanError) -> Plan:
+    """A tensor plan that does not fit without rematerialisation, planned with it: the 3-D search on the
+    same mesh as one stage (pipe 1, one micro-batch) chooses the remat policy with the sharding, under the
+    same budget (every block instance none / selective / dots / full; `pipeline_options={'remat': [...]}`
+    restricts them). Only for meshes whose axes are named 'data' and/or 'model' (the 3-D tables' axes);
+    otherwise, or when nothing fits even then, the tensor search's InfeasiblePlanError stands."""
+    mesh = config.mesh
+    if not isinstance(mesh, MeshSpec) or not set(mesh.names) <= {"data", "model"}:
+        raise err
+    staged = MeshSpec((("pipe", 1), *mesh.axes))
+    try:
+        joint = fixed_shape_options(staged, "1f1b", 1, config.pipeline_options)
+        plan = joint_plan(graph, devices=mesh.size, hw=hardware, options=config.search, joint=joint,
+                          grouping=grouping)
+    except (InfeasiblePlanError, PipelineError, ConfigError):
+        raise err from None
+    if plan.is_pipeline or not plan.predicted.get("feasible", True):
+        raise err
+    return plan
 
 
 def _check_batch_split(graph: OpGraph, config: Config) -> None:

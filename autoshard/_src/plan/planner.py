@@ -76,7 +76,8 @@ def _tensor_plan(graph: OpGraph, mesh: Any, hw: HardwareSpec, options: SearchOpt
             f"{_size(b.best.memory['params'])}, optimizer state {_size(b.best.memory['optimizer'])}, "
             f"activations {_size(b.best.memory['activations'])}). Fix: raise memory_budget, "
             "use more devices or a smaller batch, or plan in 3-D (mesh='auto' with devices=N, or a 'pipe' axis "
-            "with pipeline='auto'), which adds pipeline stages and chooses rematerialisation per stage.",
+            "with pipeline='auto'), which adds pipeline stages and chooses rematerialisation per stage (on a mesh "
+            "whose axes are named 'data' and/or 'model', rematerialisation was tried and did not fit either).",
             min_memory=b.best.memory["total"], budget=b.budget)
     experts = compare_experts(graph, grouping, best[0], best[1])
     return build_plan(graph, grouping, best[0], hw, best[1], options, seconds, experts=experts)

@@ -147,7 +147,8 @@ class _Evaluator(MemoryModel, CommRecords):
                  hw: HardwareSpec, cost: CostModel, options: SearchOptions,
                  in_map: dict[int, int], inputs: Sequence[int] | None = None,
                  fused_update: bool | None = None, shared: _Shared | None = None,
-                 accumulate: bool = False, window: tuple[tuple[int, ...], tuple[int, ...]] | None = None) -> None:
+                 accumulate: bool = False, window: tuple[tuple[int, ...], tuple[int, ...]] | None = None,
+                 keep_all: bool = False) -> None:
         self.graph, self.fg, self.mesh, self.hw, self.cost = graph, fg, mesh, hw, cost
         self.window = window        # (scope, core): `weights` prices core ops only (window_fusion)
         self.in_map = in_map
@@ -159,6 +160,9 @@ class _Evaluator(MemoryModel, CommRecords):
         # pipeline stages accumulate gradients over micro-batches: every gradient lives through the
         # step beside the activations in flight (the 3-D tables add those per micro-batch)
         self.accumulate = accumulate
+        # remat 'dots' keeps every matmul result: the replayed elementwise ops read those that were not
+        # residuals (the attention scores the softmax is recomputed from), see bridge/remat_jaxpr.py
+        self.keep_all = keep_all
         self.options = options
         self.cands = cands
         self.cidx = {f: i for i, f in enumerate(cands)}
@@ -170,7 +174,7 @@ class _Evaluator(MemoryModel, CommRecords):
         self._cmasks = shared.cmasks
         # the summaries read the candidates, not the mesh: shared by every mesh with the same candidates
         key = (cands, tuple(sorted(weights.items())), grad_ops, tuple(self.inputs), self.fused_update, accumulate,
-               options.attention, repr(hw), id(in_map))
+               options.attention, repr(hw), id(in_map), keep_all)
         built = fg.builds.get(key)
         if built is None or built[0] is not in_map:
             self._build_groups(weights, grad_ops)
@@ -414,7 +418,7 @@ class _Evaluator(MemoryModel, CommRecords):
                         if own or copy:
                             cut_copies[(before, after, own, copy)] += w * nbytes(s, d)
                         continue
-                if v in kept or saved(v):
+                if v in kept or self.keep_all or saved(v):
                     acts[self._cmask(fg.value_factors(v, len(s)))] += w * nbytes(s, d)
         self.acts = sorted(acts.items())
         self.cut_copies = sorted(cut_copies.items())

@@ -221,15 +221,16 @@ class PlanSpace:
                         self.window)
 
     def evaluator(self, hw: HardwareSpec, cost: CostModel, options: SearchOptions, weights: dict[int, float],
-                  inputs: Sequence[int] | None = None, accumulate: bool = False) -> _Evaluator:
+                  inputs: Sequence[int] | None = None, accumulate: bool = False, keep_all: bool = False) -> _Evaluator:
         """An evaluator of this space's plans over the ops in `weights` (op -> how many times it
         counts) and the bytes of `inputs` (None: every input of the step); `accumulate`: gradients
-        accumulate over micro-batches (a pipeline stage's)."""
+        accumulate over micro-batches (a pipeline stage's); `keep_all`: every forward result of the
+        weighted ops counts as kept (remat 'dots' keeps each matmul result, a residual or not)."""
         # the fusion of the analysed ops' window is exact for the live analysed ops only
         window = self.window if self.window is not None and (weights is self.weights or all(
             self.weights.get(i, 0.0) > 0 for i, w in weights.items() if w > 0)) else None
         ev = _Evaluator(self.graph, self.fg, weights, self.grad_ops, self.candidates, self.mesh, hw, cost,
-                        options, self.in_map, inputs, self.fused_update, self._shared, accumulate, window)
+                        options, self.in_map, inputs, self.fused_update, self._shared, accumulate, window, keep_all)
         bwd = ev.phase_work.get("backward", 0.0) + ev.phase_work.get("grad", 0.0)
         ev.bwd_share = bwd / (sum(ev.phase_work.values()) or 1.0)
         ev.budget = math.inf
