@@ -52,7 +52,7 @@ def plan_cell(m, args, mesh: dict, hardware: str, search: dict | None = None
         return {"feasible": False, "error": str(e), "total_s": time.perf_counter() - t0}, None
     p = plan.predicted
     experts = {}
-    for name, e in p["experts"].items():
+    for name, e in p.get("experts", {}).items():     # a plan that fits only with remat (3-D search) has none
         experts[name] = ({"reason": e["reason"]} if "reason" in e else
                          {"step_ms": e["step_time"] * 1e3, "memory_gib": _gib(e["memory"]), "feasible": e["feasible"]})
     feasible_experts = {k: e["step_ms"] for k, e in experts.items() if e.get("feasible")}

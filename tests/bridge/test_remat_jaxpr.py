@@ -65,6 +65,7 @@ def test_an_ordinary_step_over_its_budget_is_planned_and_run_with_remat():
     plan = autoshard.plan(step, *args, mesh=MESH, hardware="cpu-sim", memory_budget=budget)
     assert free.stages[0].remat == "none" and plan.stages[0].remat != "none" and not plan.is_pipeline
     assert plan.mesh == tuple(MESH.items()) and plan.predicted["memory"]["total"] <= budget
+    assert f"rematerialisation {plan.stages[0].remat!r} in 8 block(s)" in plan.explain()
     fast = autoshard.autoshard(step, plan=plan, hardware="cpu-sim")
     p1, o1, p2, o2 = _copy(args[0]), _copy(args[1]), _copy(args[0]), _copy(args[1])
     plain = jax.jit(step)
@@ -77,8 +78,14 @@ def test_an_ordinary_step_over_its_budget_is_planned_and_run_with_remat():
     got = compiled.argument_size_in_bytes + compiled.temp_size_in_bytes
     want = plan.memory_on("cpu")["argument+temp"]
     assert abs(got - want) <= 0.15 * max(got, want), (got, want)
+    temp, want_temp = compiled.temp_size_in_bytes, plan.memory_on("cpu")["temp"]
+    assert abs(temp - want_temp) <= 0.15 * max(temp, want_temp), (temp, want_temp)
     whole = autoshard.autoshard(step, plan=free, hardware="cpu-sim").lower(*args).compile().memory_analysis()
     assert compiled.temp_size_in_bytes < 0.5 * whole.temp_size_in_bytes
+    # the replayed forward re-issues its collectives (the sequence-parallel gathers): predicted too
+    report = autoshard.audit(plan, step, *args)
+    assert report.fidelity_ok, report.report()
+    assert any(c["phase"] == "backward" and c["kind"] == "all-gather" for c in plan.predicted["collectives"])
 
 
 def test_remat_is_not_tried_on_axes_the_3d_tables_do_not_name():

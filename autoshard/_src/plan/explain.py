@@ -48,6 +48,7 @@ def explain_tensor(self: Any) -> str:
         f"{p['memory']['total'] / 2**30:.3f} GiB per device of {p['memory_budget'] / 2**30:.2f} GiB",
         *([f"searched {p['plans_evaluated']:,} plans in {p['search_seconds']:.3f} s"]
           if "plans_evaluated" in p and "search_seconds" in p else []),
+        *_remat_lines(self),
         "",
         "logical dims (factors) -> mesh axes:",
     ]
@@ -253,6 +254,19 @@ def _table(rows: list[tuple[str, ...]]) -> list[str]:
 
 _PARTS = {"compute": "compute", "fwd_comm": "forward communication", "bwd_comm": "backward communication",
           "opt_comm": "optimizer communication", "grad_sync": "gradient sync", "storage_comm": "ZeRO gathers"}
+
+
+def _remat_lines(plan: Any) -> list[str]:
+    """What a tensor plan's rematerialisation does (none: nothing to say)."""
+    policy = plan.stages[0].remat
+    if policy == "none":
+        return []
+    blocks = (plan.predicted.get("3d", {}).get("unit_labels") or plan.predicted.get("remat_labels") or ())
+    what = {"full": "every forward value of a block", "dots": "a block's forward values but its matmul results",
+            "selective": "the attention scores and probabilities"}.get(policy, policy)
+    return [f"rematerialisation {policy!r} in {len(blocks)} block(s) ({', '.join(blocks[:3])}"
+            f"{' ...' if len(blocks) > 3 else ''}): the backward pass recomputes {what} instead of keeping it "
+            "(the step time counts the replay and its collectives, marked backward)"]
 
 
 def _expert_lines(p: Mapping[str, Any]) -> list[str]:

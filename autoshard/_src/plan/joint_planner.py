@@ -21,6 +21,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+from ..core.attention import selective_ops
 from ..core.errors import ConfigError, InfeasiblePlanError, PlanError
 from ..core.graph import OpGraph, fingerprint, op_keys
 from ..core.grouping import Grouping, group
@@ -251,7 +252,42 @@ def _tensor_plan(graph: OpGraph, grouping: Grouping, res: JointResult, best: Joi
     chosen = dataclasses.replace(sr, best=choice)
     chosen._evaluator = sr._evaluator
     plan = build_plan(graph, grouping, mesh, hw, chosen, options, res.seconds)
+    if st.remat != "none":
+        replayed = _replayed_collectives(graph, res, sr, choice, st.remat, hw, options)
+        plan = dataclasses.replace(plan, predicted={**plan.predicted,
+                                                    "collectives": (*plan.predicted["collectives"], *replayed)})
     return dataclasses.replace(plan, stages=(dataclasses.replace(plan.stages[0], remat=st.remat),))
+
+
+def _replayed_collectives(graph: OpGraph, res: JointResult, sr: Any, choice: Any, policy: str, hw: HardwareSpec,
+                          options: SearchOptions) -> list[dict[str, Any]]:
+    """The forward collectives the backward pass issues again when it replays the blocks' forward under
+    `policy` (bridge/remat_jaxpr.py): those of the block ops the policy recomputes ('full' all, 'dots' all
+    but matmuls, whose reduced results are kept, 'selective' the attention cores'), at the plan's layout."""
+    unit_of = {o: u for u, ops in enumerate(res.units.ops) for o in ops}
+    attn = selective_ops(graph) if policy == "selective" else None
+    _, space, _, cost, _ = sr._context
+    allowed = {o for o, w in space.weights.items()
+               if w > 0 and o in unit_of and graph.ops[o].phase == "forward"
+               and (policy != "dots" or graph.ops[o].primitive not in ("dot_general", "conv_general_dilated"))
+               and (attn is None or o in attn)}
+    # replayed: the ops whose results the backward reads, and what they are computed from in their block
+    todo = [o for o in allowed if any(graph.ops[c].phase != "forward" for v in graph.ops[o].outputs
+                                      for c in graph.values[v].consumers)]
+    replayed: set[int] = set()
+    while todo:
+        o = todo.pop()
+        if o in replayed:
+            continue
+        replayed.add(o)
+        for v in graph.ops[o].inputs:
+            p = graph.values[v].producer
+            if p is not None and p in allowed and unit_of.get(p) == unit_of[o]:
+                todo.append(p)
+    ev = space.evaluator(hw, cost, options, {o: space.weights[o] for o in sorted(replayed)})
+    records = ev.comm_records(ev.row(choice.factor_axes), choice.storage)
+    return [{"kind": k, "axes": tuple(axes), "phase": "backward", "bytes": b, "count": c}
+            for (k, axes, phase), (b, c) in sorted(records.items()) if phase == "forward"]
 
 
 def _staged_plan(graph: OpGraph, grouping: Grouping, res: JointResult, best: JointPoint, hw: HardwareSpec,
