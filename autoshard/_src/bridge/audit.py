@@ -25,7 +25,6 @@ from ..plan.platform_memory import memory_terms_on
 from . import hlo as _hlo
 from .api import bind
 from .emit import auto_axes, jit_step, make_mesh, on_own_mesh
-from .pipelined_step import remat_traced
 from .plan_fit import check_fingerprint, check_outputs
 from .trace import trace_step
 
@@ -256,10 +255,7 @@ def audit(plan: Plan, step: Callable, *args: Any, mesh: Mesh | None = None) -> A
                         f"differs from the plan's mesh {dict(plan.mesh)}. Fix: pass a mesh with the plan's "
                         "axis names and sizes, or re-plan for this mesh.")
     mesh = auto_axes(mesh)        # an Explicit-axis mesh (jax.make_mesh's default): same devices, Auto axes
-    replay = False
-    if plan.stages[0].remat != "none":     # as the decorator runs it
-        traced, replay = remat_traced(step, plan, mesh, abstract, traced)
-    compiled = jit_step(traced, plan, mesh, abstract, remat=replay).lower(*abstract).compile()
+    compiled = jit_step(traced, plan, mesh, abstract, remat=plan.stages[0].remat != "none").lower(*abstract).compile()
     platform = mesh.devices.flat[0].platform
     names = tuple(n for n, _ in plan.mesh)
     sizes = tuple(s for _, s in plan.mesh)

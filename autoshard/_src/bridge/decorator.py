@@ -37,7 +37,7 @@ from .emit import (
     signature,
 )
 from .infer_api import InferenceAutosharded
-from .pipelined_step import pipelined_step, remat_traced
+from .pipelined_step import pipelined_step
 from .plan_fit import check_fingerprint, check_outputs
 from .trace import Traced, trace_step
 
@@ -153,11 +153,10 @@ class Autosharded:
         if self._plan.is_pipeline:
             self._prepare_pipeline(args, traced)
             return
-        replay = False
-        if self._plan.stages[0].remat != "none":
-            traced, replay = remat_traced(self.fn, self._plan, self._mesh, abstract, traced)
+        # a tensor plan's remat is replayed in the traced backward pass, whatever computes the gradients
+        # (jax.value_and_grad, jax.grad, autoshard.value_and_grad, nnx.grad): bridge/remat_jaxpr.py
         self._jitted = jit_step(traced, self._plan, self._mesh, abstract, donate=self.config.donate, guard=True,
-                                remat=replay)
+                                remat=self._plan.stages[0].remat != "none")
         self._in_shardings, _ = shardings(self._plan, self._mesh)
 
     def _select(self, args: tuple) -> None:

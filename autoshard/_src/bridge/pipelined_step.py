@@ -30,12 +30,9 @@ from ..core.errors import PlanError
 from ..pipeline.costs import traced_batch
 from ..plan.plan import Plan
 from .cut import pipelined
-from .cut_3d import ActivationSpecs
-from .emit import partition_spec
 from .loss_call import LossCall
-from .remat import remat_loss
 from .repack import storage_sharding
-from .trace import Traced, trace_step
+from .trace import Traced
 
 
 @dataclasses.dataclass
@@ -56,18 +53,8 @@ class _Captured(BaseException):
     BaseException, so a step's own `except Exception` does not swallow it)."""
 
 
-@dataclasses.dataclass
-class _Remat:
-    """A tensor plan with rematerialisation: value_and_grad runs the loss block by block."""
-
-    policy: str
-    labels: tuple[str, ...]
-    calls: int = 0
-    constrain: Callable | None = None     # the plan's activation constraints on the loss's eqns
-
-
-_ACTIVE: contextvars.ContextVar[_Capture | _Running | _Remat | None] = contextvars.ContextVar("autoshard_pipeline",
-                                                                                    default=None)
+_ACTIVE: contextvars.ContextVar[_Capture | _Running | None] = contextvars.ContextVar("autoshard_pipeline",
+                                                                          default=None)
 
 
 def value_and_grad(fun: Callable, argnums: int = 0, has_aux: bool = False, **kwargs: Any) -> Callable:
@@ -80,10 +67,6 @@ def value_and_grad(fun: Callable, argnums: int = 0, has_aux: bool = False, **kwa
         ctx = _ACTIVE.get()
         if ctx is None:
             return plain(*args)
-        if isinstance(ctx, _Remat):
-            ctx.calls += 1
-            return jax.value_and_grad(remat_loss(fun, ctx.policy, ctx.labels, ctx.constrain), argnums=argnums,
-                                      has_aux=has_aux, **kwargs)(*args)
         if kwargs:
             raise PlanError(
                 f"autoshard.value_and_grad: inside a pipelined @autoshard step the options {sorted(kwargs)} are not "
@@ -125,49 +108,6 @@ def capture(fn: Callable, args: tuple, batch_size: int) -> _Capture:
         f"autoshard: the step {getattr(fn, '__name__', fn)!r} has a pipeline plan but never calls "
         "autoshard.value_and_grad, so there is no loss to cut into stages. Fix: compute the gradients with "
         "`loss, grads = autoshard.value_and_grad(loss_fn)(params, batch)` (it is jax.value_and_grad elsewhere).")
-
-
-def rematerialised(fn: Callable, plan: Plan, mesh: Any = None) -> tuple[Callable, Callable[[], int]]:
-    """`fn` whose autoshard.value_and_grad calls run their loss with the tensor plan's remat policy,
-    block by block, its activation constraints placed inside the checkpointed blocks on `mesh` (the
-    step's own constraints cannot reach them); and a function counting those calls (0: the plan's
-    remat is not emitted)."""
-    constrain = (lambda prog, modules: _loss_constraints(prog, modules, plan, mesh)) if mesh is not None else None
-    state = _Remat(plan.stages[0].remat, tuple(plan.predicted.get("3d", {}).get("unit_labels", ())),
-                   constrain=constrain)
-
-    def step(*args: Any) -> Any:
-        token = _ACTIVE.set(state)
-        try:
-            return fn(*args)
-        finally:
-            _ACTIVE.reset(token)
-
-    step.__name__ = getattr(fn, "__name__", "step")
-    return step, lambda: state.calls
-
-
-def remat_traced(fn: Callable, plan: Plan, mesh: Any, abstract: tuple, traced: Traced) -> tuple[Traced, bool]:
-    """(the step's trace to emit, whether the emission replays the plan's remat in it): a step whose
-    autoshard.value_and_grad calls ran block by block under `jax.checkpoint` is traced again that way;
-    any other step (jax.value_and_grad, jax.grad, nnx.grad, a Hugging Face script) keeps its trace and
-    the emission replays the blocks' forward in its backward pass (`remat_jaxpr`)."""
-    step, calls = rematerialised(fn, plan, mesh)
-    again = trace_step(step, *abstract)
-    return (again, False) if calls() else (traced, True)
-
-
-def _loss_constraints(prog: Any, modules: list[str], plan: Plan, mesh: Any) -> Callable:
-    """after(eqn, outputs) placing a tensor plan's activation constraints on a loss's eqns, matched as
-    the 3-D runtime matches them (`ActivationSpecs`), on the jit's concrete mesh."""
-    placed = {e: [NamedSharding(mesh, partition_spec(spec)) for spec in specs]
-              for e, specs in ActivationSpecs(prog, modules, plan, mesh).specs.items()}
-
-    def after(e: int, outs: list) -> list:
-        for s in placed.get(e, ()):
-            outs = [jax.lax.with_sharding_constraint(outs[0], s), *outs[1:]]
-        return outs
-    return after
 
 
 def batch_sharding(mesh: Any, shape: tuple[int, ...]) -> Any:
