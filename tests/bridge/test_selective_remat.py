@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 from jax._src.ad_checkpoint import saved_residuals
 
+import autoshard
 import models
 from autoshard._src.bridge import compat as jc
 from autoshard._src.bridge.remat import attention_grids, remat_loss
@@ -190,5 +191,13 @@ def test_3d_plan_with_selective_remat_trains_like_one_device():
 def test_tensor_plan_with_selective_remat_trains_like_one_device():
     fast, m, params, batch = _train(dict(mesh={"pipe": 1, "data": 2, "model": 2}, pipeline="auto", num_microbatches=1,
                                          hardware="cpu-sim", pipeline_options={"remat": "selective"}))
-    assert not fast.plan.is_pipeline and fast.plan.stages[0].remat == "selective"
-    assert "checkpoint" in fast.lower(params, m.optimizer.init(params), batch).compile().as_text()
+    plan = fast.plan
+    assert not plan.is_pipeline and plan.stages[0].remat == "selective"
+    # replayed in the traced backward pass (bridge/remat_jaxpr.py): one more softmax exp per block than
+    # the same plan without remat compiles
+    plain = dataclasses.replace(plan, stages=(dataclasses.replace(plan.stages[0], remat="none"),))
+    args = (params, m.optimizer.init(params), batch)
+    hlo = {r: autoshard.autoshard(m.train_step, plan=p, hardware="cpu-sim").lower(*args).compile().as_text()
+           for r, p in (("selective", plan), ("none", plain))}
+    exps = {r: len(re.findall(r"= \S+ exponential\(", text)) for r, text in hlo.items()}
+    assert exps["selective"] == exps["none"] + len(plan.predicted["3d"]["unit_labels"]), exps

@@ -205,8 +205,8 @@ def constrained(traced: Traced, plan: Plan, mesh: Mesh, remat: bool = False) -> 
 
 
 def remat_labels(plan: Plan) -> tuple[str, ...]:
-    """The block instances a plan rematerialises: its units' labels (a 3-D search's one-stage plan) or
-    the tensor search's (`predicted["remat_labels"]`)."""
+    """The block instances a plan rematerialises: its units' labels (the 3-D search's one-stage plan, which
+    the tensor planner returns when only remat fits) or `predicted["remat_labels"]` (a plan edited by hand)."""
     return tuple(plan.predicted.get("3d", {}).get("unit_labels", ()) or plan.predicted.get("remat_labels", ()))
 
 

@@ -13,8 +13,11 @@ inside the backward instead, the way `jax.checkpoint` does after differentiation
   residuals run again from the values they read outside themselves (the block's input, its
   parameters, kept matmul results), and the backward reads the new results;
 - those inputs pass through `jax.lax.optimization_barrier` together with the backward values that first
-  eqn reads, so XLA neither merges the replay with the forward (CSE) nor schedules it before the backward
-  reaches the block (what jax.checkpoint's barrier achieves).
+  eqn reads, so XLA does not merge the replay with the forward (CSE), and the activations among them are
+  made to depend on those backward values by data (`_after_trigger`), so XLA does not schedule the replay
+  before the backward reaches the block: XLA:CPU removes optimization barriers before it schedules
+  (XLA:GPU after), which is why `jax.checkpoint` saves no memory on CPU (a measured 8-layer chain: temp
+  17.8 MB without it, 25.2 MB with it) while this replay does.
 
 Values are the same ops on the same inputs (random bits from the same keys), so results are unchanged;
 the forward results only the backward read are no longer alive between the passes. The plan's sharding

@@ -69,8 +69,8 @@ def make_plan(graph: OpGraph, config: Config, hardware: HardwareSpec, *, profile
 def _with_remat(graph: OpGraph, config: Config, hardware: HardwareSpec, grouping, err: InfeasiblePlanError) -> Plan:
     """A tensor plan that does not fit without rematerialisation, planned with it: the 3-D search on the
     same mesh as one stage (pipe 1, one micro-batch) chooses the remat policy with the sharding, under the
-    same budget (every block instance none / selective / dots / full; `pipeline_options={'remat': [...]}`
-    restricts them). Only for meshes whose axes are named 'data' and/or 'model' (the 3-D tables' axes);
+    same budget (every block instance none / selective / dots / full). Only for meshes whose axes are named
+    'data' and/or 'model' (the 3-D tables' axes);
     otherwise, or when nothing fits even then, the tensor search's InfeasiblePlanError stands."""
     mesh = config.mesh
     if not isinstance(mesh, MeshSpec) or not set(mesh.names) <= {"data", "model"}:

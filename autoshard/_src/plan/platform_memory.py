@@ -31,11 +31,13 @@ def memory_terms_on(plan: Any, graph: OpGraph, platform: str) -> dict[str, float
     """The plan's memory terms (params, grads, optimizer, activations, data, cpu_temp_extra, total), the
     activation terms priced under `platform`'s fusion: XLA:CPU's for "cpu" when the plan was made for a GPU
     kernel model (`hardware.kernels`), otherwise the plan's own. `graph`: the step the plan was made for
-    (same fingerprint). Pipeline and 3-D plans, and plans saved without their space, keep their numbers."""
+    (same fingerprint). Pipeline, 3-D and remat plans, and plans saved without their space, keep their
+    numbers."""
     own = dict(plan.predicted["memory"])
     hw_given = plan.provenance.get("hardware")
-    if platform != "cpu" or plan.is_pipeline or not hw_given or hw_given.get("kernels") is None:
-        return own
+    if (platform != "cpu" or plan.is_pipeline or plan.stages[0].remat != "none" or not hw_given
+            or hw_given.get("kernels") is None):
+        return own          # (a remat plan's activations are the 3-D tables', not the tensor evaluator's)
     space_kind = plan.predicted.get("space")
     hw = get_hardware(hw_given)
     as_planned = _repriced_memory(plan, graph, space_kind, hw) if space_kind is not None else None
