@@ -50,6 +50,7 @@ def test_a_roofline_plan_and_a_plan_saved_without_its_space_keep_their_numbers(e
     assert memory_terms_on(older, graph, "cpu") == gpu_plan.predicted["memory"]
 
 
+@pytest.mark.slow
 def test_the_audit_compares_the_cpu_prediction_and_a_wrong_number_still_shows(encoder, gpu_plan):
     m, args, graph = encoder
     report = autoshard.audit(gpu_plan, m.train_step, *args)

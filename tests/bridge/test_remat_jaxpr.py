@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import dataclasses
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import autoshard
@@ -30,21 +32,25 @@ def _max_diff(a, b) -> float:
                zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))
 
 
+@pytest.mark.slow
 def test_replayed_blocks_keep_the_values_and_free_the_activations():
-    m = models.get("gpt", "debug", num_layers=4, d_model=64, num_heads=4, seq_len=64, batch_size=16, vocab_size=128)
-    params = m.init(jax.random.key(0))
-    args = (params, m.init_opt_state(params), m.batch())
+    m = models.get("gpt", "debug", num_layers=2, d_model=32, num_heads=2, seq_len=32, batch_size=8, vocab_size=64)
     abstract = m.abstract_state()
-    plan = autoshard.plan(m.train_step, *abstract, mesh={"data": 8}, hardware="cpu-sim")
-    labels = tuple(f"GPT/block_{i}" for i in range(4))
+    leaves, tree = jax.tree.flatten(abstract[0])         # random weights: flax's eager init takes seconds
+    keys = jax.random.split(jax.random.key(0), len(leaves))
+    params = jax.tree.unflatten(tree, [0.1 * jax.random.normal(k, x.shape, x.dtype)
+                                       for k, x in zip(keys, leaves, strict=True)])
+    args = (params, m.init_opt_state(params), m.batch())
+    plan = autoshard.plan(m.train_step, *abstract, mesh={"data": 2}, hardware="cpu-sim")
+    labels = tuple(f"GPT/block_{i}" for i in range(2))
     traced, mesh = trace_step(m.train_step, *abstract), make_mesh(plan)
     temps, outs = {}, {}
     for policy in ("none", "dots", "full"):
         p = dataclasses.replace(plan, stages=(dataclasses.replace(plan.stages[0], remat=policy),),
                                 predicted={**plan.predicted, "remat_labels": labels})
-        fn = jit_step(traced, p, mesh, abstract, donate=False, remat=policy != "none")
-        temps[policy] = fn.lower(*abstract).compile().memory_analysis().temp_size_in_bytes
-        outs[policy] = fn(*args)
+        compiled = jit_step(traced, p, mesh, abstract, donate=False, remat=policy != "none").lower(*abstract).compile()
+        temps[policy] = compiled.memory_analysis().temp_size_in_bytes
+        outs[policy] = compiled(*args)
         if policy != "none":       # one replay per block, each triggered in the backward pass
             schedule = replays(traced.closed, traced.graph, labels, policy)
             assert sorted(r.label for rs in schedule.values() for r in rs) == sorted(labels)
@@ -52,6 +58,46 @@ def test_replayed_blocks_keep_the_values_and_free_the_activations():
     for policy in ("dots", "full"):
         assert _max_diff(outs[policy], outs["none"]) < 1e-4, policy
         assert float(outs[policy][2]) == pytest.approx(float(outs["none"][2]), rel=1e-6)
+
+
+class Block(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return x + nn.Dense(x.shape[-1])(jnp.tanh(nn.Dense(4 * x.shape[-1])(x)))
+
+
+class Tower(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        for _ in range(3):
+            x = Block()(x)
+        return x
+
+
+def test_a_flax_step_with_jax_grad_replays_its_blocks():
+    model, opt = Tower(), optax.sgd(0.1)
+    x, y = jax.random.normal(jax.random.key(1), (512, 32)), jnp.zeros((512, 32))
+    params = model.init(jax.random.key(0), x)
+
+    def step(params, opt_state, x, y):          # as a tutorial writes it: jax.grad, nothing of autoshard's
+        grads = jax.grad(lambda p: jnp.mean((model.apply(p, x) - y) ** 2))(params)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    args = (params, opt.init(params), x, y)
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), args)
+    plan = autoshard.plan(step, *abstract, mesh={"data": 2}, hardware="cpu-sim")
+    traced, mesh = trace_step(step, *abstract), make_mesh(plan)
+    labels = ("Tower/Block_0", "Tower/Block_1", "Tower/Block_2")
+    assert len(replays(traced.closed, traced.graph, labels, "full")) == 3
+    out, temp = {}, {}
+    for policy in ("none", "full"):
+        p = dataclasses.replace(plan, stages=(dataclasses.replace(plan.stages[0], remat=policy),),
+                                predicted={**plan.predicted, "remat_labels": labels})
+        compiled = jit_step(traced, p, mesh, abstract, donate=False, remat=policy != "none").lower(*abstract).compile()
+        temp[policy], out[policy] = compiled.memory_analysis().temp_size_in_bytes, compiled(*args)
+    assert temp["full"] < temp["none"], temp
+    assert _max_diff(out["full"], out["none"]) < 1e-6
 
 
 @pytest.mark.slow
