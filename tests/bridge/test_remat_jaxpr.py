@@ -141,3 +141,35 @@ def test_remat_is_not_tried_on_axes_the_3d_tables_do_not_name():
     with pytest.raises(autoshard.InfeasiblePlanError, match="no plan fits the memory budget"):
         autoshard.plan(m.train_step, *args, mesh={"x": 2, "y": 4}, hardware="cpu-sim",
                        memory_budget=0.4 * free.predicted["memory"]["total"])
+
+
+
+class ScannedTower(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        blocks = nn.scan(lambda mdl, carry, _: (Block()(carry), None), variable_axes={"params": 0},
+                         split_rngs={"params": True}, length=3)
+        return blocks(self, x, None)[0]
+
+
+def test_a_scanned_tower_is_not_replayed_and_says_so():
+    # one loop over the layers: replaying it would rebuild every layer's residuals at once
+    model, opt = ScannedTower(), optax.sgd(0.1)
+    x = jax.random.normal(jax.random.key(1), (64, 16))
+    params = model.init(jax.random.key(0), x)
+
+    def step(params, opt_state, x):
+        grads = jax.grad(lambda p: jnp.mean(model.apply(p, x) ** 2))(params)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), (params, opt.init(params), x))
+    plan = autoshard.plan(step, *abstract, mesh={"data": 2}, hardware="cpu-sim")
+    traced = trace_step(step, *abstract)
+    modules = {op.module for op in traced.graph.ops if op.phase == "forward" and op.module}
+    label = min(modules, key=len)
+    assert replays(traced.closed, traced.graph, (label,), "full") == {}
+    p = dataclasses.replace(plan, stages=(dataclasses.replace(plan.stages[0], remat="full"),),
+                            predicted={**plan.predicted, "remat_labels": (label,)})
+    with pytest.warns(UserWarning, match="nothing of them is replayed"):
+        jit_step(traced, p, make_mesh(plan), abstract, remat=True)

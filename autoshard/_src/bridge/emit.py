@@ -189,9 +189,10 @@ def constrained(traced: Traced, plan: Plan, mesh: Mesh, remat: bool = False) -> 
     schedule = replays(traced.closed, graph, remat_labels(plan), plan.stages[0].remat) if remat else None
     if remat and not schedule:
         warnings.warn(f"autoshard: the plan rematerialises ({plan.stages[0].remat!r}) blocks "
-                      f"{list(remat_labels(plan))[:3]}, but no forward value of the traced step's blocks is read "
-                      "by its backward pass, so nothing is replayed (memory as without remat). Fix: plan the step "
-                      "as it is traced (the blocks' module paths must match), or plan with remat 'none'.",
+                      f"{list(remat_labels(plan))[:3]}, but nothing of them is replayed in the traced backward pass "
+                      "(memory as without remat): the blocks run as one loop (nn.scan; rematerialise inside it with "
+                      "nn.remat), or no module of the traced step matches their paths. Fix: plan the step as it is "
+                      "traced, or plan with remat 'none'.",
                       stacklevel=4)
 
     def run(*call_args):

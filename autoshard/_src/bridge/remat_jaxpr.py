@@ -109,8 +109,9 @@ def _eqn_phases_and_blocks(graph: OpGraph, n: int, labels: Sequence[str]) -> tup
 
 
 def _replayable(graph: OpGraph, eqns: list, phase: list[str], policy: str) -> set[int]:
-    """The forward eqns the policy recomputes (within blocks, `replays` restricts them further)."""
-    fwd = {e for e, p in enumerate(phase) if p == "forward"}
+    """The forward eqns the policy recomputes (within blocks, `replays` restricts them further). A loop
+    (an nn.scan of layers) is never replayed: that would rebuild every iteration's residuals at once."""
+    fwd = {e for e, p in enumerate(phase) if p == "forward" and eqns[e].primitive.name not in ("scan", "while")}
     if policy == "full":
         return fwd
     if policy == "dots":
