@@ -150,11 +150,6 @@ def _abstract(args: tuple) -> tuple:
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if hasattr(x, "shape") else x, args)
 
 
-def predicted_memory(plan: Plan, platform: str = "gpu") -> dict[str, float]:
-    """The plan's memory model mapped onto XLA's buffers on `platform` (`Plan.memory_on`)."""
-    return plan.memory_on(platform)
-
-
 def predicted_on(plan: Plan, platform: str) -> dict[str, float]:
     """The plan's collective bytes by "kind@axes" as `platform` compiles them (`Plan.collectives_on`)."""
     predicted: dict[str, float] = defaultdict(float)

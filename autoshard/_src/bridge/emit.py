@@ -186,10 +186,10 @@ def constrained(traced: Traced, plan: Plan, mesh: Mesh, remat: bool = False) -> 
                 outs = [*outs[:at], jax.lax.with_sharding_constraint(outs[at], s), *outs[at + 1:]]
         return outs
 
-    schedule = replays(traced.closed, graph, remat_labels(plan), plan.stages[0].remat) if remat else None
+    schedule = replays(traced.closed, graph, plan.remat_labels, plan.stages[0].remat) if remat else None
     if remat and not schedule:
         warnings.warn(f"autoshard: the plan rematerialises ({plan.stages[0].remat!r}) blocks "
-                      f"{list(remat_labels(plan))[:3]}, but nothing of them is replayed in the traced backward pass "
+                      f"{list(plan.remat_labels)[:3]}, but nothing of them is replayed in the traced backward pass "
                       "(memory as without remat): the blocks run as one loop (nn.scan; rematerialise inside it with "
                       "nn.remat), or no module of the traced step matches their paths. Fix: plan the step as it is "
                       "traced, or plan with remat 'none'.",
@@ -203,12 +203,6 @@ def constrained(traced: Traced, plan: Plan, mesh: Mesh, remat: bool = False) -> 
 
     run.__name__ = graph.name.rpartition(".")[2] or "step"
     return run
-
-
-def remat_labels(plan: Plan) -> tuple[str, ...]:
-    """The block instances a plan rematerialises: its units' labels (the 3-D search's one-stage plan, which
-    the tensor planner returns when only remat fits) or `predicted["remat_labels"]` (a plan edited by hand)."""
-    return tuple(plan.predicted.get("3d", {}).get("unit_labels", ()) or plan.predicted.get("remat_labels", ()))
 
 
 def donated_argnums(plan: Plan, nargs: int) -> tuple[int, ...]:

@@ -261,7 +261,7 @@ def _remat_lines(plan: Any) -> list[str]:
     policy = plan.stages[0].remat
     if policy == "none":
         return []
-    blocks = (plan.predicted.get("3d", {}).get("unit_labels") or plan.predicted.get("remat_labels") or ())
+    blocks = plan.remat_labels
     what = {"full": "every forward value of a block", "dots": "a block's forward values but its matmul results",
             "selective": "the attention scores and probabilities"}.get(policy, policy)
     return [f"rematerialisation {policy!r} in {len(blocks)} block(s) ({', '.join(blocks[:3])}"

@@ -154,6 +154,13 @@ class Plan:
         return buffers(self.predicted["memory"], platform)
 
     @property
+    def remat_labels(self) -> tuple[str, ...]:
+        """The block instances a tensor plan's remat applies to: its units' labels (the 3-D search's
+        one-stage plan, which the tensor planner returns when only remat fits) or `predicted["remat_labels"]`
+        (a plan edited by hand)."""
+        return tuple(self.predicted.get("3d", {}).get("unit_labels", ()) or self.predicted.get("remat_labels", ()))
+
+    @property
     def activation_constraints(self) -> tuple[tuple[str, Spec], ...]:
         return () if self.is_pipeline else self.stages[0].activation_constraints
 

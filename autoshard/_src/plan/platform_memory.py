@@ -38,12 +38,12 @@ def memory_terms_on(plan: Any, graph: OpGraph, platform: str) -> dict[str, float
     if (platform != "cpu" or plan.is_pipeline or plan.stages[0].remat != "none" or not hw_given
             or hw_given.get("kernels") is None):
         return own          # (a remat plan's activations are the 3-D tables', not the tensor evaluator's)
-    space_kind = plan.predicted.get("space")
-    hw = get_hardware(hw_given)
-    as_planned = _repriced_memory(plan, graph, space_kind, hw) if space_kind is not None else None
-    if as_planned is None:
+    space = _plan_space(plan, graph, plan.predicted.get("space"))
+    if space is None:
         return own
-    on_cpu = _repriced_memory(plan, graph, space_kind, dataclasses.replace(hw, kernels=None))
+    hw = get_hardware(hw_given)
+    as_planned = _priced_memory(plan, space, hw)
+    on_cpu = _priced_memory(plan, space, dataclasses.replace(hw, kernels=None))
     # the plan's own numbers moved by what the other fusion changes (a wrong number stays wrong)
     for term in ("activations", "grads", "cpu_temp_extra"):
         own[term] = own.get(term, 0.0) + on_cpu.get(term, 0.0) - as_planned.get(term, 0.0)
@@ -51,25 +51,30 @@ def memory_terms_on(plan: Any, graph: OpGraph, platform: str) -> dict[str, float
     return own
 
 
-def _repriced_memory(plan: Any, graph: OpGraph, space_kind: str, hw: Any) -> dict[str, float] | None:
-    """The memory terms of the plan's assignment priced on `hw` (its kernel model decides the fusion: GPU
-    with one, CPU without); None when the plan's space cannot be rebuilt (its factors are not those of
-    this graph's analysis)."""
-    opts = _options(plan.provenance.get("options", {}))
-    mesh = mesh_spec(dict(plan.mesh))
-    grouping = group(graph)
-    analysed = analysis(graph, grouping)
-    if space_kind == "sequence_parallel":
-        analysed = sequence_parallel_analysis(graph, grouping, analysed)
-        if analysed is None:
-            return None
-    factor_axes = {f: tuple(axes) for f, _, _, axes in plan.factors if axes}
-    if any(f not in analysed.fg.factor_sizes for f in factor_axes):
+def _plan_space(plan: Any, graph: OpGraph, space_kind: str | None) -> PlanSpace | None:
+    """The plan's space with its split factors as the candidates (the others stay whole either way); None
+    when it cannot be rebuilt (no space recorded, or factors that are not this graph's analysis's)."""
+    if space_kind is None:
         return None
-    a = analysed      # the plan's split factors are the candidates: the others stay whole either way
-    space = PlanSpace(graph, mesh, a.weights, a.fg, a.grad_ops, tuple(sorted(factor_axes)),
-                      np.zeros((0, len(factor_axes)), np.int64), a.periods, a.in_map, [], a.fused_update, a.window)
-    ev = space.evaluator(hw, AnalyticalCostModel(mesh, hw), opts, space.weights)
+    grouping = group(graph)
+    a = analysis(graph, grouping)
+    if space_kind == "sequence_parallel":
+        a = sequence_parallel_analysis(graph, grouping, a)
+        if a is None:
+            return None
+    split = tuple(sorted(f for f, _, _, axes in plan.factors if axes))
+    if any(f not in a.fg.factor_sizes for f in split):
+        return None
+    return PlanSpace(graph, mesh_spec(dict(plan.mesh)), a.weights, a.fg, a.grad_ops, split,
+                     np.zeros((0, len(split)), np.int64), a.periods, a.in_map, [], a.fused_update, a.window)
+
+
+def _priced_memory(plan: Any, space: PlanSpace, hw: Any) -> dict[str, float]:
+    """The memory terms of the plan's assignment priced on `hw` (its kernel model decides the fusion: GPU
+    with one, CPU without)."""
+    opts = _options(plan.provenance.get("options", {}))
+    ev = space.evaluator(hw, AnalyticalCostModel(space.mesh, hw), opts, space.weights)
+    factor_axes = {f: tuple(axes) for f, _, _, axes in plan.factors if axes}
     return dict(ev.evaluate_one(factor_axes, plan.storage).memory)
 
 

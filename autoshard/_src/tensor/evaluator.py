@@ -105,6 +105,17 @@ def _axis_masks(mesh: MeshSpec) -> list[int]:
     return list(range(1 << len(mesh.names)))
 
 
+def _update_reads_all(graph: OpGraph) -> bool:
+    """Does the optimizer reduce a gradient-sized tensor (a global norm)? Once per graph: every evaluator
+    the 3-D tables build asks."""
+    hit = graph.cache.get("update reads all")
+    if hit is None:
+        hit = graph.cache["update reads all"] = any(
+            op.phase == "optimizer" and op.primitive in _GRADIENT_REDUCTIONS and op.in_shapes
+            and len(op.in_shapes[0]) > 0 for op in graph.ops)
+    return hit
+
+
 def _mask_size(mesh: MeshSpec, mask: int) -> int:
     return math.prod(s for i, s in enumerate(mesh.sizes) if mask >> i & 1)
 
@@ -341,8 +352,7 @@ class _Evaluator(MemoryModel, CommRecords):
         self.param_largest = [largest[k] for k in sorted(tensors) if k[0] == "parameter"]
         # an update that reads a reduction over a gradient (a global norm to clip by) waits for every
         # gradient; otherwise each parameter's update reads its own gradient only (memory.py)
-        self.update_reads_all = any(op.phase == "optimizer" and op.primitive in _GRADIENT_REDUCTIONS
-                                    and op.in_shapes and len(op.in_shapes[0]) > 0 for op in g.ops)
+        self.update_reads_all = _update_reads_all(g)
         # ZeRO-3 gathers a parameter once: emission pins its reads to the layout it is computed in
         # (planner._stored_reads), and XLA keeps that gathered copy for every forward use (a tied
         # embedding's lookup and head) and for the backward pass instead of gathering again
