@@ -28,14 +28,14 @@ if TYPE_CHECKING:   # the lazy names below, for type checkers and IDEs
     from ._src.bridge.api import bind as bind
     from ._src.bridge.api import expert_plan as expert_plan
     from ._src.bridge.api import plan as plan
-    from ._src.bridge.audit import Audit as Audit
-    from ._src.bridge.audit import audit as audit
-    from ._src.bridge.checkpoint import restore as restore
-    from ._src.bridge.checkpoint import save as save
+    from ._src.bridge.audit.audit import Audit as Audit
+    from ._src.bridge.audit.audit import audit as audit
+    from ._src.bridge.checkpoint.api import restore as restore
+    from ._src.bridge.checkpoint.api import save as save
     from ._src.bridge.decorator import autoshard as autoshard
-    from ._src.bridge.pipelined_step import value_and_grad as value_and_grad
     from ._src.bridge.runtimes.choose import pipelined as pipelined
-    from ._src.bridge.trace import trace as trace
+    from ._src.bridge.runtimes.pipelined_step import value_and_grad as value_and_grad
+    from ._src.bridge.trace.trace import trace as trace
     from ._src.core.graph import OpGraph as OpGraph
     from ._src.core.grouping import Grouping as Grouping
     from ._src.core.grouping import group as group
@@ -47,16 +47,16 @@ if TYPE_CHECKING:   # the lazy names below, for type checkers and IDEs
 
 __getattr__, __dir__ = lazy_attributes(__name__, {
     "autoshard": "autoshard._src.bridge.decorator",
-    "trace": "autoshard._src.bridge.trace",
+    "trace": "autoshard._src.bridge.trace.trace",
     "plan": "autoshard._src.bridge.api",
     "expert_plan": "autoshard._src.bridge.api",
     "bind": "autoshard._src.bridge.api",
-    "audit": "autoshard._src.bridge.audit",
-    "Audit": "autoshard._src.bridge.audit",
-    "value_and_grad": "autoshard._src.bridge.pipelined_step",
+    "audit": "autoshard._src.bridge.audit.audit",
+    "Audit": "autoshard._src.bridge.audit.audit",
+    "value_and_grad": "autoshard._src.bridge.runtimes.pipelined_step",
     "pipelined": "autoshard._src.bridge.runtimes.choose",
-    "save": "autoshard._src.bridge.checkpoint",
-    "restore": "autoshard._src.bridge.checkpoint",
+    "save": "autoshard._src.bridge.checkpoint.api",
+    "restore": "autoshard._src.bridge.checkpoint.api",
     # pure, but they load numpy, scipy and networkx (0.5 s): lazy too, so the CLI's Ctrl-C handler
     # (autoshard._src.cli, imported after this package) is in place within milliseconds of start
     "OpGraph": "autoshard._src.core.graph",

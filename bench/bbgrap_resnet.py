@@ -40,7 +40,7 @@ jax.config.update("jax_num_cpu_devices", 8)     # the audited rows compile on si
 from _common import machine  # noqa: E402
 
 import models  # noqa: E402
-from autoshard._src.bridge.infer_trace import inference_layers  # noqa: E402
+from autoshard._src.bridge.inference.trace import inference_layers  # noqa: E402
 from autoshard._src.core.hardware import get_hardware, hardware_dict  # noqa: E402
 from autoshard._src.core.transfers import analyse_transfers  # noqa: E402
 from autoshard._src.inference.partition import (  # noqa: E402
@@ -72,7 +72,7 @@ def audited_columns(row: dict) -> dict:
     devices (`audit_inference`): for the DP's plan (mixed + fusion) and the all-H plan. Per layer where
     the two differ, both numbers (the md explains the kinds of difference)."""
     import autoshard
-    from autoshard._src.bridge.infer_api import audit_inference
+    from autoshard._src.bridge.inference.api import audit_inference
 
     family, config = row["model"].split("/")
     m = models.get(family, config)

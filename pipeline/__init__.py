@@ -42,10 +42,10 @@ from . import graphpipe as graphpipe
 from . import rannc as rannc
 
 if TYPE_CHECKING:   # the lazy name below, for type checkers and IDEs
-    from autoshard._src.bridge.runtime import pipeline_value_and_grad as pipeline_value_and_grad
+    from autoshard._src.bridge.runtimes.runtime import pipeline_value_and_grad as pipeline_value_and_grad
 
 __getattr__, __dir__ = lazy_attributes(__name__, {
-    "pipeline_value_and_grad": "autoshard._src.bridge.runtime",
+    "pipeline_value_and_grad": "autoshard._src.bridge.runtimes.runtime",
 }, eager=[n for n in dir() if not n.startswith("_") and n not in ("TYPE_CHECKING", "lazy_attributes")])
 
 del TYPE_CHECKING, lazy_attributes

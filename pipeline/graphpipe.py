@@ -24,10 +24,10 @@ from autoshard._src.pipeline.graphpipe.partitioner import GRAPHPIPE as GRAPHPIPE
 from autoshard._src.pipeline.graphpipe.spp import spp_partition as spp_partition
 
 if TYPE_CHECKING:   # the lazy name below (it times ops on the local device with jax)
-    from autoshard._src.bridge.profile import measured_layer_costs as measured_layer_costs
+    from autoshard._src.bridge.audit.profile import measured_layer_costs as measured_layer_costs
 
 __getattr__, __dir__ = lazy_attributes(__name__, {
-    "measured_layer_costs": "autoshard._src.bridge.profile",
+    "measured_layer_costs": "autoshard._src.bridge.audit.profile",
 }, eager=[n for n in dir() if not n.startswith("_") and n not in ("TYPE_CHECKING", "lazy_attributes")])
 
 del TYPE_CHECKING, lazy_attributes

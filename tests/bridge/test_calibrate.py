@@ -7,7 +7,7 @@ import pytest
 from jax.sharding import AxisType
 
 from autoshard import ConfigError
-from autoshard._src.bridge.calibrate import measure_collectives
+from autoshard._src.bridge.audit.calibrate import measure_collectives
 from autoshard._src.core.collectives import KINDS
 from autoshard._src.core.cost import CostModel, MeasuredCostModel
 

@@ -167,7 +167,7 @@ def test_integer_value_between_stages_is_refused():
 
 
 def test_balanced_cuts_trade_stage_flops_against_boundary_bytes():
-    from autoshard._src.bridge.cut_place import balanced_cuts as _balanced_cuts
+    from autoshard._src.bridge.runtimes.cut_place import balanced_cuts as _balanced_cuts
 
     # 12 unit-flop eqns; cutting before eqn i sends live[i] bytes: cheap only before 3, 7 and 10
     before = np.arange(12, dtype=float)
@@ -206,7 +206,7 @@ def test_graphpipe_dag_plan_matches_single_device(name):
 
 
 def test_dag_assignment_rules():
-    from autoshard._src.bridge.cut_dag import PipelineError, assign, plan_edges
+    from autoshard._src.bridge.runtimes.cut_dag import PipelineError, assign, plan_edges
 
     # values 0, 1 (params of stages 0, 1) -> eqn0 on 0 makes 10, eqn1 on 1 makes 11; eqn2 reads both
     # (no parameter: the join 2); eqn3 reads only a tied param (floating: the stage of its user);
@@ -238,7 +238,7 @@ def test_dag_assignment_rules():
 def test_remat_and_scan_bodies_are_priced_like_the_planner_prices_them():
     # the cut keeps remat / scan eqns whole; their flops are those of the ops inside (times the trip
     # count), as the planner's OpGraph counts them, not one flop per output element
-    from autoshard._src.bridge.trace import eqn_flops
+    from autoshard._src.bridge.trace.trace import eqn_flops
 
     w = jnp.ones((64, 64))
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import models
-from autoshard._src.bridge.trace import trace
+from autoshard._src.bridge.trace.trace import trace
 from autoshard._src.core.fusion import fusion
 
 F32 = 4

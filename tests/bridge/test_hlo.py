@@ -5,7 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from autoshard._src.bridge.hlo import array_bytes, collectives, group_axes, parse_replica_groups, source_of, summarize
+from autoshard._src.bridge.audit.hlo import (
+    array_bytes,
+    collectives,
+    group_axes,
+    parse_replica_groups,
+    source_of,
+    summarize,
+)
 
 MESH = (("data", "model"), (2, 4))
 

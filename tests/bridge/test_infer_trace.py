@@ -1,4 +1,4 @@
-"""An inference function's jaxpr as BBGraP layers (bridge/infer_trace.py): Flax convolutions,
+"""An inference function's jaxpr as BBGraP layers (bridge/inference/trace.py): Flax convolutions,
 pooling, inference batch norm, a residual add, global pooling and a dense head map to the pure
 core's Layer descriptors with the windows lax computes; what the partitioner cannot split is a
 PlanError naming it."""
@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import pytest
 
 from autoshard import PlanError
-from autoshard._src.bridge.infer_trace import inference_layers
+from autoshard._src.bridge.inference.trace import inference_layers
 from autoshard._src.core.layers import required_input
 from autoshard._src.core.shapemap import ShapeMap
 

@@ -14,7 +14,7 @@ import pytest
 import autoshard
 import models
 from autoshard import ConfigError, MeshError, PlanError
-from autoshard._src.bridge.infer_api import audit_inference
+from autoshard._src.bridge.inference.api import audit_inference
 from autoshard._src.inference.plan import InferencePlan
 
 pytestmark = pytest.mark.slow     # heavy: CI's second step (`pytest -m slow`)

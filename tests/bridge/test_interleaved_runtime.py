@@ -12,7 +12,7 @@ import pytest
 import autoshard
 import pipeline
 from autoshard import PipelineError
-from autoshard._src.bridge.runtime import pipeline_value_and_grad
+from autoshard._src.bridge.runtimes.runtime import pipeline_value_and_grad
 from tests.bridge.test_runtime import assert_close, chain_problem, mesh
 
 

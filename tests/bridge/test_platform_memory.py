@@ -10,7 +10,7 @@ import pytest
 
 import autoshard
 import models
-from autoshard._src.bridge.trace import trace
+from autoshard._src.bridge.trace.trace import trace
 from autoshard._src.plan.plan import buffers
 from autoshard._src.plan.platform_memory import memory_terms_on
 

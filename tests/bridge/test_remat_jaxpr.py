@@ -1,6 +1,6 @@
 """Remat without changing the step (issue 33): an ordinary `jax.value_and_grad` step (the zoo's
 `train_step`, as in every Flax / optax tutorial) is rematerialised by replaying its blocks' forward in
-the traced backward pass (bridge/remat_jaxpr.py), and a tensor plan that does not fit without remat is
+the traced backward pass (bridge/emit/remat_jaxpr.py), and a tensor plan that does not fit without remat is
 planned with it."""
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ import pytest
 
 import autoshard
 import models
-from autoshard._src.bridge.emit import jit_step, make_mesh
-from autoshard._src.bridge.remat_jaxpr import replays
-from autoshard._src.bridge.trace import trace_step
+from autoshard._src.bridge.emit.emit import jit_step, make_mesh
+from autoshard._src.bridge.emit.remat_jaxpr import replays
+from autoshard._src.bridge.trace.trace import trace_step
 
 MESH = {"data": 2, "model": 4}
 

@@ -1,5 +1,5 @@
 """Pipelined state between steps: ZeRO-stored parameters move into the runtime's stage rows and the
-gradients back by one all-to-all over `pipe` each way (bridge/repack.py), with the same values as
+gradients back by one all-to-all over `pipe` each way (bridge/runtimes/repack.py), with the same values as
 the runtime's own stack/unstack, and the decorated step's compiled program moves about one stage's
 parameters per device for it, not the whole model."""
 
@@ -12,8 +12,8 @@ import pytest
 from jax.sharding import NamedSharding
 
 import autoshard
-from autoshard._src.bridge.hlo import collectives
-from autoshard._src.bridge.repack import storage_spec
+from autoshard._src.bridge.audit.hlo import collectives
+from autoshard._src.bridge.runtimes.repack import storage_spec
 
 
 def _loss(params, batch):

@@ -13,7 +13,7 @@ from jax.sharding import AxisType, PartitionSpec
 
 import pipeline
 from autoshard import PipelineError
-from autoshard._src.bridge.runtime import StackedParams, pipeline_value_and_grad
+from autoshard._src.bridge.runtimes.runtime import StackedParams, pipeline_value_and_grad
 
 
 def mesh(shape, names):
@@ -88,7 +88,7 @@ def test_parameters_live_on_their_stage_only():
     assert grads.flat.sharding.spec == PartitionSpec("pipe")
     # the compiled step never gathers parameters: per tick one activation and one gradient permute
     # along the chain, then the loss sum over pipe and the gradient mean over data
-    from autoshard._src.bridge.hlo import collectives, summarize
+    from autoshard._src.bridge.audit.hlo import collectives, summarize
     hlo = prog.lower(stacked, data).compile().as_text()
     summary = summarize(collectives(hlo, ["pipe", "data"], [4, 2]))
     assert set(summary) == {"collective-permute@pipe", "all-reduce@pipe", "all-reduce@data"}

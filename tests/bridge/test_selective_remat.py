@@ -1,4 +1,4 @@
-"""remat "selective" as emitted (bridge/remat.py): each block holding attention runs under a
+"""remat "selective" as emitted (bridge/emit/remat.py): each block holding attention runs under a
 jax.checkpoint policy that drops exactly the [B, H, Sq, Skv] scores / probabilities (and their softmax
 rows) from the saved residuals; gradients equal the step's; a block without attention runs as "none".
 
@@ -24,8 +24,8 @@ from jax._src.ad_checkpoint import saved_residuals
 import autoshard
 import models
 from autoshard._src.bridge import compat as jc
-from autoshard._src.bridge.remat import attention_grids, remat_loss
-from autoshard._src.bridge.trace import trace
+from autoshard._src.bridge.emit.remat import attention_grids, remat_loss
+from autoshard._src.bridge.trace.trace import trace
 from autoshard._src.core.attention import attention_cores, recomputed_ops
 
 from .test_three_d import train_both
@@ -193,7 +193,7 @@ def test_tensor_plan_with_selective_remat_trains_like_one_device():
                                          hardware="cpu-sim", pipeline_options={"remat": "selective"}))
     plan = fast.plan
     assert not plan.is_pipeline and plan.stages[0].remat == "selective"
-    # replayed in the traced backward pass (bridge/remat_jaxpr.py): one more softmax exp per block than
+    # replayed in the traced backward pass (bridge/emit/remat_jaxpr.py): one more softmax exp per block than
     # the same plan without remat compiles
     plain = dataclasses.replace(plan, stages=(dataclasses.replace(plan.stages[0], remat="none"),))
     args = (params, m.optimizer.init(params), batch)

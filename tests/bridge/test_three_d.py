@@ -15,9 +15,9 @@ import pytest
 
 import autoshard
 import models
-from autoshard._src.bridge.hlo import collectives
-from autoshard._src.bridge.remat_jaxpr import replays
-from autoshard._src.bridge.trace import trace_step
+from autoshard._src.bridge.audit.hlo import collectives
+from autoshard._src.bridge.emit.remat_jaxpr import replays
+from autoshard._src.bridge.trace.trace import trace_step
 from autoshard._src.core.hardware import get_hardware, hardware_dict
 
 from .._reference import run_steps
@@ -159,7 +159,7 @@ def test_pipe_axis_beyond_the_block_count_is_a_typed_error():
 @pytest.mark.slow
 def test_tensor_plan_with_planned_remat_trains_like_one_device_within_its_memory():
     """A tight budget makes the planner rematerialise a one-stage plan; the emission replays the blocks'
-    forward in the traced backward pass (bridge/remat_jaxpr.py, autoshard.value_and_grad or not), with
+    forward in the traced backward pass (bridge/emit/remat_jaxpr.py, autoshard.value_and_grad or not), with
     the plan's activation constraints on the replayed eqns, and XLA's memory matches the prediction."""
     m = models.get("gpt", "debug")
     params, batch = m.init(jax.random.key(0)), m.batch()

@@ -10,7 +10,7 @@ import optax
 import pytest
 
 import autoshard
-from autoshard._src.bridge import trace as trace_module
+from autoshard._src.bridge.trace import trace as trace_module
 
 
 def _counting(monkeypatch):

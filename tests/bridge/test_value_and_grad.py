@@ -99,7 +99,7 @@ def test_pipelined_decorator_errors():
     with pytest.raises(PlanError, match=r"options \['allow_int'\] are not supported"):
         autoshard.autoshard(with_options, **kw)(params, opt_state, batch)
 
-    from autoshard._src.bridge.loss_call import LossCall
+    from autoshard._src.bridge.trace.loss_call import LossCall
 
     with pytest.raises(PlanError, match="reads no array with the step's batch size 4"):
         LossCall(lambda p: jnp.sum(p["wte"]["embedding"] ** 2), (params,), 0, False, 4)

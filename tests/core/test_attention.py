@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import pytest
 
 import models
-from autoshard._src.bridge.trace import trace
+from autoshard._src.bridge.trace.trace import trace
 from autoshard._src.core.attention import attention_cores
 
 B, S, H, D = 2, 16, 4, 8

@@ -4,7 +4,7 @@ answers as the whole ancestor set would, on a traced step with forward values re
 from __future__ import annotations
 
 import models
-from autoshard._src.bridge.trace import trace
+from autoshard._src.bridge.trace.trace import trace
 from autoshard._src.core.fusion import _Fuser
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 import models
-from autoshard._src.bridge.trace import trace
+from autoshard._src.bridge.trace.trace import trace
 from autoshard._src.core.fusion import _Fuser, window_fusion
 from autoshard._src.core.grouping import group
 from autoshard._src.tensor import search

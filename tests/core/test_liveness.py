@@ -53,7 +53,7 @@ def test_the_walk_to_a_root_agrees_with_the_whole_graph_marking():
     # a traced step (dead cotangent broadcasts of jnp.where, a loss, parameter updates): asked op by
     # op in a scattered order, `is_live` answers as `live_ops`
     import models
-    from autoshard._src.bridge.trace import trace
+    from autoshard._src.bridge.trace.trace import trace
     from autoshard._src.core.liveness import is_live
 
     m = models.get("gpt", "debug", num_layers=3)

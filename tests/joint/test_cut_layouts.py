@@ -11,7 +11,7 @@ import numpy as np
 
 import autoshard
 import models
-from autoshard._src.bridge.trace import trace
+from autoshard._src.bridge.trace.trace import trace
 from autoshard._src.core.cost import AnalyticalCostModel
 from autoshard._src.core.hardware import get_hardware
 from autoshard._src.joint.space import submesh

@@ -10,7 +10,7 @@ import pytest
 
 import autoshard
 import models
-from autoshard._src.bridge.trace import trace
+from autoshard._src.bridge.trace.trace import trace
 from autoshard._src.core.attention import attention_cores, recomputed_ops
 from autoshard._src.core.cost import AnalyticalCostModel
 from autoshard._src.core.hardware import get_hardware
@@ -139,7 +139,7 @@ def test_priced_bytes_are_what_jax_saves():
     block (jnp.where's cotangent fill): a constant in the compiled step, so neither counted nor priced."""
     import jax
 
-    from autoshard._src.bridge.remat import remat_loss
+    from autoshard._src.bridge.emit.remat import remat_loss
 
     m = models.get("gpt", "debug", seq_len=S, d_model=16, num_heads=HEADS, num_layers=LAYERS, batch_size=B,
                    vocab_size=32)

@@ -8,7 +8,7 @@ import pytest
 
 import autoshard
 import models
-from autoshard._src.bridge.profile import measure_op_curves, measure_op_times
+from autoshard._src.bridge.audit.profile import measure_op_curves, measure_op_times
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ import pytest
 
 import autoshard
 from autoshard import CheckpointError, ConfigError
-from autoshard._src.bridge import checkpoint_disk as disk
+from autoshard._src.bridge.checkpoint import disk
 
 from ._ckpt_worker import state
 

@@ -20,8 +20,8 @@ import models
 from autoshard import PlanError
 from autoshard._src.bridge import compat as jc
 from autoshard._src.bridge import decorator
-from autoshard._src.bridge.cut_3d import ActivationSpecs
-from autoshard._src.bridge.infer_api import audit_inference
+from autoshard._src.bridge.inference.api import audit_inference
+from autoshard._src.bridge.runtimes.cut_3d import ActivationSpecs
 from autoshard._src.core.attribution import parse_scope
 
 M = models.get("mlp", "debug")

@@ -10,7 +10,7 @@ import pytest
 
 import autoshard
 import models
-from autoshard._src.bridge.trace import trace
+from autoshard._src.bridge.trace.trace import trace
 from autoshard._src.core.attention import attention_cores, priced_fusion
 from autoshard._src.core.cost import AnalyticalCostModel
 from autoshard._src.core.errors import ConfigError

@@ -17,11 +17,11 @@ from ..plan.make import make_plan
 from ..plan.plan import Plan
 from ..plan.planner import expert_tensor_plan
 from ..plan.validate import check_fits
+from .audit.profile import StepProfiler
 from .devices import local_hardware
-from .emit import JaxArgs, on_own_mesh
-from .infer_api import plan_inference
-from .profile import StepProfiler
-from .trace import trace
+from .emit.emit import JaxArgs, on_own_mesh
+from .inference.api import plan_inference
+from .trace.trace import trace
 
 
 def bind(plan: Plan, *args: Any) -> Plan:

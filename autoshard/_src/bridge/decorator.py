@@ -24,9 +24,8 @@ from ..plan.plan import Plan
 from ..plan.planner import IDLE_AXIS
 from ..plan.validate import check_plan
 from .api import bind, hardware_of, local_config, plan_traced
-from .call_args import check_leaves, failed, positional, unaliased
 from .compat import typed_sharding, untyped
-from .emit import (
+from .emit.emit import (
     ShapesChanged,
     donated_argnums,
     jit_step,
@@ -36,10 +35,11 @@ from .emit import (
     shardings,
     signature,
 )
-from .infer_api import InferenceAutosharded
-from .pipelined_step import pipelined_step
-from .plan_fit import check_fingerprint, check_outputs
-from .trace import Traced, trace_step
+from .emit.plan_fit import check_fingerprint, check_outputs
+from .inference.api import InferenceAutosharded
+from .runtimes.pipelined_step import pipelined_step
+from .trace.call_args import check_leaves, failed, positional, unaliased
+from .trace.trace import Traced, trace_step
 
 _PLAN_CACHE: dict[tuple, Plan] = {}
 # what one argument signature (structure, shapes, dtypes) prepares: kept per signature, so a step
@@ -154,7 +154,7 @@ class Autosharded:
             self._prepare_pipeline(args, traced)
             return
         # a tensor plan's remat is replayed in the traced backward pass, whatever computes the gradients
-        # (jax.value_and_grad, jax.grad, autoshard.value_and_grad, nnx.grad): bridge/remat_jaxpr.py
+        # (jax.value_and_grad, jax.grad, autoshard.value_and_grad, nnx.grad): bridge/emit/remat_jaxpr.py
         self._jitted = jit_step(traced, self._plan, self._mesh, abstract, donate=self.config.donate, guard=True,
                                 remat=self._plan.stages[0].remat != "none")
         self._in_shardings, _ = shardings(self._plan, self._mesh)

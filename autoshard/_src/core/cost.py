@@ -141,7 +141,7 @@ class MeasuredCostModel:
     flop rate and memory bandwidth when given. Whatever was not measured falls back to
     `AnalyticalCostModel(mesh, hardware)`; `fitted()` says what was measured.
 
-    Samples come from `autoshard` on the devices (`bridge.calibrate.measure_collectives`) or from any
+    Samples come from `autoshard` on the devices (`bridge.audit.calibrate.measure_collectives`) or from any
     benchmark (nccl-tests, a previous run) as `CollectiveSample`s.
     """
 

@@ -262,7 +262,7 @@ def _tensor_plan(graph: OpGraph, grouping: Grouping, res: JointResult, best: Joi
 def _replayed_collectives(graph: OpGraph, res: JointResult, sr: Any, choice: Any, policy: str, hw: HardwareSpec,
                           options: SearchOptions) -> list[dict[str, Any]]:
     """The forward collectives the backward pass issues again when it replays the blocks' forward under
-    `policy` (bridge/remat_jaxpr.py): those of the block ops the policy recomputes ('full' all, 'dots' all
+    `policy` (bridge/emit/remat_jaxpr.py): those of the block ops the policy recomputes ('full' all, 'dots' all
     but matmuls, whose reduced results are kept, 'selective' the attention cores'), at the plan's layout."""
     unit_of = {o: u for u, ops in enumerate(res.units.ops) for o in ops}
     attn = selective_ops(graph) if policy == "selective" else None

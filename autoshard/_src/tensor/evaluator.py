@@ -172,7 +172,7 @@ class _Evaluator(MemoryModel, CommRecords):
         # step beside the activations in flight (the 3-D tables add those per micro-batch)
         self.accumulate = accumulate
         # remat 'dots' keeps every matmul result: the replayed elementwise ops read those that were not
-        # residuals (the attention scores the softmax is recomputed from), see bridge/remat_jaxpr.py
+        # residuals (the attention scores the softmax is recomputed from), see bridge/emit/remat_jaxpr.py
         self.keep_all = keep_all
         self.options = options
         self.cands = cands

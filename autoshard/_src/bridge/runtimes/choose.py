@@ -12,8 +12,8 @@ from typing import Any
 import jax
 from jax.sharding import Mesh
 
-from ..cut import Pipelined
-from ..cut import pipelined as spmd_pipelined
+from .cut import Pipelined
+from .cut import pipelined as spmd_pipelined
 from .from_plan import mpmd_from_plan
 from .mpmd import MpmdPipeline
 

@@ -10,8 +10,8 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from ...core.errors import PlanError
-from ..cut_place import in_argument
-from ..layouts import fitting_spec, partition_spec
+from .cut_place import in_argument
+from .layouts import fitting_spec, partition_spec
 from .mpmd import MpmdPipeline, mpmd_pipelined
 
 

@@ -33,7 +33,7 @@ from jax.sharding import PartitionSpec as P
 from ...core.errors import PipelineError
 from ...pipeline.schedules.registry import schedule as build_schedule
 from ...pipeline.schedules.schedule import Schedule, Task
-from ..cut import StageCut, cut_stages
+from .cut import StageCut, cut_stages
 from .submeshes import stage_meshes
 
 

@@ -27,7 +27,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ..core.errors import PipelineError
+from ...core.errors import PipelineError
 
 Spec = tuple[tuple[str, ...], ...]
 

@@ -10,11 +10,11 @@ import jax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from ..core.errors import PipelineError
-from ..core.graph import keys_in_order
-from ..core.mesh import MeshSpec
-from ..plan.planner import add_storage_axes
-from ..plan.validate import check_constraints_matched
+from ...core.errors import PipelineError
+from ...core.graph import keys_in_order
+from ...core.mesh import MeshSpec
+from ...plan.planner import add_storage_axes
+from ...plan.validate import check_constraints_matched
 from .cut_place import in_argument
 from .layouts import fitting_spec, partition_spec
 

@@ -7,7 +7,7 @@ Two forms, both numerically the single-device function:
   of the halos for a convolution split along H or W, all-gathers where a split changes direction.
   Used when every split is even, the nodes equal and nothing fused: the form XLA compiles best.
 - `explicit_program`: one `shard_map` over the nodes, each node computing its slab of every layer
-  (`infer_local`) from operands it assembles itself: rows it holds, rows it receives from their owners
+  (`local.py`) from operands it assembles itself: rows it holds, rows it receives from their owners
   by `ppermute` (only what the graph optimiser keeps, §3.3), and padding. Uneven and heterogeneous
   splits (equal slab lengths, a node ignoring the rows past its part) and fused runs (a run's layers
   computed on grown slabs; only the run's head receives) need it.
@@ -28,12 +28,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from ..core.errors import PlanError
-from ..core.layers import Layer
-from ..core.shapemap import Split, direction_axis
-from . import compat as jc
-from .infer_local import Cut, LocalRule, Need, Slab, local_rule
-from .infer_trace import TracedInference
+from ...core.errors import PlanError
+from ...core.layers import Layer
+from ...core.shapemap import Split, direction_axis
+from .. import compat as jc
+from .local import Cut, LocalRule, Need, Slab, local_rule
+from .trace import TracedInference
 
 # ---- layouts: which rows of a tensor each node holds ------------------------------------------------------
 

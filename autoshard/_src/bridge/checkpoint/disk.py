@@ -21,7 +21,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from ..core.errors import CheckpointError
+from ...core.errors import CheckpointError
 
 STATE, PLAN, MANIFEST = "state", "plan.json", "manifest.json"
 FORMAT = "autoshard-checkpoint-1"

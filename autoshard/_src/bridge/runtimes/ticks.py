@@ -14,8 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ..core.errors import PipelineError
-from ..pipeline.schedules.schedule import Schedule, tick_table
+from ...core.errors import PipelineError
+from ...pipeline.schedules.schedule import Schedule, tick_table
 
 IDLE, FORWARD, BACKWARD = 0, 1, 2
 

@@ -18,11 +18,11 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from ..core.attribution import attribute_modules, infer_phases, join_modules, parse_scope
-from ..core.errors import NotCallableError, TraceFailedError, UntraceableArgumentError
-from ..core.flops import estimate_flops
-from ..core.graph import Loop, Op, OpGraph, Value, nbytes
-from . import compat as jc
+from ...core.attribution import attribute_modules, infer_phases, join_modules, parse_scope
+from ...core.errors import NotCallableError, TraceFailedError, UntraceableArgumentError
+from ...core.flops import estimate_flops
+from ...core.graph import Loop, Op, OpGraph, Value, nbytes
+from .. import compat as jc
 
 # call-like primitives whose body runs once with the eqn's operands: inlined
 _TRANSPARENT = {

@@ -2,7 +2,7 @@
 
 `audit(plan, step, *args)` lowers and compiles the planned step on the (simulated) mesh and reads
 the compiled program back: every collective from the HLO text (kind, bytes per device, mesh axes,
-source module; see _hlo.py), per-device memory from `memory_analysis()` and flops/bytes from
+source module; see hlo.py), per-device memory from `memory_analysis()` and flops/bytes from
 `cost_analysis()`. It compares them with `plan.predicted` and lists each gap with the modules it
 comes from. Some differences are the backend's, not the plan's: they are labelled, not hidden.
 """
@@ -18,15 +18,15 @@ from typing import Any
 import jax
 from jax.sharding import Mesh
 
-from ..core.collectives import lowered_kind
-from ..core.errors import PlanError
-from ..plan.plan import Plan, buffers
-from ..plan.platform_memory import memory_terms_on
+from ...core.collectives import lowered_kind
+from ...core.errors import PlanError
+from ...plan.plan import Plan, buffers
+from ...plan.platform_memory import memory_terms_on
+from ..api import bind
+from ..emit.emit import auto_axes, jit_step, make_mesh, on_own_mesh
+from ..emit.plan_fit import check_fingerprint, check_outputs
+from ..trace.trace import trace_step
 from . import hlo as _hlo
-from .api import bind
-from .emit import auto_axes, jit_step, make_mesh, on_own_mesh
-from .plan_fit import check_fingerprint, check_outputs
-from .trace import trace_step
 
 BYTES_TOLERANCE = 0.10      # issue 4: predicted collective bytes within 10 % of the compiled program's
 MEMORY_TOLERANCE = 0.15     # and argument + temp memory within 15 %

@@ -2,7 +2,7 @@
 `autoshard.autoshard(mode="inference", mesh={"x": 3})(apply_fn)` (bridge: imports jax).
 
 Trace `fn` into BBGraP layers, partition them (the pure DP of `inference.partition`), emit the
-partition as a jitted program (`infer_emit`), and compare what XLA compiled with the plan's halo
+partition as a jitted program (`bridge.inference.emit`), and compare what XLA compiled with the plan's halo
 bytes (`audit_inference`).
 """
 
@@ -17,18 +17,18 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
-from ..core.errors import ConfigError, MeshError, PlanError
-from ..core.hardware import HardwareSpec
-from ..core.shapemap import direction_axis
-from ..inference.partition import CostModel, baselines, describe, partition
-from ..inference.plan import InferenceConfig, InferencePlan, single_direction
-from . import hlo as _hlo
-from .call_args import positional
-from .devices import local_hardware
-from .emit import auto_axes, auto_placed, on_own_mesh
-from .infer_emit import constrained_program, explicit_program, layer_of_op
-from .infer_trace import TracedInference, trace_inference
-from .trace import check_args
+from ...core.errors import ConfigError, MeshError, PlanError
+from ...core.hardware import HardwareSpec
+from ...core.shapemap import direction_axis
+from ...inference.partition import CostModel, baselines, describe, partition
+from ...inference.plan import InferenceConfig, InferencePlan, single_direction
+from ..audit import hlo as _hlo
+from ..devices import local_hardware
+from ..emit.emit import auto_axes, auto_placed, on_own_mesh
+from ..trace.call_args import positional
+from ..trace.trace import check_args
+from .emit import constrained_program, explicit_program, layer_of_op
+from .trace import TracedInference, trace_inference
 
 
 def _signature(args: tuple) -> str:
@@ -177,7 +177,7 @@ def received_per_device(record: Any, n: int) -> list[int]:
 def audit_inference(fast: InferenceAutosharded, *args: Any) -> dict[str, Any]:
     """Compile `fast` for `args` and set what its collectives deliver beside the plan, per layer: the
     plan's largest per-node receive against the largest per-device receive of the collectives whose
-    op metadata names the layer (`infer_emit.scope_of`); "output" is assembling the result."""
+    op metadata names the layer (`bridge.inference.emit.scope_of`); "output" is assembling the result."""
     if not isinstance(fast, InferenceAutosharded):
         raise PlanError(f"audit_inference: expected the function autoshard.autoshard(fn, mode='inference', mesh=...) "
                         f"returns, got {type(fast).__name__}. Fix: audit a training plan with autoshard.audit(plan, "

@@ -14,7 +14,7 @@ and rebuilds the pytree types of `like` (optax states come back as optax states,
 
 Nothing is lost or read back wrong:
 - saves are atomic: the new checkpoint is written beside `path` and swapped in only once complete
-  (checkpoint_disk.py); a process killed at any moment leaves the previous or the new checkpoint
+  (disk.py); a process killed at any moment leaves the previous or the new checkpoint
   restorable, and `restore` finds it;
 - `restore` checks every file against the manifest before reading it, and every array read against
   its checksum, so any changed, missing or truncated byte is a `CheckpointError`, never wrong values;
@@ -43,10 +43,10 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from ..core.errors import CheckpointError, ConfigError, PlanError
-from ..plan.plan import Plan
-from . import checkpoint_disk as disk
-from .checkpoint_leaves import (
+from ...core.errors import CheckpointError, ConfigError, PlanError
+from ...plan.plan import Plan
+from . import disk
+from .leaves import (
     abstract_leaf,
     check_leaves,
     check_structure,

@@ -43,9 +43,9 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ..core.errors import PipelineError
-from ..pipeline.schedules.registry import schedule as build_schedule
-from ..pipeline.schedules.schedule import Schedule, chain_edges
+from ...core.errors import PipelineError
+from ...pipeline.schedules.registry import schedule as build_schedule
+from ...pipeline.schedules.schedule import Schedule, chain_edges
 from .layouts import FlatCodec, ShardedCodec, Spec, StackedParams, buffer_dtype, check_specs, constrain_to, layout
 from .ticks import Buffers, branches, spmd_body, static_plan
 

@@ -17,12 +17,12 @@ from typing import Any
 import jax
 import numpy as np
 
-from ..core.errors import PlanError
-from ..core.graph import OpGraph
-from ..pipeline.costs import traced_batch
-from ..pipeline.graphpipe.layer_graph_build import curve_sizes, op_curves
-from .compat import is_literal
-from .trace import trace
+from ...core.errors import PlanError
+from ...core.graph import OpGraph
+from ...pipeline.costs import traced_batch
+from ...pipeline.graphpipe.layer_graph_build import curve_sizes, op_curves
+from ..compat import is_literal
+from ..trace.trace import trace
 
 # primitives that cannot run on synthetic inputs (PRNG key types, host effects)
 MIN_MATCHED = 0.9     # share of a step's ops that must recur at a smaller micro-batch (measured curves)

@@ -32,9 +32,9 @@ from typing import Any
 
 import jax
 
-from ..core.attention import attention_cores, recomputed_ops
-from ..core.graph import OpGraph
-from . import compat as jc
+from ...core.attention import attention_cores, recomputed_ops
+from ...core.graph import OpGraph
+from .. import compat as jc
 
 POLICIES = ("full", "dots", "selective")
 

@@ -28,11 +28,11 @@ from typing import Any
 import jax
 import numpy as np
 
-from ..core.errors import ConfigError, PlanError
-from ..core.layers import Layer
-from ..core.shapemap import Window
-from . import compat as jc
-from .trace import check_args, make_jaxpr
+from ...core.errors import ConfigError, PlanError
+from ...core.layers import Layer
+from ...core.shapemap import Window
+from .. import compat as jc
+from ..trace.trace import check_args, make_jaxpr
 
 _POOLS = ("reduce_window_max", "reduce_window_sum", "reduce_window_min", "reduce_window")
 _REDUCES = ("reduce_sum", "reduce_max", "reduce_min", "argmax", "argmin")

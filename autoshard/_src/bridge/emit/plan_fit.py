@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..core.errors import PlanError
-from ..core.graph import OpGraph, fingerprint
-from ..plan.plan import Plan
+from ...core.errors import PlanError
+from ...core.graph import OpGraph, fingerprint
+from ...plan.plan import Plan
 
 
 def check_fingerprint(plan: Plan, graph: OpGraph, where: str) -> None:

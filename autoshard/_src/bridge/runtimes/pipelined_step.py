@@ -26,13 +26,13 @@ from typing import Any
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from ..core.errors import PlanError
-from ..pipeline.costs import traced_batch
-from ..plan.plan import Plan
+from ...core.errors import PlanError
+from ...pipeline.costs import traced_batch
+from ...plan.plan import Plan
+from ..trace.loss_call import LossCall
+from ..trace.trace import Traced
 from .cut import pipelined
-from .loss_call import LossCall
 from .repack import storage_sharding
-from .trace import Traced
 
 
 @dataclasses.dataclass

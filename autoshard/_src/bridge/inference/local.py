@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from ..core.layers import Layer
+from ...core.layers import Layer
 
 
 @dataclasses.dataclass(frozen=True)

@@ -30,22 +30,22 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
-from ..core.attribution import parse_scope
-from ..core.errors import PipelineError
-from ..core.hardware import get_hardware
-from ..pipeline.partition import microbatch_split_error
-from . import compat as jc
+from ...core.attribution import parse_scope
+from ...core.errors import PipelineError
+from ...core.hardware import get_hardware
+from ...pipeline.partition import microbatch_split_error
+from .. import compat as jc
+from ..devices import local_hardware
+from ..emit.emit import auto_axes, on_own_mesh
+from ..emit.remat import eqn_blocks, run_eqns
+from ..trace.loss_form import LossForm, loss_form, value_avals
+from ..trace.trace import eqn_flops
 from .cut_3d import ActivationSpecs, dict_path, guard_gathers, plan_batch_axes, runnable_here, stage_specs
 from .cut_dag import assign as dag_assign
 from .cut_dag import plan_edges
 from .cut_place import anchors, live_bytes, plan_anchors, plan_stages, stage_count
-from .devices import local_hardware
-from .emit import auto_axes, on_own_mesh
-from .loss_form import LossForm, loss_form, value_avals
-from .remat import eqn_blocks, run_eqns
 from .repack import Repacker
 from .runtime import pipeline_value_and_grad
-from .trace import eqn_flops
 
 
 @dataclasses.dataclass(frozen=True)

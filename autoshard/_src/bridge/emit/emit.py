@@ -13,15 +13,15 @@ from typing import Any
 import jax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from ..core.errors import MeshError, PlanError, TraceFailedError
-from ..core.graph import op_keys
-from ..core.mesh import check_distinct_devices
-from ..plan.plan import Plan
-from ..plan.specs import Spec
-from ..plan.validate import check_constraints_matched
-from . import compat as jc
+from ...core.errors import MeshError, PlanError, TraceFailedError
+from ...core.graph import op_keys
+from ...core.mesh import check_distinct_devices
+from ...plan.plan import Plan
+from ...plan.specs import Spec
+from ...plan.validate import check_constraints_matched
+from .. import compat as jc
+from ..trace.trace import Traced
 from .remat_jaxpr import eval_with_replays, replays
-from .trace import Traced
 
 
 @dataclasses.dataclass(frozen=True)

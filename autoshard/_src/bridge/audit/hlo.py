@@ -18,8 +18,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ..core.attribution import parse_scope
-from ..core.collectives import BY_HLO_OPCODE
+from ...core.attribution import parse_scope
+from ...core.collectives import BY_HLO_OPCODE
 
 _DTYPE_BYTES = {
     "pred": 1, "s4": 1, "u4": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "f8e4m3fnuz": 1,

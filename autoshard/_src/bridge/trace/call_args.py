@@ -22,8 +22,8 @@ from collections.abc import Callable
 
 import jax
 
-from ..core.errors import PlanError, StepFailedError
-from . import compat as jc
+from ...core.errors import PlanError, StepFailedError
+from .. import compat as jc
 
 
 def positional(fn: Callable, args: tuple, kwargs: dict) -> tuple:

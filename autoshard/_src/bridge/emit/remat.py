@@ -26,10 +26,10 @@ from typing import Any
 
 import jax
 
-from ..core.attention import attention_cores, recomputed_ops
-from ..core.attribution import parse_scope
-from . import compat as jc
-from .trace import flat_graph
+from ...core.attention import attention_cores, recomputed_ops
+from ...core.attribution import parse_scope
+from .. import compat as jc
+from ..trace.trace import flat_graph
 
 POLICIES: dict[str, Any] = {"dots": jax.checkpoint_policies.dots_saveable, "full": None}
 NAMES = ("none", "selective", *POLICIES)      # selective's policy depends on the block: selective_policy

@@ -14,7 +14,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from ..core.errors import CheckpointError, ConfigError
+from ...core.errors import CheckpointError, ConfigError
 
 
 def check_leaves(tree: Any, what: str) -> None:

@@ -30,9 +30,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..core.errors import PipelineError
-from . import compat as jc
-from .remat import run_eqns
+from ...core.errors import PipelineError
+from .. import compat as jc
+from ..emit.remat import run_eqns
 
 ADDITIVE = frozenset({"reduce_sum", "dot_general"})
 # eqns jointly linear in their inputs; `_LINEAR_IN` lists the others: (positions that may carry a

@@ -17,7 +17,7 @@ from typing import Any
 
 import networkx as nx
 
-from ..core.errors import PipelineError
+from ...core.errors import PipelineError
 
 
 def plan_edges(stages: Sequence[Any]) -> list[tuple[int, int]] | None:

@@ -21,9 +21,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from ..core.collectives import KINDS
-from ..core.cost import CollectiveSample
-from ..core.errors import ConfigError
+from ...core.collectives import KINDS
+from ...core.cost import CollectiveSample
+from ...core.errors import ConfigError
 
 
 def _body(kind: str, axis: str, n: int):

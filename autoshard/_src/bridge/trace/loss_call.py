@@ -22,7 +22,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from ..core.errors import PlanError
+from ...core.errors import PlanError
 
 
 def _opaque(x: Any) -> bool:

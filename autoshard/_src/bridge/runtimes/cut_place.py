@@ -8,8 +8,8 @@ from typing import Any
 
 import numpy as np
 
-from ..core.errors import PipelineError
-from . import compat as jc
+from ...core.errors import PipelineError
+from .. import compat as jc
 
 
 def live_bytes(key_ins: list, producer: dict, batch_only: list, nbytes: dict, loss_key: Any) -> np.ndarray:
