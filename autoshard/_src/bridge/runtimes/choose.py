@@ -1,6 +1,7 @@
-"""`autoshard.pipelined`: the plan picks the runtime. A 3-D plan whose stages sit on unequal submeshes
-(`plan.runnable` False) runs MPMD (`mpmd.MpmdPipeline`, the `Pipelined` surface) over the mesh's devices;
-everything else runs on the SPMD runtime (`cut.pipelined`)."""
+"""`autoshard.pipelined`: the plan picks the runtime. A plan the one-program SPMD runtime cannot run as
+planned runs MPMD (`mpmd.MpmdPipeline`, the `Pipelined` surface) over the mesh's devices: a 3-D plan whose
+stages sit on unequal submeshes (`plan.runnable` False), a RaNNC or GraphPipe plan whose stages have
+different replica counts or micro-batch counts. Everything else runs on the SPMD runtime (`cut.pipelined`)."""
 
 from __future__ import annotations
 
@@ -19,9 +20,13 @@ from .mpmd import MpmdPipeline
 
 
 def runs_mpmd(plan: Any) -> bool:
-    """A 3-D plan the SPMD runtime cannot run (stages on unequal submeshes)."""
-    return (plan is not None and bool(getattr(plan, "is_pipeline", False)) and "3d" in plan.predicted
-            and not plan.runnable)
+    """A pipeline plan the SPMD runtime cannot run as planned: a 3-D plan's stages on unequal submeshes,
+    a RaNNC / GraphPipe plan's stages with unequal replicas or micro-batch counts."""
+    if plan is None or not getattr(plan, "is_pipeline", False):
+        return False
+    if "3d" in plan.predicted:
+        return not plan.runnable
+    return len({s.replicas for s in plan.stages}) > 1 or len({s.microbatches for s in plan.stages}) > 1
 
 
 @functools.wraps(spmd_pipelined)
@@ -30,8 +35,10 @@ def pipelined(loss_fn: Callable, params: Any, batch: Any, *, mesh: Any, num_micr
     if not runs_mpmd(plan):
         return spmd_pipelined(loss_fn, params, batch, mesh=mesh, num_microbatches=num_microbatches, plan=plan,
                               check_loss=check_loss, **options)
-    return mpmd_from_plan(loss_fn, params, batch, plan, num_microbatches=num_microbatches,
-                          devices=_devices(mesh), check_loss=check_loss)
+    # the plan's own count (its per-stage counts), or one count for every stage
+    count = None if num_microbatches == plan.microbatches else num_microbatches
+    return mpmd_from_plan(loss_fn, params, batch, plan, num_microbatches=count, devices=_devices(mesh),
+                          check_loss=check_loss)
 
 
 def _devices(mesh: Any) -> list | None:

@@ -34,6 +34,7 @@ from ...core.errors import PipelineError
 from ...pipeline.schedules.registry import schedule as build_schedule
 from ...pipeline.schedules.schedule import Schedule, Task
 from .cut import StageCut, cut_stages
+from .flow import Flow
 from .submeshes import stage_meshes
 
 
@@ -119,7 +120,7 @@ class MpmdPipeline:
 
     def __init__(self, cut: StageCut, meshes: Sequence[Mesh], sched: Schedule,
                  param_specs: Callable[[int, str, tuple[int, ...], Mesh], P] | None = None,
-                 batch_axes: Sequence[tuple[str, ...]] | None = None):
+                 batch_axes: Sequence[tuple[str, ...]] | None = None, stage_fns: Sequence[Callable] | None = None):
         if sched.num_stages != len(cut.fns) or len(sched.ranks) != len(meshes):
             raise PipelineError(f"autoshard MPMD pipeline: the schedule has {sched.num_stages} stages on "
                                 f"{len(sched.ranks)} ranks; the cut has {len(cut.fns)} stages and there are "
@@ -127,14 +128,17 @@ class MpmdPipeline:
         self.cut, self.schedule, self.rank_meshes = cut, sched, list(meshes)
         S = sched.num_stages
         self.meshes = [self.rank_meshes[sched.rank_of[s]] for s in range(S)]
-        self.M = sched.num_microbatches[0]
+        self.counts = tuple(sched.num_microbatches)           # per stage (GraphPipe: they may differ)
+        self.sink = next(s for s in range(S) if not sched.successors(s))
+        self.M = self.counts[self.sink]                       # the loss is the mean of the sink's micro-batches
         self.batch_axes = [tuple(a) for a in batch_axes] if batch_axes is not None else [("data",)] * S
         self.order = issue_order(sched)
         spec = param_specs or (lambda s, key, shape, mesh: model_spec(shape, mesh))
         shapes = {k: tuple(x.shape) for k, x in zip(cut.keys, cut.p_leaves, strict=True)}
         self.shardings = [{k: NamedSharding(self.meshes[s], spec(s, k, shapes[k], self.meshes[s]))
                            for k, held in zip(cut.keys, cut.holders, strict=True) if s in held} for s in range(S)]
-        self._fwd = [_fwd(fn) for fn in cut.fns]
+        # stage s's function traced at its own micro-batch size (`stage_fns`), else the cut's
+        self._fwd = [_fwd(fn) for fn in (stage_fns if stage_fns is not None else cut.fns)]
         self._bwd = _bwd(self.M)
         self._updates: dict[int, Callable] = {}
 
@@ -193,7 +197,8 @@ class MpmdPipeline:
         return loss, self.gather(grads)
 
     def describe(self) -> str:
-        rows = [f"MPMD: {self.num_stages} stages, {self.M} micro-batches, schedule {self.schedule.name!r}",
+        counts = self.M if len(set(self.counts)) == 1 else list(self.counts)
+        rows = [f"MPMD: {self.num_stages} stages, {counts} micro-batches, schedule {self.schedule.name!r}",
                 "| stage | devices | mesh | eqns | params |", "|---|---|---|---|---|"]
         for st, mesh in zip(self.cut.infos, self.meshes, strict=True):
             ids = [d.id for d in mesh.devices.flat]
@@ -203,11 +208,9 @@ class MpmdPipeline:
     def __call__(self, placed: list[dict[str, jax.Array]], batch: Any) -> tuple[jax.Array, list[dict]]:
         """(loss, per-stage gradients {key: leaf} on the stages' meshes): the schedule issued without waiting."""
         S, sched = self.num_stages, self.schedule
-        mbs = self._microbatches(batch)
-        preds = [sched.predecessors(s) for s in range(S)]
-        succs = [sched.successors(s) for s in range(S)]
-        inbox: dict[tuple[int, int, int], Any] = {}     # (stage, micro-batch, pred) -> its input, on the stage
-        cts: dict[tuple[int, int], Any] = {}             # (stage, micro-batch) -> its output's gradient
+        mbs, B = self._microbatches(batch)
+        flow = Flow(self.counts, B, [sched.predecessors(s) for s in range(S)], [sched.successors(s) for s in range(S)],
+                    lambda tree, v: _move(tree, self.meshes[v], self.batch_axes[v]))
         held: dict[tuple[int, int], Any] = {}            # (stage, micro-batch) -> (output, vjp) until its backward
         grads: list[Any] = [None] * S
         losses = []
@@ -215,23 +218,19 @@ class MpmdPipeline:
         for t in self.order:
             s, m = t.stage, t.microbatch
             if t.kind == "F":
-                xs = [inbox.pop((s, m, u)) for u in preds[s]]
-                y, vjp = self._fwd[s](placed[s], mbs[s][m], *xs)
+                y, vjp = self._fwd[s](placed[s], mbs[s][m], *flow.inputs(s, m))
                 held[(s, m)] = (y, vjp)
-                if not succs[s]:
+                if s == self.sink:
                     losses.append(y)
-                for v in succs[s]:
-                    inbox[(v, m, s)] = _move(y, self.meshes[v], self.batch_axes[v])
+                flow.send(s, m, y)
                 continue
             y, vjp = held.pop((s, m))
-            ct = cts.pop((s, m)) if succs[s] else None
+            ct = flow.gradient(s, m) if s != self.sink else None
             if grads[s] is None:
                 grads[s], dxs = first(vjp, ct, y)
             else:
                 grads[s], dxs = acc(vjp, ct, y, grads[s])
-            for u, dx in zip(preds[s], dxs, strict=True):
-                moved = _move(dx, self.meshes[u], self.batch_axes[u])
-                cts[(u, m)] = moved if (u, m) not in cts else jax.tree.map(jnp.add, cts[(u, m)], moved)
+            flow.give_back(s, m, dxs)
         loss = sum(x.astype(jnp.float32) for x in losses) / self.M
         return loss, self._sum_tied(grads)
 
@@ -252,18 +251,22 @@ class MpmdPipeline:
             self._updates[s] = jax.jit(update, out_shardings=keep, donate_argnums=(0, 1))
         return self._updates[s]
 
-    def _microbatches(self, batch: Any) -> list[list[Any]]:
-        """Per stage, the M micro-batches on its mesh ((batch, whole-batch statistics) for a ratio loss)."""
+    def _microbatches(self, batch: Any) -> tuple[list[list[Any]], int]:
+        """(per stage, its micro-batches on its mesh ((batch, whole-batch statistics) for a ratio loss); the
+        batch size). Each stage splits the batch into its own count."""
         form = self.cut.form
         staged = (batch, form.globals(batch)) if form is not None and form.stats else batch
         sizes = {x.shape[0] for x in jax.tree.leaves(staged)}
         B = sizes.pop() if len(sizes) == 1 else None
-        if B is None or B % self.M:
+        if B is None or any(B % n for n in self.counts):
             raise PipelineError(f"autoshard MPMD pipeline: the batch's leading dims {sorted(sizes)} must be one size "
-                                f"that splits into {self.M} micro-batches.")
-        mb = B // self.M
-        chunks = [jax.tree.map(lambda x, m=m: x[m * mb:(m + 1) * mb], staged) for m in range(self.M)]
-        return [[_move(c, mesh, ax) for c in chunks] for mesh, ax in zip(self.meshes, self.batch_axes, strict=True)]
+                                f"that splits into each stage's micro-batch count {list(self.counts)}.")
+        chunks: dict[int, list[Any]] = {}
+        for n in set(self.counts):
+            mb = B // n
+            chunks[n] = [jax.tree.map(lambda x, m=m, mb=mb: x[m * mb:(m + 1) * mb], staged) for m in range(n)]
+        return [[_move(c, mesh, ax) for c in chunks[n]]
+                for mesh, ax, n in zip(self.meshes, self.batch_axes, self.counts, strict=True)], B
 
     def _sum_tied(self, grads: list[dict]) -> list[dict]:
         """A parameter held by several stages (tied embeddings): every copy's gradient becomes the copies' sum,
@@ -278,31 +281,56 @@ class MpmdPipeline:
         return grads
 
 
-def mpmd_pipelined(loss_fn: Callable, params: Any, batch: Any, *, submeshes: Sequence[Any], num_microbatches: int,
-                   schedule: str = "1f1b", devices: Sequence[Any] | None = None, virtual_stages: int = 2,
+def mpmd_pipelined(loss_fn: Callable, params: Any, batch: Any, *, submeshes: Sequence[Any],
+                   num_microbatches: int | Sequence[int], schedule: str = "1f1b",
+                   devices: Sequence[Any] | None = None, virtual_stages: int = 2,
                    param_specs: Callable | None = None, check_loss: bool = True, hardware: Any = None,
                    plan: Any = None, batch_axes: Sequence[tuple[str, ...]] | None = None) -> MpmdPipeline:
     """Cut `loss_fn(params, batch) -> scalar` into stages and run them MPMD, one rank per entry of `submeshes`
     ((data, model) shapes or {"devices", "shape"}: `submeshes.stage_meshes`, checked before anything runs).
-    `schedule`: a registered name ("gpipe", "1f1b", "interleaved-1f1b": `virtual_stages` stages per rank);
-    `param_specs(stage, key, shape, mesh) -> PartitionSpec`: each stage's parameter shardings (default
-    `model_spec`); `plan`: a pipeline plan with as many stages, guiding the cut as in `autoshard.pipelined`;
-    `batch_axes`: per stage, the mesh axes splitting its micro-batches (default "data")."""
+    `num_microbatches`: one count, or one per stage (GraphPipe's per-stage micro-batch sizes: each stage
+    runs its own count, activations re-chunked between them, `flow.py`). `schedule`: a registered name
+    ("gpipe", "1f1b", "interleaved-1f1b": `virtual_stages` stages per rank; a plan cutting the loss into
+    a DAG of stages, or per-stage counts, run "graph-1f1b"); `param_specs(stage, key, shape, mesh) ->
+    PartitionSpec`: each stage's parameter shardings (default `model_spec`); `plan`: a pipeline plan with
+    as many stages, guiding the cut as in `autoshard.pipelined`; `batch_axes`: per stage, the mesh axes
+    splitting its micro-batches (default "data")."""
     meshes = stage_meshes(submeshes, devices)
-    R, M = len(meshes), num_microbatches
-    if isinstance(M, bool) or not isinstance(M, int) or M < 1:
-        raise PipelineError(f"autoshard MPMD pipeline: num_microbatches must be a positive int, got {M!r}.")
-    kw = {"virtual_stages": virtual_stages} if schedule == "interleaved-1f1b" else {}
-    sched = build_schedule(schedule, num_stages=R, num_microbatches=M, **kw)
+    R = len(meshes)
+    S = R * virtual_stages if schedule == "interleaved-1f1b" else R
+    counts = _counts(num_microbatches, S)
     sizes = {x.shape[0] for x in jax.tree.leaves(batch) if getattr(x, "shape", ())}
-    if len(sizes) != 1 or next(iter(sizes)) % M:
+    if len(sizes) != 1 or any(next(iter(sizes)) % n for n in counts):
         raise PipelineError(f"autoshard MPMD pipeline: every batch leaf needs one leading (batch) dimension that "
-                            f"splits into {M} micro-batches; got {sorted(sizes)}.")
+                            f"splits into {sorted(set(counts))} micro-batches; got {sorted(sizes)}.")
     B = sizes.pop()
-    cut = cut_stages(loss_fn, params, batch, S=sched.num_stages, mb=B // M, B=B, plan=plan, schedule=schedule,
-                     check_loss=check_loss, hardware=hardware, three_d="3d" in getattr(plan, "predicted", {}),
-                     mesh_shape={f"stage{r}": dict(mesh.shape) for r, mesh in enumerate(meshes)})
-    if cut.edges is not None:
-        raise PipelineError("autoshard MPMD pipeline: the plan cuts the loss into a DAG of stages (GraphPipe); this "
-                            "runtime runs chains of stages so far. Fix: run it with autoshard.pipelined (SPMD).")
-    return MpmdPipeline(cut, meshes, sched, param_specs, batch_axes)
+    three_d = "3d" in getattr(plan, "predicted", {})
+    mesh_shape = {f"stage{r}": dict(mesh.shape) for r, mesh in enumerate(meshes)}
+    cuts = {}
+    for n in sorted(set(counts), reverse=True):      # one trace per micro-batch size (the shapes are baked in)
+        cuts[n] = cut_stages(loss_fn, params, batch, S=S, mb=B // n, B=B, plan=plan, schedule=schedule,
+                             check_loss=check_loss, hardware=hardware, three_d=three_d, mesh_shape=mesh_shape)
+    cut = cuts[counts[0]]
+    if any(c.edges != cut.edges or c.keys != cut.keys for c in cuts.values()):
+        raise PipelineError("autoshard MPMD pipeline: the loss cuts differently at the stages' micro-batch sizes "
+                            f"{sorted(B // n for n in cuts)}; give every stage one micro-batch count.")
+    if cut.edges is not None or len(set(counts)) > 1:
+        if schedule not in ("1f1b", "graph-1f1b"):
+            raise PipelineError(f"autoshard MPMD pipeline: schedule={schedule!r} runs a chain of stages with one "
+                                "micro-batch count; a DAG of stages or per-stage counts run 'graph-1f1b' (or '1f1b').")
+        sched = build_schedule("graph-1f1b", num_stages=S, num_microbatches=list(counts), edges=cut.edges)
+    else:
+        kw = {"virtual_stages": virtual_stages} if schedule == "interleaved-1f1b" else {}
+        sched = build_schedule(schedule, num_stages=R, num_microbatches=counts[0], **kw)
+    fns = [cuts[counts[s]].fns[s] for s in range(S)]
+    return MpmdPipeline(cut, meshes, sched, param_specs, batch_axes, stage_fns=fns)
+
+
+def _counts(num_microbatches: Any, S: int) -> tuple[int, ...]:
+    """One micro-batch count per stage, checked."""
+    many = isinstance(num_microbatches, (list, tuple))
+    counts = tuple(num_microbatches) if many else (num_microbatches,) * S
+    if len(counts) != S or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in counts):
+        raise PipelineError(f"autoshard MPMD pipeline: num_microbatches must be a positive int or one per stage "
+                            f"({S}), got {num_microbatches!r}.")
+    return counts
