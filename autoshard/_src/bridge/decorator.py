@@ -19,6 +19,7 @@ from jax.experimental import multihost_utils
 from ..core.errors import ConfigError, PlanError
 from ..core.graph import fingerprint
 from ..inference.plan import MODES
+from ..pipeline.costs import traced_batch
 from ..plan.config import Config
 from ..plan.plan import Plan
 from ..plan.planner import IDLE_AXIS
@@ -37,6 +38,8 @@ from .emit.emit import (
 )
 from .emit.plan_fit import check_fingerprint, check_outputs
 from .inference.api import InferenceAutosharded
+from .runtimes.choose import runs_mpmd
+from .runtimes.mpmd_step import MpmdStep
 from .runtimes.pipelined_step import pipelined_step
 from .trace.call_args import check_leaves, failed, positional, unaliased
 from .trace.trace import Traced, trace_step
@@ -108,7 +111,8 @@ class Autosharded:
                 "to plan for the new mesh (autoshard.restore moves a checkpoint between the two).")
         check_fingerprint(p, traced.graph, "autoshard: plan=")
         check_outputs(p, traced.graph, "autoshard: plan=")
-        p.check_runnable("autoshard: plan=")          # stages on unequal submeshes: planned, not runnable yet
+        if not runs_mpmd(p):      # a plan the MPMD runtime runs needs no single pipe x data x model mesh
+            p.check_runnable("autoshard: plan=")
         return bind(p, *args)
 
     def _make_plan(self, traced: Traced, trace_seconds: float, args: tuple) -> Plan:
@@ -148,8 +152,11 @@ class Autosharded:
         self.plan_args = abstract
         self._treedef = jax.tree.structure(args)
         self._donated = donated_argnums(self._plan, len(args)) if self.config.donate else ()
-        self._mesh = make_mesh(self._plan, self._devices)
         self._pipelined = None
+        if runs_mpmd(self._plan):
+            self._prepare_mpmd(args, traced)
+            return
+        self._mesh = make_mesh(self._plan, self._devices)
         if self._plan.is_pipeline:
             self._prepare_pipeline(args, traced)
             return
@@ -185,6 +192,15 @@ class Autosharded:
         self._mesh = self._pipelined.mesh          # GraphPipe: the (pipe, data) mesh its stages run on
         self._jitted = jax.jit(shape_guarded(step, args), in_shardings=self._in_shardings, out_shardings=outs,
                                donate_argnums=self._donated)
+
+    def _prepare_mpmd(self, args: tuple, traced: Traced) -> None:
+        """A pipeline plan the single-program runtime cannot run as planned (stages on unequal submeshes,
+        unequal replicas or micro-batch counts): the step driven over per-stage programs (mpmd_step.py).
+        Nothing is donated: each stage's programs keep their arrays on their own devices."""
+        step = MpmdStep(self.fn, self._plan, args, batch_size=traced_batch(traced.graph),
+                        devices=self._devices, num_microbatches=self.config.num_microbatches)
+        self._pipelined, self._jitted, self._mesh = step.run, step, None
+        self._in_shardings, self._donated = None, ()
 
     # --- public ---------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
@@ -238,6 +254,10 @@ class Autosharded:
         check_leaves(args, jax.tree.leaves(args), self.plan_args, concrete=False)
         if self._treedef is None or jax.tree.structure(args) != self._treedef:
             self._select(args)
+        if isinstance(self._jitted, MpmdStep):
+            raise PlanError("autoshard: this step's plan runs MPMD (each stage its own program on its own devices), "
+                            "so there is no single program to lower; step.pipelined lists the stage programs and "
+                            "step.explain() the programs after the gradients.")
         try:
             return self._jitted.lower(*untyped(args))
         except ShapesChanged:
@@ -246,6 +266,8 @@ class Autosharded:
 
     def explain(self) -> str:
         text = self.plan.explain()
+        if isinstance(self._jitted, MpmdStep):
+            return text + "\n\nRuntime (MPMD):\n" + self._jitted.describe()
         if self._pipelined is not None:
             text += "\n\nRuntime cut of the loss (autoshard.pipelined):\n" + self._pipelined.describe()
         return text
@@ -296,6 +318,8 @@ class Autosharded:
         # the step donates its state arguments; a placement sharing a buffer with the caller's array
         # (jax reuses a single-device array's buffer for its shard of a replicated sharding, even
         # with may_alias=False) would delete the caller's array, so those leaves are copied first
+        if self._in_shardings is None:      # an MPMD step places each stage's arrays itself, every call
+            return args
         placed = jax.device_put(args, self._in_shardings)
         if not self.config.donate:
             return placed

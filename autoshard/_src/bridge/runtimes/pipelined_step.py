@@ -48,12 +48,19 @@ class _Running:
     calls: int = 0
 
 
+class _Substitute:
+    """The post-gradient trace of an MPMD step (`mpmd_step.py`): value_and_grad returns these values."""
+
+    def __init__(self, loss: Any, grads: Any):
+        self.loss, self.grads = loss, grads
+
+
 class _Captured(BaseException):
     """Raised by value_and_grad in capture mode to stop the eager run of the step there (a
     BaseException, so a step's own `except Exception` does not swallow it)."""
 
 
-_ACTIVE: contextvars.ContextVar[_Capture | _Running | None] = contextvars.ContextVar("autoshard_pipeline",
+_ACTIVE: contextvars.ContextVar[_Capture | _Running | _Substitute | None] = contextvars.ContextVar("autoshard_pipeline",
                                                                           default=None)
 
 
@@ -67,6 +74,8 @@ def value_and_grad(fun: Callable, argnums: int = 0, has_aux: bool = False, **kwa
         ctx = _ACTIVE.get()
         if ctx is None:
             return plain(*args)
+        if isinstance(ctx, _Substitute):
+            return ((ctx.loss, None), ctx.grads) if has_aux else (ctx.loss, ctx.grads)
         if kwargs:
             raise PlanError(
                 f"autoshard.value_and_grad: inside a pipelined @autoshard step the options {sorted(kwargs)} are not "

@@ -74,6 +74,10 @@ class LossCall:
         leaves = jax.tree.leaves((self._others(), list(self._cells)), is_leaf=_opaque)
         return [x for x, b in zip(leaves, self._is_batch, strict=True) if b]
 
+    def fixed_arrays(self) -> list:
+        """The arrays the loss reads besides its parameters and batch (keys, scales, masks)."""
+        return [x for x in self._fixed if x is not None and hasattr(x, "shape") and hasattr(x, "dtype")]
+
     def _others(self) -> list:
         return [a for i, a in enumerate(self.args) if i not in self._nums]
 
