@@ -100,7 +100,7 @@ def test_unequal_3d_plan_under_the_decorator():
     step = make_step(m, opt)
     params, batch = m.init(jax.random.key(0)), m.batch()
     plan = autoshard.plan(step, params, opt.init(params), batch, mesh="auto", devices=8, hardware="h100-sxm")
-    assert not plan.runnable and sorted(d * t for d, t in plan.predicted["3d"]["chosen"]["submeshes"]) == [2, 2, 4]
+    assert plan.runtime == "mpmd" and sorted(d * t for d, t in plan.predicted["3d"]["chosen"]["submeshes"]) == [2, 2, 4]
     fast = autoshard.autoshard(step, plan=plan)
     p1, _ = trains_like_jit(fast, step, params, opt, batch)
     run = fast.pipelined

@@ -115,7 +115,7 @@ def test_a_bad_stage_assignment_is_a_typed_error_before_anything_runs(assignment
 
 def alpa_like_plan():
     """tests/plan/test_joint_plan.py's model: on 8 H100s the 3-D search gives its 3 stages unequal submeshes
-    (2, 2 and 4 devices), a plan the SPMD runtime refuses (`runnable` False). Planned abstractly at batch 64."""
+    (2, 2 and 4 devices), a plan only the MPMD runtime runs (`runtime` "mpmd"). Planned abstractly at batch 64."""
     big = models.get("gpt", "debug", vocab_size=16384, num_layers=3, d_model=128, batch_size=64, seq_len=64)
     return autoshard.plan(big.train_step, *big.abstract_state(), mesh="auto", devices=8, hardware="h100-sxm")
 
@@ -124,7 +124,7 @@ def alpa_like_plan():
 def test_the_3d_searchs_unequal_plan_runs_mpmd_like_one_device():
     plan = alpa_like_plan()
     chosen = plan.predicted["3d"]["chosen"]
-    assert not plan.runnable and sorted(d * t for d, t in chosen["submeshes"]) == [2, 2, 4]
+    assert plan.runtime == "mpmd" and sorted(d * t for d, t in chosen["submeshes"]) == [2, 2, 4]
     m = models.get("gpt", "debug", vocab_size=16384, num_layers=3, d_model=128, batch_size=8, seq_len=64)
     params, batch = m.init(jax.random.key(0)), m.batch()
     run = mpmd_from_plan(m.loss, params, batch, plan)

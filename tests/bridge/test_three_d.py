@@ -69,7 +69,7 @@ def test_gpt_megatron_stages_train_like_one_device_and_compile_as_planned():
     fast, m, params, batch = train_both("gpt", hardware="h100-sxm",
                                         pipeline_options={"expert": "megatron", "remat": "full"})
     plan = fast.plan
-    assert plan.mesh == (("pipe", 2), ("data", 2), ("model", 2)) and plan.predicted["3d"]["runnable"]
+    assert plan.mesh == (("pipe", 2), ("data", 2), ("model", 2)) and plan.predicted["3d"]["equal_submeshes"]
     assert all(model_split(st) > 0 and st.batch_axes == ("data",) and st.remat == "full" for st in plan.stages)
     prog = fast.pipelined.program
     assert prog.auto and prog.tensor_in_stages and prog.data_axes == ("data",)

@@ -285,7 +285,7 @@ def test_plans_given_to_the_wrong_mode_are_typed_errors(megatron, toy):
     assert_intact(args)
 
 
-@pytest.mark.parametrize("predicted, name", [({"3d": {"runnable": True}}, "3-D"), ({}, "pipeline"),
+@pytest.mark.parametrize("predicted, name", [({"3d": {"equal_submeshes": True}}, "3-D"), ({}, "pipeline"),
                                              ({"pipeline": {"method": "rannc"}}, "rannc")])
 def test_audit_of_a_pipeline_or_3d_plan_says_what_to_call(megatron, predicted, name):
     """Was `KeyError: 'pipeline'` for a 3-D plan (its predictions have no pipeline method)."""

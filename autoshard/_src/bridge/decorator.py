@@ -111,8 +111,6 @@ class Autosharded:
                 "to plan for the new mesh (autoshard.restore moves a checkpoint between the two).")
         check_fingerprint(p, traced.graph, "autoshard: plan=")
         check_outputs(p, traced.graph, "autoshard: plan=")
-        if not runs_mpmd(p):      # a plan the MPMD runtime runs needs no single pipe x data x model mesh
-            p.check_runnable("autoshard: plan=")
         return bind(p, *args)
 
     def _make_plan(self, traced: Traced, trace_seconds: float, args: tuple) -> Plan:

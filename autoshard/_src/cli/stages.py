@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..plan.explain import equal_submeshes
 from .tables import ParamRecord, bytes_per_device, full_param_lines, grouped_param_lines, mesh_text, table
 from .units import fmt_bytes, fmt_count, fmt_seconds, ranges
 
@@ -24,9 +25,9 @@ def explanation(plan: Any, full: bool = False) -> list[str]:
         why = [f"the 3-D search priced {j['points']} points (stages x data x model x remat x micro-batches x "
                f"schedule) over {j['units']} units in {fmt_seconds(j['search_seconds'])}, each by the event "
                "simulator; the chosen one has the shortest simulated step that fits the memory budget"]
-        if not j.get("runnable", True):
-            why.append("not runnable yet (stages on unequal submeshes); best runnable: "
-                       f"{j.get('runnable_alternative')}")
+        if not equal_submeshes(j):
+            why.append("stages on unequal submeshes: runs MPMD (each stage its own program); best single-program "
+                       f"(SPMD) alternative: {j.get('spmd_alternative', j.get('runnable_alternative'))}")
         return [*_head_3d(plan), "", *_stage_table_3d(plan), "", *why, "", *point_lines(plan), "",
                 *stage_param_lines(plan, full), *_warnings(plan)]
     pp = plan.predicted["pipeline"]
@@ -96,7 +97,7 @@ def _head_3d(plan: Any) -> list[str]:
     for _, s in plan.mesh:
         devices *= s
     return [f"3-D plan on mesh {mesh_text(plan.mesh)} ({devices} devices), hardware {plan.hardware}: "
-            f"{j['chosen']['label']}" + ("" if j["runnable"] else " (planned and priced; not runnable yet)"),
+            f"{j['chosen']['label']}" + ("" if equal_submeshes(j) else " (stages on unequal submeshes: runs MPMD)"),
             f"predicted step {fmt_seconds(p['step_time'])}; peak memory per device {fmt_bytes(p['memory']['total'])} "
             f"of {fmt_bytes(p['memory_budget'])}; search {fmt_seconds(j['search_seconds'])} over {j['points']} "
             f"points, {j['units']} units"]

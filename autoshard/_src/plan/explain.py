@@ -144,17 +144,18 @@ def explain_pipeline(self: Any) -> str:
 def explain_3d(self: Any) -> str:
     """3-D plan report: per stage its units, submesh, tensor plan by block type, remat, memory and
     times; then the comparison with the best tensor-only, pipeline-only and Megatron-LM grid points
-    (and, for stages on unequal submeshes, why the plan does not run yet and what does)."""
+    (and, for stages on unequal submeshes, that it runs MPMD and the best single-program alternative)."""
     p, j = self.predicted, self.predicted["3d"]
     labels = j["unit_labels"]
-    where = (f"mesh {' x '.join(f'{n}={s}' for n, s in self.mesh)}" if j["runnable"] else
+    equal = equal_submeshes(j)
+    where = (f"mesh {' x '.join(f'{n}={s}' for n, s in self.mesh)}" if equal else
              f"{self.mesh[0][1]} devices, stages on unequal submeshes")
     lines = [
         f"autoshard 3-D plan on {where}, hardware {self.hardware}: {j['chosen']['label']}",
         f"predicted step {p['step_time'] * 1e3:.3f} ms; peak memory {p['memory']['total'] / 2**30:.3f} GiB per device "
         f"of {p['memory_budget'] / 2**30:.2f} GiB; search {j['search_seconds']:.2f} s over {j['points']} points, "
         f"{j['units']} units",
-        *([] if j["runnable"] else [not_runnable_line(self)]),
+        *([] if equal else [mpmd_line(self)]),
         "",
     ]
     rows = [("stage", "units", "submesh", "tensor plan", "storage", "remat", "forward ms", "backward ms",
@@ -189,9 +190,14 @@ def stage_submeshes(stages: Any) -> str:
                      for ix, shape in runs)
 
 
-def runnable_alternative(j: Mapping[str, Any]) -> str:
-    """The best runnable point of a 3-D search, its predicted step and how to plan it."""
-    alt = j.get("runnable_alternative")
+def equal_submeshes(j: Mapping[str, Any]) -> bool:
+    """Whether a 3-D plan's stages share one submesh shape (plans written before 0.3 call it "runnable")."""
+    return bool(j.get("equal_submeshes", j.get("runnable", True)))
+
+
+def spmd_alternative(j: Mapping[str, Any]) -> str:
+    """The best equal-submesh point of a 3-D search (one SPMD program runs it), its step and how to plan it."""
+    alt = j.get("spmd_alternative", j.get("runnable_alternative"))
     if alt is None:
         return "no plan with equal stage submeshes fits the memory budget"
     staged = alt["stages"] > 1 or alt["microbatches"] > 1
@@ -202,13 +208,12 @@ def runnable_alternative(j: Mapping[str, Any]) -> str:
             f'pipeline_options={{"equal_submeshes": True}} (mesh="auto") or the fixed mesh={mesh}')
 
 
-def not_runnable_line(self: Any) -> str:
+def mpmd_line(self: Any) -> str:
     j, step = self.predicted["3d"], self.predicted["step_time"]
-    alt = j.get("runnable_alternative")
+    alt = j.get("spmd_alternative", j.get("runnable_alternative"))
     slower = f" ({alt['step_time'] / step:.2f}x this plan's step)" if alt else ""
-    return (f"not runnable yet: the pipeline runtime runs stages on equal submeshes of one pipe x data x model "
-            f"mesh; this plan's are {stage_submeshes(self.stages)}. Runnable alternative{slower}: "
-            f"{runnable_alternative(j)}")
+    return (f"runs MPMD: each stage its own program on its own devices ({stage_submeshes(self.stages)}), "
+            f"activations sent between them. Best single-program (SPMD) alternative{slower}: {spmd_alternative(j)}")
 
 
 def explain_3d_comparison(self: Any) -> list[str]:

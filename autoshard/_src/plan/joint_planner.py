@@ -9,9 +9,9 @@ runs it on that mesh (`@autoshard(mesh={"pipe": ..}, pipeline="auto")` or `plan=
 `predicted["3d"]` compares it with the best tensor-only and pipeline-only points and the best
 Megatron-LM grid point. When the best point gives its stages unequal submeshes (Alpa's stages of
 2, 2 and 4 devices) the plan is that point, each stage on its own submesh and the plan's mesh its
-devices as one axis; the runtime runs stages on equal submeshes of one pipe x data x model mesh
-only, so `predicted["3d"]["runnable"]` is False and `runnable_alternative` is the best point that
-runs (`pipeline_options={"equal_submeshes": True}` plans only those).
+devices as one axis, `predicted["3d"]["equal_submeshes"]` False (the plan's `runtime` is "mpmd": each
+stage its own program) and `spmd_alternative` the best point one SPMD program runs
+(`pipeline_options={"equal_submeshes": True}` plans only those).
 """
 
 from __future__ import annotations
@@ -135,8 +135,8 @@ def _equal_submeshes(options: Mapping[str, Any]) -> bool:
     value = options.get("equal_submeshes", False)
     if not isinstance(value, bool):
         raise ConfigError(f"autoshard: pipeline_options equal_submeshes={value!r} must be True (only plans whose "
-                          "stages share one submesh shape: the runtime runs those) or False (also stages on "
-                          "unequal submeshes, planned and priced but not runnable yet).")
+                          "stages share one submesh shape: one SPMD program runs those) or False (also stages on "
+                          "unequal submeshes, run MPMD: each stage its own program on its own devices).")
     return value
 
 
@@ -186,7 +186,7 @@ def point_summary(p: JointPoint | None) -> dict[str, Any] | None:
     differ: `submeshes` has them per stage)."""
     if p is None:
         return None
-    return {"stages": p.num_stages, "data": p.data, "model": p.model, "runnable": p.runnable,
+    return {"stages": p.num_stages, "data": p.data, "model": p.model, "equal_submeshes": p.runnable,
             "submeshes": tuple((s.data, s.model) for s in p.stages), "microbatches": p.microbatches,
             "schedule": p.schedule, "virtual_stages": p.virtual, "step_time": p.step_time, "memory": p.memory,
             "remat": tuple(sorted({s.remat for s in p.stages})),
@@ -199,8 +199,8 @@ def _summary(res: JointResult, best: JointPoint) -> dict[str, Any]:
     return {"chosen": point_summary(best), "tensor_only": point_summary(res.tensor_only),
             "pipeline_only": point_summary(res.pipeline_only), "megatron_grid": point_summary(grid.best),
             "megatron_grid_points": grid.points, "megatron_grid_reason": grid.reason,
-            "runnable": best.runnable,
-            "runnable_alternative": None if best.runnable else point_summary(res.runnable),
+            "equal_submeshes": best.runnable,
+            "spmd_alternative": None if best.runnable else point_summary(res.runnable),
             "points": res.points, "candidates": res.candidates, "units": len(res.units),
             "unit_labels": tuple(res.units.labels),
             "search_seconds": res.seconds, "notes": tuple(res.notes)}

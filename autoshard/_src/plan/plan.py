@@ -21,7 +21,7 @@ from typing import Any, Protocol
 
 from ..core.collectives import on_backend
 from ..core.errors import PlanError
-from .explain import explain_3d, explain_pipeline, explain_tensor, runnable_alternative, stage_submeshes
+from .explain import equal_submeshes, explain_3d, explain_pipeline, explain_tensor
 from .specs import Spec, as_spec
 from .validate import check_plan
 
@@ -165,26 +165,17 @@ class Plan:
         return () if self.is_pipeline else self.stages[0].activation_constraints
 
     @property
-    def runnable(self) -> bool:
-        """False for a 3-D plan whose stages have unequal submeshes: planned and priced, but the
-        pipeline runtime runs stages on equal submeshes of one pipe x data x model mesh only."""
+    def runtime(self) -> str:
+        """The runtime that runs the plan: "mpmd" when its pipeline stages cannot share one pipe x data x
+        model program (a 3-D plan's stages on unequal submeshes; a RaNNC or GraphPipe plan's stages with
+        unequal replicas or micro-batch counts): each stage its own program on its own devices. Else "spmd"."""
+        if not self.is_pipeline:
+            return "spmd"
         three_d = self.predicted.get("3d")
-        if three_d is None:
-            return True
-        return bool(three_d.get("runnable", True)) and len({s.mesh for s in self.stages}) == 1
-
-    def check_runnable(self, where: str = "autoshard") -> None:
-        """PlanError naming the stages' submeshes and the runnable alternative unless `runnable`."""
-        if self.runnable:
-            return
-        devices = self.mesh[0][1] if len(self.mesh) == 1 else None
-        raise PlanError(
-            f"{where}: the plan gives its stages unequal submeshes ({stage_submeshes(self.stages)}; "
-            f"{devices} devices, predicted step {self.predicted['step_time'] * 1e3:.3f} ms), which autoshard plans "
-            "and prices but cannot run yet: the pipeline runtime runs stages on equal submeshes of one pipe x data x "
-            f"model mesh. The best runnable plan of the same search: {runnable_alternative(self.predicted['3d'])}. "
-            "The loss alone runs as planned on the MPMD runtime: autoshard.pipelined(loss_fn, params, batch, "
-            "mesh=..., num_microbatches=..., plan=plan).")
+        if three_d is not None:
+            return "spmd" if equal_submeshes(three_d) and len({s.mesh for s in self.stages}) == 1 else "mpmd"
+        uneven = len({s.replicas for s in self.stages}) > 1 or len({s.microbatches for s in self.stages}) > 1
+        return "mpmd" if uneven else "spmd"
 
     # --- pytrees -------------------------------------------------------------------------------
     @property

@@ -1,7 +1,7 @@
 """`autoshard.pipelined`: the plan picks the runtime. A plan the one-program SPMD runtime cannot run as
 planned runs MPMD (`mpmd.MpmdPipeline`, the `Pipelined` surface) over the mesh's devices: a 3-D plan whose
-stages sit on unequal submeshes (`plan.runnable` False), a RaNNC or GraphPipe plan whose stages have
-different replica counts or micro-batch counts. Everything else runs on the SPMD runtime (`cut.pipelined`)."""
+stages sit on unequal submeshes, a RaNNC or GraphPipe plan whose stages have different replica counts or
+micro-batch counts (`plan.runtime` "mpmd"). Everything else runs on the SPMD runtime (`cut.pipelined`)."""
 
 from __future__ import annotations
 
@@ -20,13 +20,8 @@ from .mpmd import MpmdPipeline
 
 
 def runs_mpmd(plan: Any) -> bool:
-    """A pipeline plan the SPMD runtime cannot run as planned: a 3-D plan's stages on unequal submeshes,
-    a RaNNC / GraphPipe plan's stages with unequal replicas or micro-batch counts."""
-    if plan is None or not getattr(plan, "is_pipeline", False):
-        return False
-    if "3d" in plan.predicted:
-        return not plan.runnable
-    return len({s.replicas for s in plan.stages}) > 1 or len({s.microbatches for s in plan.stages}) > 1
+    """A pipeline plan the SPMD runtime cannot run as planned (`Plan.runtime`)."""
+    return plan is not None and getattr(plan, "runtime", "spmd") == "mpmd"
 
 
 @functools.wraps(spmd_pipelined)

@@ -34,6 +34,7 @@ from ...core.attribution import parse_scope
 from ...core.errors import PipelineError
 from ...core.hardware import get_hardware
 from ...pipeline.partition import microbatch_split_error
+from ...plan.explain import stage_submeshes
 from .. import compat as jc
 from ..devices import local_hardware
 from ..emit.emit import auto_axes, on_own_mesh
@@ -171,16 +172,19 @@ def pipelined(loss_fn: Callable, params: Any, batch: Any, *, mesh: Any, num_micr
     (`PipelineProgram.cpu_deadlocks`) and otherwise runs the stages data parallel, with a warning;
     True / False skip the check (keep the stage plans / run data parallel).
 
-    `autoshard.pipelined` (`runtimes.choose`) runs a 3-D plan on unequal stage submeshes (`plan.runnable`
-    False) on the MPMD runtime instead, over the mesh's devices (`runtimes.mpmd.MpmdPipeline`, this surface).
+    `autoshard.pipelined` (`runtimes.choose`) runs a plan whose `runtime` is "mpmd" (stages on unequal
+    submeshes, unequal replicas or micro-batch counts) on the MPMD runtime instead, over the mesh's devices
+    (`runtimes.mpmd.MpmdPipeline`, this surface).
 
     `schedule="interleaved-1f1b"` cuts v stages per pipe rank (stage k on rank k % pipe): v is the
     plan's stage count / pipe, else `virtual_stages` (default 2)."""
     if not callable(loss_fn):
         raise PipelineError(f"autoshard.pipelined: loss_fn must be callable, got {type(loss_fn).__name__}.")
     mesh = _mesh(mesh)
-    if plan is not None and hasattr(plan, "check_runnable"):
-        plan.check_runnable("autoshard.pipelined: plan=")     # unequal stage submeshes: planned, not run
+    if getattr(plan, "runtime", "spmd") == "mpmd" and "3d" in plan.predicted:
+        raise PipelineError("autoshard.pipelined: the 3-D plan's stages sit on unequal submeshes "
+                            f"({stage_submeshes(plan.stages)}): one SPMD program cannot run them. Fix: call "
+                            "autoshard.pipelined(...) or @autoshard(plan=plan), which run it MPMD.")
     three_d = plan is not None and bool(getattr(plan, "is_pipeline", False)) and "3d" in plan.predicted
     if three_d and data_axes is None:
         data_axes = plan_batch_axes(plan, mesh, pipe_axis)

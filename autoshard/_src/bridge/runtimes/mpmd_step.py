@@ -41,6 +41,12 @@ class MpmdStep:
     def __init__(self, fn: Callable, plan: Any, args: tuple, *, batch_size: int, devices: list | None,
                  num_microbatches: int | None):
         self.fn = fn
+        abstract = [x for x in jax.tree.leaves(args) if isinstance(x, jax.ShapeDtypeStruct)]
+        if abstract:
+            raise PlanError(
+                f"autoshard: a pipeline plan's step needs concrete example arguments on its first call (it runs the "
+                f"step up to autoshard.value_and_grad and cuts the loss on real values); got abstract {abstract[0]}. "
+                "Fix: call the step with arrays.")
         call = capture(fn, args, batch_size).call
         if call.has_aux:
             raise PlanError("autoshard: a step whose pipeline plan runs MPMD computes its loss with "
