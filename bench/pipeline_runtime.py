@@ -1,4 +1,8 @@
-"""What the shard_map pipeline runtime compiles to, next to plain data parallelism.
+"""What the shard_map pipeline runtime compiles to, next to plain data parallelism, and the MPMD runtime.
+
+Part 4 (`bench/_mpmd_part.py`, its own results `pipeline_runtime_mpmd.{json,md}`; `--mpmd-only` runs just
+it) runs the same plan on the MPMD runtime and on the SPMD one (launches, transfers or collectives, memory
+per device, wall time) and an unequal plan only MPMD runs.
 
 Part 3 trains whole adamw steps under @autoshard: GPT with a RaNNC pipeline plan and the debug
 CANDLE-Uno with a GraphPipe DAG plan, each next to the tensor sharding plan on the same devices.
@@ -36,6 +40,7 @@ from pathlib import Path  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from _common import ROOT, machine  # noqa: E402
+from _mpmd_part import markdown, mpmd_part  # noqa: E402
 from jax.sharding import AxisType, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
@@ -171,6 +176,16 @@ def decorator_part() -> list[dict]:
     return rows
 
 
+def mpmd_report(opts) -> None:
+    part = mpmd_part(GPT, opts.microbatches // 2, opts.rounds, describe, mesh)
+    out = Path(opts.out).with_name("pipeline_runtime_mpmd.json")
+    out.write_text(json.dumps({"machine": machine(), "gpt": GPT, **part}, indent=1))
+    head = "# MPMD vs SPMD pipeline runtime (bench/pipeline_runtime.py part 4)"
+    text = "\n".join([head, *markdown(part, GPT)]) + "\n"
+    out.with_suffix(".md").write_text(text)
+    print(text)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--width", type=int, default=512)
@@ -178,8 +193,12 @@ def main() -> None:
     ap.add_argument("--microbatches", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--out", default=str(ROOT / "bench/results/pipeline_runtime.json"))
+    ap.add_argument("--mpmd-only", action="store_true", help="part 4 only (MPMD vs SPMD)")
     opts = ap.parse_args()
     M = opts.microbatches
+    mpmd_report(opts)
+    if opts.mpmd_only:
+        return
     fns8, params8, data, full8 = make_problem(opts.width, opts.batch, STAGES)
     want_loss, want_grads = jax.jit(jax.value_and_grad(full8))(params8, data)
     # 4-stage variant: the same 16 layers, 4 per stage

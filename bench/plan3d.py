@@ -76,13 +76,12 @@ def row(name: str, cfg: dict, devices_list: list[int], hardware: str) -> list[di
         flops = model_flops(cfg)
         r = {"model": name, "devices": n, "hardware": hardware, "trace_s": trace_s,
              "plan_s": total, "search_s": j["search_seconds"], "timing": dict(timing),
-             "points": j["points"], "units": j["units"], "runnable": j["runnable"],
+             "points": j["points"], "units": j["units"], "runtime": plan.runtime,
              "chosen": point(j["chosen"], flops, n, peak),
              "tensor_only": point(j["tensor_only"], flops, n, peak),
              "pipeline_only": point(j["pipeline_only"], flops, n, peak),
              "megatron_grid": point(j["megatron_grid"], flops, n, peak),
-             "megatron_grid_reason": j["megatron_grid_reason"],
-             "runnable_alternative": point(j.get("runnable_alternative"), flops, n, peak)}
+             "megatron_grid_reason": j["megatron_grid_reason"]}
         g = r["megatron_grid"]
         r["vs_grid"] = g["step_s"] / r["chosen"]["step_s"] if g else None
         print(f"{name:>6} on {n:>4} {hardware}: trace {trace_s:5.1f} s, trace+plan {total:5.1f} s (search "
@@ -148,16 +147,15 @@ def _fmt(q: dict | None) -> str:
 def markdown(rows: list[dict]) -> str:
     lines = ["# 3-D plans (bench/plan3d.py)", "",
              "Predicted by autoshard's cost model and event simulator (not measured); trace+plan timed on this "
-             "machine (2 CPU cores). A chosen plan whose stages have unequal submeshes is planned but not "
-             "runnable yet; the best runnable (equal-submesh) plan is in its own column.", "",
-             "| model | devices | trace s | trace+plan s | search s | chosen | runnable alternative | tensor-only | "
+             "machine (2 CPU cores). Every chosen plan runs: `runtime` spmd (one program over a pipe x data x model "
+             "mesh) or mpmd (stages on unequal submeshes, each its own program).", "",
+             "| model | devices | trace s | trace+plan s | search s | chosen | runtime | tensor-only | "
              "pipeline-only | Megatron grid | grid / chosen |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        alt = _fmt(r["runnable_alternative"]) if r.get("runnable_alternative") else "(chosen)"
         grid = _fmt(r["megatron_grid"]) if r["vs_grid"] else f"none ({r['megatron_grid_reason']})"
         ratio = f"{r['vs_grid']:.2f}" if r["vs_grid"] else "-"
         lines.append(f"| {r['model']} | {r['devices']} {r['hardware']} | {r['trace_s']:.1f} | {r['plan_s']:.1f} | "
-                     f"{r['search_s']:.2f} | {_fmt(r['chosen'])} | {alt} | {_fmt(r['tensor_only'])} | "
+                     f"{r['search_s']:.2f} | {_fmt(r['chosen'])} | {r['runtime']} | {_fmt(r['tensor_only'])} | "
                      f"{_fmt(r['pipeline_only'])} | {grid} | {ratio} |")
     return "\n".join(lines) + "\n"
 

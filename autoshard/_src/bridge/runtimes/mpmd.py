@@ -33,6 +33,7 @@ from jax.sharding import PartitionSpec as P
 from ...core.errors import PipelineError
 from ...pipeline.schedules.registry import schedule as build_schedule
 from ...pipeline.schedules.schedule import Schedule, Task
+from ..compat import is_literal
 from .cut import StageCut, cut_stages
 from .flow import Flow
 from .submeshes import stage_meshes
@@ -90,10 +91,57 @@ def _move(tree: Any, mesh: Mesh, axes: tuple[str, ...] = ("data",)) -> Any:
     return jax.tree.map(lambda x: jax.device_put(x, NamedSharding(mesh, batch_spec(x, mesh, axes))), tree)
 
 
-def _fwd(fn: Callable) -> Callable:
-    def run(p: Any, b: Any, *xs: Any) -> Any:
-        return jax.vjp(lambda p_, *xs_: fn(p_, b, *xs_), p, *xs)
-    return jax.jit(run)
+class _Forward:
+    """A stage's forward: `jax.jit` of `jax.vjp` of the stage function, except that the residuals which are
+    the stage's parameters themselves are not returned (jit would return a copy of each, one per micro-batch
+    in flight); `_Held.vjp` puts the parameters back for the backward."""
+
+    def __init__(self, fn: Callable):
+        self.fn = fn
+        self._made: dict[Any, tuple[Callable, Any, dict[int, int]]] = {}
+
+    def _run(self, p: Any, b: Any, *xs: Any) -> Any:
+        return jax.vjp(lambda p_, *xs_: self.fn(p_, b, *xs_), p, *xs)
+
+    def __call__(self, p: Any, b: Any, *xs: Any) -> tuple[Any, _Held]:
+        leaves, tree = jax.tree.flatten((p, b, xs))
+        key = (tree, tuple((x.shape, str(x.dtype)) for x in leaves))
+        if key not in self._made:
+            self._made[key] = self._make(p, b, xs)
+        slim, treedef, where = self._made[key]
+        y, kept = slim(p, b, *xs)
+        return y, _Held(kept, treedef, where)
+
+    def _make(self, p: Any, b: Any, xs: tuple) -> tuple[Callable, Any, dict[int, int]]:
+        closed, (y_shape, vjp_shape) = jax.make_jaxpr(self._run, return_shape=True)(p, b, *xs)
+        param_vars = {v: i for i, v in enumerate(closed.jaxpr.invars[:len(jax.tree.leaves(p))])}
+        outs = closed.jaxpr.outvars[len(jax.tree.leaves(y_shape)):]
+        where = {j: param_vars[v] for j, v in enumerate(outs) if not is_literal(v) and v in param_vars}
+
+        def slim(p: Any, b: Any, *xs: Any) -> Any:
+            y, vjp = self._run(p, b, *xs)
+            return y, [x for j, x in enumerate(jax.tree.leaves(vjp)) if j not in where]
+
+        return jax.jit(slim), jax.tree.structure(vjp_shape), where
+
+
+class _Held:
+    """A forward's residuals until its backward, without the stage's parameters (`_Forward`)."""
+
+    __slots__ = ("kept", "treedef", "where")
+
+    def __init__(self, kept: list, treedef: Any, where: dict[int, int]):
+        self.kept, self.treedef, self.where = kept, treedef, where
+
+    def vjp(self, params: Any) -> Any:
+        p_leaves, it = jax.tree.leaves(params), iter(self.kept)
+        n = len(self.kept) + len(self.where)
+        return jax.tree.unflatten(self.treedef, [p_leaves[self.where[j]] if j in self.where else next(it)
+                                                 for j in range(n)])
+
+
+def _fwd(fn: Callable) -> _Forward:
+    return _Forward(fn)
 
 
 def _bwd(M: int) -> tuple[Callable, Callable]:
@@ -224,7 +272,8 @@ class MpmdPipeline:
                     losses.append(y)
                 flow.send(s, m, y)
                 continue
-            y, vjp = held.pop((s, m))
+            y, kept = held.pop((s, m))
+            vjp = kept.vjp(placed[s])
             ct = flow.gradient(s, m) if s != self.sink else None
             if grads[s] is None:
                 grads[s], dxs = first(vjp, ct, y)
