@@ -4,6 +4,8 @@ as scalars). Trains like the same step under jax.jit; parameters and optimizer s
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import numpy as np
 import optax
@@ -57,6 +59,22 @@ def test_graphpipe_plan_with_unequal_replicas_under_the_decorator():
     assert "Runtime (MPMD)" in text and "after the gradients" in text
     with pytest.raises(autoshard.PlanError, match="no single program to lower"):
         fast.lower(params, opt.init(params), batch)
+
+
+def test_graphpipe_per_stage_microbatch_counts_under_the_decorator():
+    # a plan file whose join stage runs 2 micro-batches of 32 while the branches run 8 of 8
+    m = models.get("candle_uno", "debug", batch_size=64, hidden=64, feature_dim=64)
+    params, batch = m.init(jax.random.key(2)), m.batch()
+    opt = optax.sgd(0.1)
+    step = make_step(m, opt)
+    plan = autoshard.plan(step, params, opt.init(params), batch, mesh={"data": 8}, pipeline="graphpipe",
+                          hardware="cpu-sim")
+    stages = tuple(dataclasses.replace(st, microbatches=2 if st.after else 8) for st in plan.stages)
+    plan = autoshard.Plan.from_json(dataclasses.replace(plan, stages=stages).to_json())
+    assert plan.runtime == "mpmd"
+    fast = autoshard.autoshard(step, plan=plan)
+    trains_like_jit(fast, step, params, opt, batch)
+    assert fast.pipelined.counts == tuple(st.microbatches for st in stages)
 
 
 def test_rannc_plan_with_unequal_replicas_under_the_decorator():
