@@ -140,10 +140,6 @@ class _Held:
                                                  for j in range(n)])
 
 
-def _fwd(fn: Callable) -> _Forward:
-    return _Forward(fn)
-
-
 def _bwd(M: int) -> tuple[Callable, Callable]:
     """(first backward, accumulating backward) of a stage: vjp(ct) -> (parameter gradient (+ acc), input
     gradients); a sink (ct None) seeds 1/M: the step's loss is the mean of the micro-batch losses."""
@@ -186,7 +182,7 @@ class MpmdPipeline:
         self.shardings = [{k: NamedSharding(self.meshes[s], spec(s, k, shapes[k], self.meshes[s]))
                            for k, held in zip(cut.keys, cut.holders, strict=True) if s in held} for s in range(S)]
         # stage s's function traced at its own micro-batch size (`stage_fns`), else the cut's
-        self._fwd = [_fwd(fn) for fn in (stage_fns if stage_fns is not None else cut.fns)]
+        self._fwd = [_Forward(fn) for fn in (stage_fns if stage_fns is not None else cut.fns)]
         self._bwd = _bwd(self.M)
         self._updates: dict[int, Callable] = {}
 
@@ -259,21 +255,21 @@ class MpmdPipeline:
         mbs, B = self._microbatches(batch)
         flow = Flow(self.counts, B, [sched.predecessors(s) for s in range(S)], [sched.successors(s) for s in range(S)],
                     lambda tree, v: _move(tree, self.meshes[v], self.batch_axes[v]))
-        held: dict[tuple[int, int], Any] = {}            # (stage, micro-batch) -> (output, vjp) until its backward
+        held: dict[tuple[int, int], Any] = {}     # (stage, micro-batch) -> (output, residuals) until its backward
         grads: list[Any] = [None] * S
         losses = []
         first, acc = self._bwd
         for t in self.order:
             s, m = t.stage, t.microbatch
             if t.kind == "F":
-                y, vjp = self._fwd[s](placed[s], mbs[s][m], *flow.inputs(s, m))
-                held[(s, m)] = (y, vjp)
+                y, residuals = self._fwd[s](placed[s], mbs[s][m], *flow.inputs(s, m))
+                held[(s, m)] = (y, residuals)
                 if s == self.sink:
                     losses.append(y)
                 flow.send(s, m, y)
                 continue
-            y, kept = held.pop((s, m))
-            vjp = kept.vjp(placed[s])
+            y, residuals = held.pop((s, m))
+            vjp = residuals.vjp(placed[s])
             ct = flow.gradient(s, m) if s != self.sink else None
             if grads[s] is None:
                 grads[s], dxs = first(vjp, ct, y)
