@@ -18,6 +18,8 @@ caches: `sources_cache`, `epilogue_cache` (cleared by `find_inline` once every k
 
 from __future__ import annotations
 
+import math
+
 from .graph import Op
 
 # ops XLA's InstructionFusion never duplicates into several readers (`IsExpensive`); XLA:GPU's priority
@@ -75,11 +77,18 @@ class _Rules:
         """XLA:CPU's test (InstructionFusion): copying a producer into several readers cannot add memory
         traffic when its HLO operands (a broadcast at its full size) are no larger than its result; a
         larger one (a row's `x - mean`) is written once (the exception, fusing it along every path,
-        is not modelled: a reduction or matmul on one path forbids it, and the estimate errs high)."""
+        is not modelled: a reduction or matmul on one path forbids it, and the estimate errs high).
+        An operand the jaxpr broadcasts implicitly (a (B, S, 1) row statistic times a (1, 1, D) scale:
+        jax lowers it through a full-size HLO broadcast) counts at the result's size as well."""
         total = 0.0
+        out = self.g.values[op.outputs[0]]
         for v in op.inputs:
             val = self.g.values[self.source(v)]
-            if val.kind != "literal":
+            if val.kind == "literal":
+                continue
+            if len(val.shape) == len(out.shape) and val.shape != out.shape:
+                total += val.nbytes * (math.prod(out.shape) // max(1, math.prod(val.shape)))
+            else:
                 total += val.nbytes
         return total
 
