@@ -253,11 +253,6 @@ def test_post_ln_encoder_on_model_4_sequence_parallel():
     check(_sequence_parallel(plan), step, args)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "megatron-sp expert, batch 8: collectives match per kind and axes; argument+temp predicted 1,674,704 B, "
-    "compiled 1,972,620 B (-15.1 %, just past the 15 % tolerance): temp 1,169,228 predicted vs 1,467,144 "
-    "compiled; XLA:CPU's memory-usage report shows whole [8,32,64] streams beside the split ones in the "
-    "backward, not yet attributed"))
 @pytest.mark.slow
 def test_post_ln_encoder_megatron_sp_expert():
     step, args = _encoder("post")
