@@ -88,7 +88,6 @@ class MpmdStep:
         self.out_tree = jax.tree.structure(shapes)
         self.prog = prog = flatten_calls(closed)
         n = len(leaves)
-        grads = jax.tree.leaves(call.params)
         self.arg_keys, self.loss_key, self.grad_keys = prog.inputs[:n], prog.inputs[n], prog.inputs[n + 1:]
         cut = self.run.cut
         owner = dict(zip(cut.keys, cut.owner, strict=True))

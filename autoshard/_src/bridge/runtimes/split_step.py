@@ -20,7 +20,7 @@ is one jitted program on its stage's devices; segments of one level run concurre
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 from ..compat import FlatProgram, is_literal
@@ -81,7 +81,7 @@ def split(prog: FlatProgram, seeds: Mapping[Any, int], nbytes: Mapping[Any, int]
         seg.eqns = sorted(set(seg.eqns) | _free_closure(prog, wanted, producer))
         made = {k for e in seg.eqns for k in prog.eqns[e].outputs}
         seg.inputs = sorted({k for e in seg.eqns for k in prog.eqns[e].inputs
-                             if not is_literal(k) and k not in made and k not in prog.consts}, key=_order)
+                             if not is_literal(k) and k not in made and k not in prog.consts})
         for k in made:
             made_in.setdefault(k, seg)
     for seg in ordered:
@@ -92,7 +92,7 @@ def split(prog: FlatProgram, seeds: Mapping[Any, int], nbytes: Mapping[Any, int]
         if k in made_in:
             made_in[k].outputs.append(k)
     for seg in ordered:
-        seg.outputs = sorted(set(seg.outputs), key=_order)
+        seg.outputs = sorted(set(seg.outputs))
     return ordered
 
 
@@ -106,16 +106,3 @@ def _free_closure(prog: FlatProgram, wanted: set, producer: Mapping[Any, int]) -
         found.add(e)
         todo.extend(k for k in prog.eqns[e].inputs if not is_literal(k) and k in producer)
     return found
-
-
-def _order(k: Any) -> Any:
-    return k if isinstance(k, int) else -1
-
-
-def stage_reads(segments: Sequence[Segment]) -> dict[Any, set[int]]:
-    """Per input key, the stages whose segments read it."""
-    reads: dict[Any, set[int]] = {}
-    for seg in segments:
-        for k in seg.inputs:
-            reads.setdefault(k, set()).add(seg.stage)
-    return reads
