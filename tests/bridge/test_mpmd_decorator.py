@@ -85,6 +85,9 @@ def test_rannc_plan_with_unequal_replicas_under_the_decorator():
     fast = autoshard.autoshard(step, mesh={"data": 8}, pipeline="rannc", hardware="cpu-sim")
     trains_like_jit(fast, step, params, opt, batch)
     assert sorted(mesh.size for mesh in fast.pipelined.meshes) == [2, 6]
+    # step.mesh: all the plan's devices, the stages' submeshes inside it
+    stage_devices = set().union(*(set(mesh.devices.flat) for mesh in fast.pipelined.meshes))
+    assert fast.mesh.axis_names == ("data",) and set(fast.mesh.devices.flat) == stage_devices
 
 
 def test_a_loss_reading_a_key_made_in_the_step_is_a_typed_error():

@@ -197,7 +197,8 @@ class Autosharded:
         Nothing is donated: each stage's programs keep their arrays on their own devices."""
         step = MpmdStep(self.fn, self._plan, args, batch_size=traced_batch(traced.graph),
                         devices=self._devices, num_microbatches=self.config.num_microbatches)
-        self._pipelined, self._jitted, self._mesh = step.run, step, None
+        # the mesh of all the plan's devices, as the user named it; the stages run on submeshes of it
+        self._pipelined, self._jitted, self._mesh = step.run, step, make_mesh(self._plan, self._devices)
         self._in_shardings, self._donated = None, ()
 
     # --- public ---------------------------------------------------------------------------
@@ -292,7 +293,8 @@ class Autosharded:
 
     @property
     def mesh(self) -> Any:
-        """The concrete `jax.sharding.Mesh` the step runs on (after the first call)."""
+        """The concrete `jax.sharding.Mesh` the step runs on (after the first call). A step whose plan runs
+        MPMD runs its stages on submeshes of this mesh: `step.pipelined.meshes`."""
         if self._mesh is None:
             raise PlanError("autoshard: no mesh yet; call the step once (or .lower(*args)).")
         return self._mesh
