@@ -107,17 +107,23 @@ def nested_eqn_count(params: dict) -> int:
     return total
 
 
+def eqn_context(eqn: Any) -> Any:
+    """The context an eqn was traced in (name stack, source info): ops bound inside it carry the eqn's
+    module path, so a rewrite of the eqn keeps its attribution."""
+    from jax._src import source_info_util
+
+    name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+    return source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack)
+
+
 def bind_eqn(eqn: Any, invals: list) -> list:
     """Run one eqn on concrete or traced values, as `jax.core.eval_jaxpr` does; its name stack and
     source info are kept so the compiled program's op metadata is unchanged."""
-    from jax._src import source_info_util
-
     bind_params = eqn.primitive.get_bind_params(eqn.params)
     subfuns: list = []
     if isinstance(bind_params, tuple):  # older jax returned (subfuns, params)
         subfuns, bind_params = bind_params
-    name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
-    with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
+    with eqn_context(eqn), eqn.ctx.manager:
         ans = eqn.primitive.bind(*subfuns, *invals, **bind_params)
     return list(ans) if eqn.primitive.multiple_results else [ans]
 

@@ -68,9 +68,14 @@ class CommRecords:
                 r_mask = int(self._or(plans, red)[0])
                 n = self.msize[int(self._or(plans, loop)[0])]
                 per_device = ar_bytes * self.msize[r_mask] / n
-                add("all-reduce", r_mask, kind, per_device, float(self._sync_count(kind, count, per_device)))
+                add("all-reduce", r_mask, kind, per_device, 0.0 if kind == "grad" else count)
+        for key, rec in out.items():        # gradients: the buckets they fill together (evaluator._add_times)
+            if key[0] == "all-reduce" and key[2] == "grad":
+                rec[1] = float(self._sync_count("grad", 1.0, np.array(rec[0])))
         for (fs, phase), b in self.gathers:
             add("all-gather", int(self._or(plans, fs)[0]), phase, b, 1.0)
+        for mask, per_dev, w, phase in self._regathers(plans):
+            add("all-gather", int(mask[0]), phase, float(per_dev[0]) * w, w)
         for kind, mask, per_dev, w, phase, moves in self._reshard_moves(plans):
             if moves[0]:
                 add(kind, int(np.broadcast_to(mask, (1,))[0]), phase, float(per_dev[0]) * w, w)

@@ -147,7 +147,7 @@ class _Shared:
 # what _build_groups / _build_tensors / _build_reshards set (read-only afterwards)
 _BUILT = ("partial_cuts", "gemm_costs", "phase_work", "fused", "op_loops", "groups", "gathers", "data", "params",
           "param_largest", "update_reads_all", "gathered", "state", "acts", "cut_copies", "backward_values",
-          "reshards")
+          "reshards", "regathers")
 
 
 class _Evaluator(MemoryModel, CommRecords):
@@ -226,6 +226,9 @@ class _Evaluator(MemoryModel, CommRecords):
         scale = fused.scale if fused.scale is not None else np.ones(len(self.graph.ops))
         unlinked = unlinked_batch_loops(self.graph, self.fg)       # batch-sized dims no factor links
         self.op_loops: list[tuple[int, float, tuple[int, ...]]] = []   # (op, executions, dividing candidates)
+        # reshapes merging a split minor dim (OpFactors.regathered): (its candidates, the other dims'
+        # candidates, bytes x executions, executions, phase), an all-gather over the minor dims' axes
+        self.regathers: list[tuple[tuple[int, ...], tuple[int, ...], float, float, str]] = []
         for i, w in weights.items():
             if w <= 0:
                 continue
@@ -258,6 +261,9 @@ class _Evaluator(MemoryModel, CommRecords):
                 g[2] += w          # collectives issued (each op, each instance, each iteration)
             for b, fs in of.gathered:
                 unknown_gather[(self._cmask([f for f in fs if f is not None]), op.phase)] += w * b
+            for b, minor, rest in of.regathered:
+                if self._cmask(minor):
+                    self.regathers.append((self._cmask(minor), self._cmask(rest), w * b, w, op.phase))
         # gradient sync is packed into buckets (TAP §4.7.1), counted per plan from the per-device
         # bytes (_sync_count)
         self.groups = [(k, v[0], v[1], v[2]) for k, v in sorted(groups.items())]
@@ -465,12 +471,13 @@ class _Evaluator(MemoryModel, CommRecords):
         return out
 
     def _sync_count(self, kind: str, count: float, per_device: np.ndarray) -> np.ndarray | float:
-        """Collectives a group issues: gradients go in buckets of `bucket_bytes` of the per-device
-        buffer (TAP §4.7.1, as DDP and Megatron pack them): a 32B layer's gradients at tensor-parallel 8
-        fill an eighth of the buckets they fill unsharded. Other groups: one per op execution."""
+        """Collectives issued: gradients go in buckets of `bucket_bytes` of the per-device buffer (TAP
+        §4.7.1, as DDP and Megatron pack them; `per_device`: all the gradient bytes reduced over one set
+        of axes): a 32B layer's gradients at tensor-parallel 8 fill an eighth of the buckets they fill
+        unsharded. Other collectives: one per op execution."""
         if kind != "grad":
             return count
-        return np.maximum(1.0, np.ceil(per_device / self.options.bucket_bytes))
+        return np.where(per_device > 0, np.maximum(1.0, np.ceil(per_device / self.options.bucket_bytes)), 0.0)
 
     def _coll(self, kind: str, nbytes_: np.ndarray, mask: np.ndarray, count: float = 1.0) -> np.ndarray:
         """Time of `count` collectives moving `nbytes_` in total over the axes in `mask`."""
@@ -510,6 +517,9 @@ class _Evaluator(MemoryModel, CommRecords):
     def _add_times(self, out: dict[str, np.ndarray], plans: np.ndarray) -> None:
         """Compute and the tensor-parallel / gradient collectives of plans[C, K] into `out`."""
         C = plans.shape[0]
+        # gradients are packed into buckets per set of axes (TAP §4.7.1; XLA's all-reduce combiner): the
+        # latencies paid are the buckets the plan's gradients fill together, not one per kind of op
+        grad_bytes = np.zeros((C, self.nm))
         for (loop, red, kind), work, ar_bytes, count in self.groups:
             s_mask = self._or(plans, loop)
             n = self.msize[s_mask]
@@ -517,8 +527,15 @@ class _Evaluator(MemoryModel, CommRecords):
             if red and ar_bytes:
                 r_mask = self._or(plans, red)
                 per_device = ar_bytes * self.msize[r_mask] / n
-                t = self._coll("all-reduce", per_device, r_mask, self._sync_count(kind, count, per_device))
-                out[_BUCKET[kind]] += t
+                if kind == "grad":
+                    np.add.at(grad_bytes, (np.arange(C), r_mask), per_device)
+                    continue
+                out[_BUCKET[kind]] += self._coll("all-reduce", per_device, r_mask, count)
+        for m in range(1, self.nm):
+            if grad_bytes[:, m].any():
+                mask = np.full(C, m)
+                out["grad_sync"] += self._coll("all-reduce", grad_bytes[:, m], mask,
+                                               self._sync_count("grad", 1.0, grad_bytes[:, m]))
         if self.gemm_costs is not None:
             out["compute"] += self.gemm_costs.seconds(plans, self.msize, self._or)
         for kind, mask, per_dev, w, phase, moves in self._reshard_moves(plans):
@@ -530,6 +547,15 @@ class _Evaluator(MemoryModel, CommRecords):
             m = self._or(plans, fs)
             out["fwd_comm" if phase == "forward" else "bwd_comm"] += self._coll(
                 "all-gather", b * np.ones(C), m)
+        for mask, per_dev, w, phase in self._regathers(plans):
+            out["fwd_comm" if phase == "forward" else "bwd_comm"] += self._coll("all-gather", per_dev * w, mask, w)
+
+    def _regathers(self, plans: np.ndarray):
+        """Per reshape merging a split minor dim: (axis mask per plan, per-device result bytes per plan,
+        executions, phase): the input gathered over the minor dims' axes, split as before elsewhere."""
+        for minor, rest, b, w, phase in self.regathers:
+            keep = self._or(plans, rest)
+            yield self._or(plans, minor) & ~keep, b / w / self.msize[keep], w, phase
 
     def op_shares(self, row: np.ndarray) -> list[tuple[int, float, float, float]]:
         """Per priced op under one plan (a row of axis masks): (op index, executions, flops, bytes),

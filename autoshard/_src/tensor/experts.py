@@ -124,6 +124,12 @@ def _tensor_parallel_factors(graph: OpGraph, fg: FactorGraph, in_map: dict[int, 
         val = graph.values[v]
         if val.role == "parameter" and len(val.shape) >= 2:
             param_factors |= {f for f in fg.value_factors(in_map.get(v, v)) if f is not None}
+    # a weight's reshape counts too: a fused q/k/v kernel's heads are a dim of its exposed view only
+    # (bridge/trace/fused.py)
+    for i in fg.op_factors:
+        op = graph.ops[i]
+        if op.primitive == "reshape" and op.inputs and op.inputs[0] in weights and len(op.out_shapes[0]) >= 2:
+            param_factors |= {f for f in fg.value_factors(op.outputs[0]) if f is not None}
     candidates = [f for f in sorted(produced, key=produced.get)
                   if f in contracted and f in param_factors and f not in data and f not in reduced_elsewhere
                   and f not in fg.repeated]

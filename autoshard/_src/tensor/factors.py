@@ -56,6 +56,10 @@ class OpFactors:
     gathered: tuple               # operands an unknown op needs whole: ((bytes, factors), ...)
     known: bool
     in_factors: tuple = ()        # factor (or None) per dim of each input, as this op reads it (after cuts)
+    # a reshape merging dims: (input bytes, factors of the merged-away minor dims, factors of the rest).
+    # No sharding of the merged dim keeps a minor dim's split ((H, hd) split on hd is not a contiguous
+    # block of H*hd), so XLA all-gathers the input over a minor dim's axes first
+    regathered: tuple = ()
 
 
 class _UnionFind:
@@ -239,8 +243,43 @@ def _op_factors(op: Op, ins: list[tuple], outs: list[tuple], cooccur: dict[int, 
             cooccur.setdefault(f, set()).update(loop)
     out_shape = op.out_shapes[0] if op.out_shapes else ()
     out_dtype = op.out_dtypes[0] if op.out_dtypes else "float32"
+    regathered: tuple = ()
+    if op.primitive == "reshape" and ins:
+        minor = set(_merged_minor_dims(op.in_shapes[0], out_shape))
+        mf = frozenset(f for d, f in enumerate(ins[0]) if d in minor and f is not None)
+        if mf:
+            rest = frozenset(f for d, f in enumerate(ins[0]) if d not in minor and f is not None)
+            regathered = ((nbytes(op.in_shapes[0], op.in_dtypes[0]), mf, rest),)
     return OpFactors(op.index, frozenset(loop), frozenset(reduced), outs[0] if outs else (),
-                     nbytes(out_shape, out_dtype), gathered, known, tuple(ins))
+                     nbytes(out_shape, out_dtype), gathered, known, tuple(ins), regathered)
+
+
+def _merged_minor_dims(a: tuple[int, ...], b: tuple[int, ...]) -> list[int]:
+    """Dims of `a` that a reshape to `b` merges into a more major dim: every dim but the first of a
+    group of `a`'s dims whose product is one dim of `b` or a group of them (size-1 dims aside)."""
+    minor: list[int] = []
+    i = j = 0
+    while i < len(a) and j < len(b):
+        if a[i] == 1:
+            i += 1
+            continue
+        if b[j] == 1:
+            j += 1
+            continue
+        first, pa, pb = i, a[i], b[j]
+        i += 1
+        j += 1
+        while pa != pb:
+            if pa < pb and i < len(a):
+                pa *= a[i]
+                i += 1
+            elif pb < pa and j < len(b):
+                pb *= b[j]
+                j += 1
+            else:
+                return minor
+        minor += [d for d in range(first + 1, i) if a[d] != 1]
+    return minor
 
 
 def weight_values(graph: OpGraph, ops: Iterable[int]) -> set[int]:

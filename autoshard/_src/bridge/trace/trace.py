@@ -23,6 +23,7 @@ from ...core.errors import NotCallableError, TraceFailedError, UntraceableArgume
 from ...core.flops import estimate_flops
 from ...core.graph import Loop, Op, OpGraph, Value, nbytes
 from .. import compat as jc
+from .fused import expose_fused
 
 # call-like primitives whose body runs once with the eqn's operands: inlined
 _TRANSPARENT = {
@@ -347,6 +348,7 @@ def trace_step(fn: Callable, *args: Any, name: str | None = None,
     fn_name = name or getattr(fn, "__qualname__", None) or type(fn).__qualname__
     with _gc_paused():
         closed, out_shape = make_jaxpr(fn, jc.untyped(args), fn_name)   # arrays on an Explicit mesh: as shapes
+        closed = expose_fused(closed)       # fused q/k/v projections: heads splittable without moving activations
         graph = _build_graph(closed, out_shape, args, fn_name, keep_eqns)
         infer_phases(graph, optimizer_scopes)
         attribute_modules(graph)
