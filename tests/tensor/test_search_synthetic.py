@@ -164,8 +164,8 @@ def test_data_parallel_gradient_all_reduce_is_grad_sync():
     best = res.best
     assert best.factor_axes == {batch_factor(graph, res): ("x",)}
     cost = AnalyticalCostModel(MESH8, H100)
-    expected = cost.collective("all-reduce", sum(nbytes((a, b), "float32") for a, b in zip(dims, dims[1:], strict=False)),
-                               ("x",))
+    grads = sum(nbytes((a, b), "float32") for a, b in zip(dims, dims[1:], strict=False))
+    expected = cost.collective("all-reduce", grads, ("x",))
     assert best.breakdown["grad_sync"] == pytest.approx(expected, rel=1e-9)
     assert best.breakdown["bwd_comm"] == 0.0
     assert set(weight_grad_ops(graph)) <= res.grad_ops
