@@ -121,7 +121,7 @@ def mpmd_part(gpt: dict, M: int, rounds: int, describe, mesh) -> dict:
              "mpmd": {"launches": 2 * run.num_stages * M, "transfers": moves.count, "transfer_bytes": moves.bytes,
                       **_mpmd_memory(run, placed, batch), "loss_diff": abs(float(loss_m) - float(want_loss)),
                       "step_s_median": secs["mpmd"]}}
-    small = dict(vocab_size=16384, num_layers=3, d_model=128, seq_len=64)
+    small = dict(vocab_size=16384, num_layers=3, d_model=256, seq_len=64)
     m2 = models.get("gpt", "debug", batch_size=8, **small)
     plan = autoshard.plan(m2.train_step, *m2.abstract_state(), mesh="auto", devices=8, hardware="h100-sxm")
     p2, b2 = m2.init(jax.random.key(0)), m2.batch()

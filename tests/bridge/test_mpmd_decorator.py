@@ -116,7 +116,7 @@ def test_a_loss_reading_a_key_made_in_the_step_is_a_typed_error():
 @pytest.mark.slow
 def test_unequal_3d_plan_under_the_decorator():
     # the 3-D search's stages of 2, 2 and 4 devices (tests/bridge/test_mpmd_runtime.py), given as plan=
-    m = models.get("gpt", "debug", vocab_size=16384, num_layers=3, d_model=128, batch_size=8, seq_len=64)
+    m = models.get("gpt", "debug", vocab_size=16384, num_layers=3, d_model=256, batch_size=8, seq_len=64)
     opt = optax.sgd(0.1)
     step = make_step(m, opt)
     params, batch = m.init(jax.random.key(0)), m.batch()

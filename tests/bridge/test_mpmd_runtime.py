@@ -116,7 +116,7 @@ def test_a_bad_stage_assignment_is_a_typed_error_before_anything_runs(assignment
 def alpa_like_plan():
     """tests/plan/test_joint_plan.py's model: on 8 H100s the 3-D search gives its 3 stages unequal submeshes
     (2, 2 and 4 devices), a plan only the MPMD runtime runs (`runtime` "mpmd"). Planned abstractly at batch 64."""
-    big = models.get("gpt", "debug", vocab_size=16384, num_layers=3, d_model=128, batch_size=64, seq_len=64)
+    big = models.get("gpt", "debug", vocab_size=16384, num_layers=3, d_model=256, batch_size=64, seq_len=64)
     return autoshard.plan(big.train_step, *big.abstract_state(), mesh="auto", devices=8, hardware="h100-sxm")
 
 
@@ -125,7 +125,7 @@ def test_the_3d_searchs_unequal_plan_runs_mpmd_like_one_device():
     plan = alpa_like_plan()
     chosen = plan.predicted["3d"]["chosen"]
     assert plan.runtime == "mpmd" and sorted(d * t for d, t in chosen["submeshes"]) == [2, 2, 4]
-    m = models.get("gpt", "debug", vocab_size=16384, num_layers=3, d_model=128, batch_size=8, seq_len=64)
+    m = models.get("gpt", "debug", vocab_size=16384, num_layers=3, d_model=256, batch_size=8, seq_len=64)
     params, batch = m.init(jax.random.key(0)), m.batch()
     run = mpmd_from_plan(m.loss, params, batch, plan)
     assert [math.prod(mesh.shape.values()) for mesh in run.meshes] == [d * t for d, t in chosen["submeshes"]]
@@ -143,7 +143,7 @@ def test_a_plan_file_edited_to_drop_a_device_is_a_typed_error():
     data = json.loads(alpa_like_plan().to_json())
     data["predicted"]["3d"]["chosen"]["submeshes"] = [[2, 1], [2, 1], [1, 2]]      # 6 of the 8 devices
     plan = autoshard.Plan.from_json(json.dumps(data))
-    m = models.get("gpt", "debug", vocab_size=16384, num_layers=3, d_model=128, batch_size=8, seq_len=64)
+    m = models.get("gpt", "debug", vocab_size=16384, num_layers=3, d_model=256, batch_size=8, seq_len=64)
     params, batch = m.init(jax.random.key(0)), m.batch()
     with pytest.raises(autoshard.PipelineError, match=r"devices \[6, 7\] belong to no stage"):
         mpmd_from_plan(m.loss, params, batch, plan)
@@ -153,7 +153,7 @@ def test_a_plan_file_edited_to_drop_a_device_is_a_typed_error():
 @pytest.mark.slow
 def test_autoshard_pipelined_runs_an_unequal_plan_mpmd():
     plan = alpa_like_plan()
-    m = models.get("gpt", "debug", vocab_size=16384, num_layers=3, d_model=128, batch_size=8, seq_len=64)
+    m = models.get("gpt", "debug", vocab_size=16384, num_layers=3, d_model=256, batch_size=8, seq_len=64)
     params, batch = m.init(jax.random.key(0)), m.batch()
     run = autoshard.pipelined(m.loss, params, batch, mesh={"devices": 8}, num_microbatches=2, plan=plan)
     assert isinstance(run, MpmdPipeline) and "MPMD: 3 stages" in run.describe()

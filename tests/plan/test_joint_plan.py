@@ -22,7 +22,7 @@ def alpa_like():
     stage more devices than the other two (Alpa's stages of 2, 2 and 4), which the runtime cannot
     run yet. (model, args, plan) The head must be heavy enough: at vocabulary 2048 (priced after
     fusion) two equal stages win."""
-    m = models.get("gpt", "debug", vocab_size=16384, num_layers=3, d_model=128, batch_size=64, seq_len=64)
+    m = models.get("gpt", "debug", vocab_size=16384, num_layers=3, d_model=256, batch_size=64, seq_len=64)
     args = m.abstract_state()
     return m, args, autoshard.plan(m.train_step, *args, mesh="auto", devices=8, hardware="h100-sxm")
 
