@@ -69,9 +69,6 @@ class CommRecords:
                 n = self.msize[int(self._or(plans, loop)[0])]
                 per_device = ar_bytes * self.msize[r_mask] / n
                 add("all-reduce", r_mask, kind, per_device, 0.0 if kind == "grad" else count)
-        for key, rec in out.items():        # gradients: the buckets they fill together (evaluator._add_times)
-            if key[0] == "all-reduce" and key[2] == "grad":
-                rec[1] = float(self._sync_count("grad", 1.0, np.array(rec[0])))
         for (fs, phase), b in self.gathers:
             add("all-gather", int(self._or(plans, fs)[0]), phase, b, 1.0)
         for mask, per_dev, w, phase in self._regathers(plans):
@@ -81,6 +78,9 @@ class CommRecords:
                 add(kind, int(np.broadcast_to(mask, (1,))[0]), phase, float(per_dev[0]) * w, w)
         for kind, buf, mask, w, _, phase in self._partial_sums(plans):
             add(kind, int(mask[0]), phase, float(buf[0]) * w, w)
+        for key, rec in out.items():        # gradients: the buckets they fill together (evaluator._add_times)
+            if key[0] == "all-reduce" and key[2] == "grad":
+                rec[1] = float(self._sync_count("grad", 1.0, np.array(rec[0])))
         if storage != "replicated":
             full = self.nm - 1
             for dims, shape, b in self.params:
