@@ -180,6 +180,13 @@ def describe_factors(graph: OpGraph, fg, candidates: tuple[int, ...],
         for d, f in enumerate(fg.value_factors(v)):
             if f is not None and f not in desc:
                 desc[f] = f"{val.keypath} dim {d}"
+    for op in graph.ops:     # a fused projection's heads: a dim of its weight's exposed view only (trace/fused.py)
+        if op.primitive == "reshape" and op.outputs and len(op.out_shapes[0]) > len(op.in_shapes[0]):
+            src = _parameter_behind(graph, op.inputs[0])
+            for d, f in enumerate(fg.value_factors(op.outputs[0])):
+                if src is not None and f is not None and f not in desc and f in fg.op_factors.get(op.index).loop:
+                    view = "x".join(map(str, op.out_shapes[0]))
+                    desc[f] = f"{graph.values[src].keypath} viewed as {view}, dim {d}"
     for v, _, after in getattr(fg, "cuts", ()):    # a region's own dims: where the values cross into it
         for d, f in enumerate(after):
             if f is not None and f not in desc:
@@ -189,6 +196,19 @@ def describe_factors(graph: OpGraph, fg, candidates: tuple[int, ...],
     for f in getattr(fg, "sequence", ()):       # the stream outside tensor-parallel regions
         desc[f] = ", ".join(x for x in (desc.get(f), "residual stream (sequence parallel)") if x)
     return [(f, desc.get(f, f"factor {f}"), fg.factor_size(f), axes_of.get(f, ())) for f in candidates]
+
+
+def _parameter_behind(graph: OpGraph, v: int) -> int | None:
+    """The parameter input `v` is a transpose or cast of, if any."""
+    for _ in range(4):
+        val = graph.values[v]
+        if val.role == "parameter":
+            return v
+        p = val.producer
+        if p is None or graph.ops[p].primitive not in ("transpose", "convert_element_type") or not graph.ops[p].inputs:
+            return None
+        v = graph.ops[p].inputs[0]
+    return None
 
 
 def activation_constraints(graph: OpGraph, op_map: dict[int, int], fg: Any, axes_of: dict[int, tuple[str, ...]],
