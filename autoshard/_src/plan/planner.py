@@ -183,8 +183,10 @@ def describe_factors(graph: OpGraph, fg, candidates: tuple[int, ...],
     for op in graph.ops:     # a fused projection's heads: a dim of its weight's exposed view only (trace/fused.py)
         if op.primitive == "reshape" and op.outputs and len(op.out_shapes[0]) > len(op.in_shapes[0]):
             src = _parameter_behind(graph, op.inputs[0])
+            if src is None or op.index not in fg.op_factors:
+                continue
             for d, f in enumerate(fg.value_factors(op.outputs[0])):
-                if src is not None and f is not None and f not in desc and f in fg.op_factors.get(op.index).loop:
+                if f is not None and f not in desc:
                     view = "x".join(map(str, op.out_shapes[0]))
                     desc[f] = f"{graph.values[src].keypath} viewed as {view}, dim {d}"
     for v, _, after in getattr(fg, "cuts", ()):    # a region's own dims: where the values cross into it
