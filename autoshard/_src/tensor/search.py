@@ -18,7 +18,6 @@ go to the plan that shards less.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
 from collections import defaultdict
 from collections.abc import Sequence
@@ -452,16 +451,21 @@ def _ranked_factors(graph: OpGraph, fg: FactorGraph, weights: dict[int, float]) 
 
 
 def _enumerate_plans(fg: FactorGraph, cands_t: tuple[int, ...], masks_of: dict[int, list[int]]) -> np.ndarray:
-    """Every assignment of axis masks to the candidate factors, plans[C, K], in canonical order."""
-    combos = list(itertools.product(*(masks_of[f] for f in cands_t))) or [()]
-    # an explicit row count: with no candidate factors (a step with nothing to split) there is one plan, ()
-    plans = np.array(combos, dtype=np.int64).reshape(len(combos), len(cands_t))
-    # factors that share a tensor cannot share an axis
-    ok = np.ones(plans.shape[0], dtype=bool)
-    for a, b in itertools.combinations(range(len(cands_t)), 2):
-        if cands_t[b] in fg.cooccur.get(cands_t[a], ()):
-            ok &= (plans[:, a] & plans[:, b]) == 0
-    return plans[ok]
+    """Every assignment of axis masks to the candidate factors, plans[C, K], in canonical order
+    (itertools.product's: the last factor fastest). Built a factor at a time, each step dropping the
+    rows where two factors that share a tensor share an axis, so the array never holds the pruned
+    product (with no candidate factors, a step with nothing to split, there is one plan: ())."""
+    plans = np.zeros((1, 0), dtype=np.int64)
+    for k, f in enumerate(cands_t):
+        masks = np.asarray(masks_of[f], dtype=np.int64)
+        rows = plans.shape[0]
+        plans = np.concatenate([np.repeat(plans, len(masks), axis=0), np.tile(masks, rows)[:, None]], axis=1)
+        ok = np.ones(plans.shape[0], dtype=bool)
+        for a in range(k):
+            if f in fg.cooccur.get(cands_t[a], ()):
+                ok &= (plans[:, a] & plans[:, k]) == 0
+        plans = plans[ok]
+    return plans
 
 
 def _best_choice(ev: _Evaluator, plans: np.ndarray, storage_modes: tuple[str, ...], budget: float) -> PlanChoice:
