@@ -257,29 +257,7 @@ def _op_factors(op: Op, ins: list[tuple], outs: list[tuple], cooccur: dict[int, 
 def _merged_minor_dims(a: tuple[int, ...], b: tuple[int, ...]) -> list[int]:
     """Dims of `a` that a reshape to `b` merges into a more major dim: every dim but the first of a
     group of `a`'s dims whose product is one dim of `b` or a group of them (size-1 dims aside)."""
-    minor: list[int] = []
-    i = j = 0
-    while i < len(a) and j < len(b):
-        if a[i] == 1:
-            i += 1
-            continue
-        if b[j] == 1:
-            j += 1
-            continue
-        first, pa, pb = i, a[i], b[j]
-        i += 1
-        j += 1
-        while pa != pb:
-            if pa < pb and i < len(a):
-                pa *= a[i]
-                i += 1
-            elif pb < pa and j < len(b):
-                pb *= b[j]
-                j += 1
-            else:
-                return minor
-        minor += [d for d in range(first + 1, i) if a[d] != 1]
-    return minor
+    return [d for dims_a, _ in _reshape_groups(a, b) for d in dims_a[1:] if a[d] != 1]
 
 
 def weight_values(graph: OpGraph, ops: Iterable[int]) -> set[int]:
@@ -522,7 +500,13 @@ del _names, _rule, _name
 def _reshape_pairs(a: tuple[int, ...], b: tuple[int, ...]) -> list[tuple[int, int]]:
     """Dims linked by a reshape: the major dims of each group of dims whose products match
     ((B, S, H*hd) → (B, S, H, hd) links B–B, S–S and H*hd–H)."""
-    pairs = []
+    return [(dims_a[0], dims_b[0]) for dims_a, dims_b in _reshape_groups(a, b)]
+
+
+def _reshape_groups(a: tuple[int, ...], b: tuple[int, ...]) -> list[tuple[range, range]]:
+    """The groups of dims of `a` and of `b` whose products match, in order (size-1 dims between groups
+    skipped; each group starts at a dim of size > 1), up to the first that cannot be matched."""
+    groups = []
     i = j = 0
     while i < len(a) and j < len(b):
         if a[i] == 1:
@@ -543,9 +527,9 @@ def _reshape_pairs(a: tuple[int, ...], b: tuple[int, ...]) -> list[tuple[int, in
                 pb *= b[j]
                 j += 1
             else:
-                return pairs
-        pairs.append((gi, gj))
-    return pairs
+                return groups
+        groups.append((range(gi, i), range(gj, j)))
+    return groups
 
 
 def factor_shards(factors: Sequence, axes_of: dict[int, tuple[str, ...]], sizes: dict[str, int]) -> int:
