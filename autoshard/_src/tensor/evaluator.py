@@ -227,7 +227,7 @@ class _Evaluator(MemoryModel, CommRecords):
         unlinked = unlinked_batch_loops(self.graph, self.fg)       # batch-sized dims no factor links
         self.op_loops: list[tuple[int, float, tuple[int, ...]]] = []   # (op, executions, dividing candidates)
         # reshapes merging a split minor dim (OpFactors.regathered): (its candidates, the other dims'
-        # candidates, bytes x executions, executions, phase), an all-gather over the minor dims' axes
+        # candidates, input bytes, executions, phase), an all-gather over the minor dims' axes
         self.regathers: list[tuple[tuple[int, ...], tuple[int, ...], float, float, str]] = []
         for i, w in weights.items():
             if w <= 0:
@@ -262,8 +262,8 @@ class _Evaluator(MemoryModel, CommRecords):
             for b, fs in of.gathered:
                 unknown_gather[(self._cmask([f for f in fs if f is not None]), op.phase)] += w * b
             for b, minor, rest in of.regathered:
-                if self._cmask(minor):
-                    self.regathers.append((self._cmask(minor), self._cmask(rest), w * b, w, op.phase))
+                if m_idx := self._cmask(minor):
+                    self.regathers.append((m_idx, self._cmask(rest), b, w, op.phase))
         # gradient sync is packed into buckets (TAP §4.7.1), counted per plan from the per-device
         # bytes (_sync_count)
         self.groups = [(k, v[0], v[1], v[2]) for k, v in sorted(groups.items())]
@@ -555,7 +555,7 @@ class _Evaluator(MemoryModel, CommRecords):
         executions, phase): the input gathered over the minor dims' axes, split as before elsewhere."""
         for minor, rest, b, w, phase in self.regathers:
             keep = self._or(plans, rest)
-            yield self._or(plans, minor) & ~keep, b / w / self.msize[keep], w, phase
+            yield self._or(plans, minor) & ~keep, b / self.msize[keep], w, phase
 
     def op_shares(self, row: np.ndarray) -> list[tuple[int, float, float, float]]:
         """Per priced op under one plan (a row of axis masks): (op index, executions, flops, bytes),
