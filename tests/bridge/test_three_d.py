@@ -168,7 +168,10 @@ def test_tensor_plan_with_planned_remat_trains_like_one_device_within_its_memory
     kw = dict(mesh={"pipe": 1, "data": 2, "model": 4}, pipeline="auto", hardware="cpu-sim", num_microbatches=1,
               pipeline_options={"remat": ["none", "dots", "full"]})
     free = autoshard.plan(step, *args, **kw)
-    plan = autoshard.plan(step, *args, memory_budget=0.3 * free.predicted["memory"]["total"], **kw)
+    with pytest.raises(autoshard.InfeasiblePlanError) as least:      # what the leanest point needs
+        autoshard.plan(step, *args, memory_budget=1024, **kw)
+    assert "1 KiB per device" in str(least.value) and "GiB" not in str(least.value)
+    plan = autoshard.plan(step, *args, memory_budget=1.05 * least.value.min_memory, **kw)
     assert not plan.is_pipeline and plan.stages[0].remat != "none" and free.stages[0].remat == "none"
     fast = autoshard.autoshard(step, plan=plan, hardware="cpu-sim")
     got, p1, _ = run_steps(fast, params, m.optimizer.init(params), batch, 2)

@@ -21,7 +21,7 @@ import pytest
 from autoshard._src.cli import main
 from autoshard._src.cli.progress import NativeStderr, Progress
 from autoshard._src.cli.tables import ParamRecord, grouped_param_lines, split_block
-from autoshard._src.cli.units import fmt_bytes, fmt_seconds, parse_bytes
+from autoshard._src.core.quantities import fmt_bytes, fmt_seconds, parse_bytes
 
 pytestmark = pytest.mark.slow     # heavy: CI's second step (`pytest -m slow`)
 

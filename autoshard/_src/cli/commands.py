@@ -21,7 +21,7 @@ from .progress import Progress
 from .report import explanation, summary
 from .stages import gantt_lines
 from .tables import mesh_text, table
-from .units import fmt_bytes, fmt_count, fmt_flops, fmt_rate
+from ..core.quantities import fmt_bytes, fmt_count, fmt_flops, fmt_rate
 from .zoo import model_from_args, model_names
 
 DEFAULT_AUTO_DEVICES = 8

@@ -20,7 +20,7 @@ import time
 from collections.abc import Iterator
 from typing import TextIO
 
-from .units import fmt_seconds
+from ..core.quantities import fmt_seconds
 
 LIVE_AFTER = 1.0          # seconds before a terminal shows the ticking line
 

@@ -22,7 +22,7 @@ from .tables import (
     split_block,
     table,
 )
-from .units import fmt_bytes, fmt_seconds
+from ..core.quantities import fmt_bytes, fmt_seconds
 
 _TERMS = {"compute": "compute", "fwd_comm": "forward comm", "bwd_comm": "backward comm",
           "opt_comm": "optimizer comm", "grad_sync": "gradient sync", "storage_comm": "ZeRO gathers"}

@@ -13,7 +13,7 @@ import re
 from collections.abc import Hashable, Iterable, Sequence
 
 from ..plan.specs import Spec, spec_str
-from .units import fmt_bytes, ranges
+from ..core.quantities import fmt_bytes, ranges
 
 ARG_NAMES = ("params", "opt_state", "batch")     # the zoo's train_step(params, opt_state, batch)
 _PART = re.compile(r"\['((?:[^'\\]|\\.)*)'\]|\[(\d+)\]|\.([A-Za-z_]\w*)")

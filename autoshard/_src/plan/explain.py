@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..core.collectives import lowered_differently
+from ..core.quantities import fmt_bytes
 from .specs import spec_str
 
 
@@ -45,7 +46,7 @@ def explain_tensor(self: Any) -> str:
         f"{p['breakdown']['fwd_comm'] * 1e3:.3f} ms, backward comm {p['breakdown']['bwd_comm'] * 1e3:.3f} ms, "
         f"grad sync {p['breakdown']['grad_sync'] * 1e3:.3f} ms (overlapped), storage comm "
         f"{p['breakdown']['storage_comm'] * 1e3:.3f} ms); memory "
-        f"{p['memory']['total'] / 2**30:.3f} GiB per device of {p['memory_budget'] / 2**30:.2f} GiB",
+        f"{fmt_bytes(p['memory']['total'])} per device of {fmt_bytes(p['memory_budget'])}",
         *([f"searched {p['plans_evaluated']:,} plans in {p['search_seconds']:.3f} s"]
           if "plans_evaluated" in p and "search_seconds" in p else []),
         *_remat_lines(self),
@@ -98,8 +99,8 @@ def explain_pipeline(self: Any) -> str:
         f"{len(self.stages)} stages (depth {pp['depth']}) x {pp['pipelines']} pipeline copies, "
         f"{self.microbatches} micro-batches of batch {pp['batch_size']}; predicted step "
         f"{p['step_time'] * 1e3:.3f} ms, throughput {pp['batch_size'] / p['step_time']:.4g} samples/s, "
-        f"max/mean stage time {pp['max_over_mean']:.3f}; peak memory {p['memory']['total'] / 2**30:.3f} GiB "
-        f"per device of {p['memory_budget'] / 2**30:.2f} GiB",
+        f"max/mean stage time {pp['max_over_mean']:.3f}; peak memory {fmt_bytes(p['memory']['total'])} "
+        f"per device of {fmt_bytes(p['memory_budget'])}",
         f"search {pp['search_seconds']:.3f} s over {pp['units']} {unit}; event simulator: step "
         f"{pp['simulated_step_time'] * 1e3:.3f} ms, bubble {pp['bubble_fraction']:.1%}, in flight per stage "
         f"{list(pp['peak_inflight'])}",
@@ -152,8 +153,8 @@ def explain_3d(self: Any) -> str:
              f"{self.mesh[0][1]} devices, stages on unequal submeshes")
     lines = [
         f"autoshard 3-D plan on {where}, hardware {self.hardware}: {j['chosen']['label']}",
-        f"predicted step {p['step_time'] * 1e3:.3f} ms; peak memory {p['memory']['total'] / 2**30:.3f} GiB per device "
-        f"of {p['memory_budget'] / 2**30:.2f} GiB; search {j['search_seconds']:.2f} s over {j['points']} points, "
+        f"predicted step {p['step_time'] * 1e3:.3f} ms; peak memory {fmt_bytes(p['memory']['total'])} per device "
+        f"of {fmt_bytes(p['memory_budget'])}; search {j['search_seconds']:.2f} s over {j['points']} points, "
         f"{j['units']} units",
         *([] if equal else [mpmd_line(self)]),
         "",

@@ -27,6 +27,7 @@ from ..core.graph import OpGraph, fingerprint, op_keys
 from ..core.grouping import Grouping, group
 from ..core.hardware import HardwareSpec, hardware_dict
 from ..core.mesh import MeshSpec
+from ..core.quantities import fmt_bytes
 from ..core.version import VERSION
 from ..joint.search import JointResult, joint_search
 from ..joint.space import INTERLEAVED, SCHEDULES, VIRTUAL, JointOptions, JointPoint, submesh
@@ -211,14 +212,14 @@ def _infeasible(res: JointResult, devices: int, hw: HardwareSpec, options: Searc
     least = res.least_memory
     if least is None:
         return InfeasiblePlanError(
-            f"autoshard.plan: no 3-D plan of the step fits {budget / 2**30:.2f} GiB per device on {devices} devices "
+            f"autoshard.plan: no 3-D plan of the step fits {fmt_bytes(budget)} per device on {devices} devices "
             f"({hw.name}), and no point could be priced. Fix: raise memory_budget or use more devices.",
             min_memory=math.inf, budget=budget)
     worst = max(least.stages, key=lambda s: s.memory)
     return InfeasiblePlanError(
-        f"autoshard.plan: no 3-D plan fits {budget / 2**30:.2f} GiB per device on {devices} devices ({hw.name}); "
+        f"autoshard.plan: no 3-D plan fits {fmt_bytes(budget)} per device on {devices} devices ({hw.name}); "
         f"the plan needing least memory ({least.describe()}, storage {worst.storage}) takes "
-        f"{least.memory / 2**30:.2f} GiB on its fullest stage ({worst.stop - worst.start} of "
+        f"{fmt_bytes(least.memory)} on its fullest stage ({worst.stop - worst.start} of "
         f"{len(res.units)} units, {worst.inflight} micro-batch(es) in flight). Fix: more devices, a smaller "
         "batch, or a larger memory_budget.", min_memory=least.memory, budget=budget)
 

@@ -1,7 +1,7 @@
 """Numbers for people: bytes, seconds, counts and flops, auto-scaled to three significant digits.
 
-Every quantity the CLI prints goes through here, so no report shows `0.000 GiB` or a bare float
-without its unit.
+Every quantity the CLI and the planners print goes through here, so no report or error shows `0.00 GiB`
+or a bare float without its unit.
 """
 
 from __future__ import annotations
