@@ -30,7 +30,7 @@ from .args import MAX_LAYERS, Parser, UsageError, input_path, memory_budget, out
 from .args import hardware as hardware_flag
 from .args import mesh as mesh_flag
 from .progress import Progress
-from .units import fmt_bytes
+from ..core.quantities import fmt_bytes
 
 EPILOG = "Add --debug anywhere for full tracebacks. `autoshard list` shows models, hardware, schedules."
 # command -> (module, function): imported on use

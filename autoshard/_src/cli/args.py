@@ -10,7 +10,7 @@ import sys
 from typing import NoReturn
 
 from ..core.hardware import presets
-from .units import fmt_bytes, parse_bytes
+from ..core.quantities import fmt_bytes, parse_bytes
 
 _AXIS = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 MIN_BARE_BUDGET = 2**20   # a unit-less budget below 1 MiB is almost surely meant in GiB

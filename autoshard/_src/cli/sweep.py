@@ -25,7 +25,7 @@ from .commands import write_out
 from .progress import Progress
 from .running import setup_devices
 from .tables import mesh_text, table
-from .units import fmt_bytes, fmt_seconds
+from ..core.quantities import fmt_bytes, fmt_seconds
 from .zoo import model_from_args
 
 _TOP = {"hardware", "multi_node_hardware", "meshes", "compiled", "abstract"}
