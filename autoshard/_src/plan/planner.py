@@ -385,6 +385,8 @@ def build_plan(graph: OpGraph, grouping: Grouping, mesh: MeshSpec, hw: HardwareS
 def _input_layout(graph: OpGraph, fg: Any, src: int, val: Any, axes_of: dict, storage: str, mesh: MeshSpec,
                   grad_axes: set[str]) -> tuple[Spec, int, str]:
     """(spec, shards, gradient sync) of an input whose representative is `src`."""
+    if val.role == "rng":           # a PRNG key: every device draws from the whole key
+        return tuple(() for _ in val.shape), 1, ""
     spec = _spec_for(fg.value_factors(src), axes_of) if len(graph.values[src].shape) == len(val.shape) \
         else [()] * len(val.shape)
     own = {a for axes in spec for a in axes}      # the axes its logical dims are split over
