@@ -48,6 +48,7 @@ def explain_tensor(self: Any) -> str:
         f"{p['memory']['total'] / 2**30:.3f} GiB per device of {p['memory_budget'] / 2**30:.2f} GiB",
         *([f"searched {p['plans_evaluated']:,} plans in {p['search_seconds']:.3f} s"]
           if "plans_evaluated" in p and "search_seconds" in p else []),
+        *([f"{p['axis_hint']}"] if p.get("axis_hint") else []),
         *_remat_lines(self),
         "",
         "logical dims (factors) -> mesh axes:",

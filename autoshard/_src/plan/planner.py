@@ -369,6 +369,8 @@ def build_plan(graph: OpGraph, grouping: Grouping, mesh: MeshSpec, hw: HardwareS
         predicted["experts"] = experts
     if expert is not None:
         predicted["expert"] = expert
+    if b.hint_note:         # the mesh axis names decided between plans of the same predicted step
+        predicted["axis_hint"] = b.hint_note
     provenance = {"autoshard": VERSION, "fingerprint": fingerprint(graph),
                   "step": graph.name, "options": dataclasses.asdict(options),
                   "hardware": hardware_dict(hw)}

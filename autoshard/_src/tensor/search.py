@@ -31,6 +31,7 @@ from ..core.grouping import Grouping
 from ..core.hardware import HardwareSpec
 from ..core.liveness import live_weights
 from ..core.mesh import MeshSpec
+from .axis_hints import break_tie, choice_hint, hint_note, ties
 from .evaluator import (
     STORAGE_MODES,
     PlanChoice,
@@ -105,7 +106,8 @@ def search(graph: OpGraph, grouping: Grouping, mesh: MeshSpec, hw: HardwareSpec,
         result._sp_analysis = sp          # with_sequence_parallel prices experts in it without redoing it
         if sp is not None:
             sp_result = _search_space(plan_space(graph, grouping, mesh, options, sp), hw, cost, options)
-            if mode == "on" or _better(sp_result.best, result.best):
+            # by time only: the two spaces' factors differ, so their axis-name hints are not compared
+            if mode == "on" or _better(sp_result.best, result.best, hints=False):
                 n = sp_result.best.plans_evaluated + result.best.plans_evaluated
                 sp_result.best = dataclasses.replace(sp_result.best, plans_evaluated=n)
                 result = sp_result
@@ -468,23 +470,39 @@ def _best_choice(ev: _Evaluator, plans: np.ndarray, storage_modes: tuple[str, ..
     """The best plan of each storage mode, then the best of those."""
     best = None
     by_mode = ev.evaluate_modes(plans, storage_modes)
+    batch = set(region_twins(ev.fg, batch_factors(ev.graph, ev.fg)))
     for storage in storage_modes:
         res = by_mode[storage]
         feasible = res["memory"] <= budget
-        # lexicographic: feasible first, then time (rounded so float noise cannot break ties), then
-        # fewer sharded factors, then enumeration order
+        # lexicographic: feasible first, then time (rounded so float noise cannot break ties), then the mesh
+        # axis names (axis_hints: within TIE of the fastest), then fewer sharded factors, then enumeration order
         t = np.round(res["step_time"], 12)
         score = np.where(feasible, t, np.inf)
-        i = int(np.argmin(score)) if feasible.any() else int(np.argmin(res["memory"]))
+        i = i0 = int(np.argmin(score)) if feasible.any() else int(np.argmin(res["memory"]))
+        if feasible.any():
+            i = break_tie(i0, res["step_time"], feasible, plans, ev.cands, batch, ev.mesh)
         choice = ev._choice(plans[i], res, i, storage, plans.shape[0])
+        note = hint_note(choice.factor_axes, ev._choice(plans[i0], res, i0, storage, 0).factor_axes, batch) \
+            if i != i0 else ""
+        choice = dataclasses.replace(choice, hint=choice_hint(choice.factor_axes, batch), hint_note=note)
         if best is None or _better(choice, best):
+            if best is not None and _hint_decides(choice, best):
+                choice = dataclasses.replace(choice, hint_note=hint_note(choice.factor_axes, best.factor_axes, batch))
             best = choice
     return best
 
 
-def _better(a: PlanChoice, b: PlanChoice) -> bool:
+def _hint_decides(a: PlanChoice, b: PlanChoice) -> bool:
+    """Does `a` beat `b` on the axis-name hint alone (feasible, same predicted step within TIE)?"""
+    return a.feasible and b.feasible and ties(a.step_time, b.step_time) and a.hint > b.hint \
+        and round(a.step_time, 12) >= round(b.step_time, 12)
+
+
+def _better(a: PlanChoice, b: PlanChoice, hints: bool = True) -> bool:
     if a.feasible != b.feasible:
         return a.feasible
     if not a.feasible:
         return a.memory["total"] < b.memory["total"]
+    if hints and a.hint != b.hint and ties(a.step_time, b.step_time):
+        return a.hint > b.hint          # the same predicted step: the mesh axis names decide (axis_hints)
     return round(a.step_time, 12) < round(b.step_time, 12)
