@@ -412,11 +412,38 @@ def _candidate_factors(graph: OpGraph, fg: FactorGraph, weights: dict[int, float
     total = 1
     for f in cands:
         if total * len(masks_of[f]) > options.max_plans:
-            notes.append(f"factor {f} (size {fg.factor_size(f)}) left unsplit: plan space cap")
+            notes.append(_cap_note(graph, fg, f, [_mask_size(mesh, m) for m in masks_of[f]],
+                                   options.max_plans, total * len(masks_of[f])))
             continue
         kept.append(f)
         total *= len(masks_of[f])
     return tuple(sorted(kept)), masks_of
+
+
+def _cap_note(graph: OpGraph, fg: FactorGraph, f: int, splits: list[int], cap: int, needed: int) -> str:
+    """Why factor `f` stays whole (the plan space cap `cap`): the largest parameter or data input it splits, its size,
+    the per-device bytes of the inputs carrying it that its largest split would divide away, and the option
+    that lets the search split it (`needed` plans with it and the factors ranked before it)."""
+    where, carried, largest = "", 0, -1
+    for v in graph.inputs:
+        val = graph.values[v]
+        fs = fg.value_factors(v) if val.role in ("parameter", "data") else ()
+        if f in fs:
+            carried += val.nbytes
+            if val.nbytes > largest:            # named by the largest tensor carrying it (a kernel, not its bias)
+                where, largest = f"{val.keypath} dim {fs.index(f)}", val.nbytes
+    n = max(splits)
+    cost = (f"; whole, it keeps up to {_fmt_bytes(carried * (1 - 1 / n))} per device of the "
+            f"{_fmt_bytes(carried)} of parameters and inputs carrying it that splitting it {n} ways would free"
+            if carried and n > 1 else "")
+    return (f"{where or f'factor {f}'} (a logical dim of size {fg.factor_size(f)}) left unsplit: splitting it too "
+            f"would make {needed:,} plans, beyond the plan space cap of {cap:,}{cost}. Fix: raise the cap, "
+            f"search={{\"max_plans\": {needed}}} (autoshard.plan / @autoshard.autoshard, or [search] max_plans "
+            "in a config file).")
+
+
+def _fmt_bytes(b: float) -> str:
+    return f"{b / 2**20:,.1f} MiB" if b >= 2**20 else f"{b:,.0f} B"
 
 
 def _ranked_factors(graph: OpGraph, fg: FactorGraph, weights: dict[int, float]) -> tuple[int, ...]:
