@@ -96,6 +96,7 @@ def test_indivisible_dims_never_sharded(name, mesh):
 
 
 def test_axis_names_carry_no_meaning():
+    # to the cost model; they only break ties between mirror plans (tests/tensor/test_axis_hints.py)
     kw = dict(batch_size=64, d_model=256, num_heads=4, seq_len=64)
     a = _plan("gpt", {"data": 2, "model": 4}, **kw)
     b = _plan("gpt", {"u": 2, "v": 4}, **kw)
@@ -284,3 +285,13 @@ def test_parameter_table_shows_fsdp_gradient_sync():
     dp = autoshard.expert_plan("data-parallel", m.train_step, *m.abstract_state(), mesh={"data": 2, "model": 4},
                                hardware="cpu-sim")
     assert {r.grad_sync for r in dp.params} == {"all-reduce over data,model"}
+
+
+def test_a_capped_plan_space_warns_with_the_dim_and_the_option():
+    p = autoshard.plan(models.get("mlp", "debug").train_step, *models.get("mlp", "debug").abstract_state(),
+                       mesh={"data": 2, "model": 4}, hardware="cpu-sim", search={"max_plans": 2})
+    capped = [w for w in p.warnings if "left unsplit" in w]
+    assert capped, p.warnings
+    for w in capped:
+        assert w.startswith("[") and " dim " in w.split(" left unsplit")[0], w       # a keypath and its dim
+        assert 'search={"max_plans": ' in w and "plan space cap of 2" in w, w

@@ -311,3 +311,19 @@ def test_gradient_buckets_count_per_device_bytes():
     whole = res.evaluate({batch_factor(graph, res): ("d",)}, "replicated")
     full = cost.collective("all-reduce", 8 * per_device, ("d",)) + 15 * latency
     assert whole.breakdown["grad_sync"] == pytest.approx(2 * full, rel=1e-9)
+
+
+def test_the_plan_space_cap_names_the_dim_it_leaves_whole_and_the_option_to_raise():
+    # on 8 devices each factor doubles the plans (whole or split): a cap of 4 keeps two factors
+    graph = mlp_step(64, (256, 1024, 256))
+    capped = run(graph, max_plans=4)
+    assert len(capped.candidates) == 2 and len(capped.notes) == 2, capped.notes
+    note = capped.notes[0]
+    assert note.startswith("[0]['M']['dense_1']['kernel'] dim 1 (a logical dim of size 256) left unsplit"), note
+    assert 'Fix: raise the cap, search={"max_plans": 8}' in note, note
+    # what leaving it whole keeps per device: 7/8 of the 1 MiB kernel that carries it
+    assert f"keeps up to {1024 * 256 * 4 * 7 // 8:,} B per device of the 1.0 MiB" in note, note
+    # the advice is right: with the cap it names, the search splits that dim too
+    raised = run(graph, max_plans=8)
+    assert len(raised.candidates) == 3 and len(raised.notes) == 1, raised.notes
+    assert "[0]['M']['dense_1']['kernel'] dim 1" not in raised.notes[0]

@@ -224,10 +224,15 @@ def audit_lines(a: Any) -> list[str]:
                  f"{fmt_bytes(a.cost.get('bytes accessed', 0.0))} accessed per device")
     if a.gaps:
         lines += ["", "gaps beyond tolerance:"]
-        for g in a.gaps:
-            tag = " [backend-specific]" if g.backend_specific else ""
-            src = ", ".join(f"{m} {fmt_bytes(b)}" for m, b in g.modules[:5])
-            size = fmt_bytes if g.what.startswith(("memory", "collective")) else str
-            lines.append(f"  {g.what}: predicted {size(g.predicted)}, compiled {size(g.audited)} ({g.relative:.0%})"
-                         f"{tag}; {g.note}" + (f"; from {src}" if src else ""))
+        lines += [_gap_line(g, " [backend-specific]" if g.backend_specific else "") for g in a.gaps]
+    if a.minor_gaps:
+        lines += ["", "minor gaps (small against the step's collective bytes; not counted by fidelity):"]
+        lines += [_gap_line(g, f" [{a.share(g):.1%} of the step]") for g in a.minor_gaps]
     return lines + [f"note: {n}" for n in a.notes]
+
+
+def _gap_line(g: Any, tag: str) -> str:
+    src = ", ".join(f"{m} {fmt_bytes(b)}" for m, b in g.modules[:5])
+    size = fmt_bytes if g.what.startswith(("memory", "collective")) else str
+    return (f"  {g.what}: predicted {size(g.predicted)}, compiled {size(g.audited)} ({g.relative:.0%}){tag}; {g.note}"
+            + (f"; from {src}" if src else ""))

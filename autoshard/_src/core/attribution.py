@@ -36,6 +36,12 @@ _PASS_THROUGH = frozenset({
     "squeeze", "expand_dims", "reduce_precision", "sharding_constraint",
 })
 _COLLECTIONS = frozenset({"params"})  # flax's parameter collection
+# jax.random's primitives that read a key: a legacy uint32[..., 2] key enters them through random_wrap
+_KEY_READERS = frozenset({"random_wrap", "random_bits", "random_split", "random_fold_in", "random_unwrap",
+                          "random_clone", "threefry2x32"})
+# ops that pick keys out of an array of them (`keys[i]`, a reshape) on the way to a reader
+_KEY_PICKS = frozenset({"slice", "squeeze", "reshape", "expand_dims", "dynamic_slice", "gather", "copy", "copy_p",
+                        "broadcast_in_dim", "concatenate", "transpose"})
 _VALUE_LEAVES = frozenset({".value", ".raw_value"})  # nnx Variable wrappers around the array
 
 _scope_cache: dict[str, tuple[str, tuple[str, ...]]] = {}
@@ -137,8 +143,10 @@ def parameter_modules(graph: OpGraph) -> tuple[dict[int, str], dict[str, str]]:
     output keypath that is one. Returns ({value id: module}, {output keypath: module}) and sets
     `role` and `module` on the input values."""
     values = graph.values
-    fwd_inputs = [v for v in graph.inputs
-                  if any(graph.ops[c].phase == "forward" for c in values[v].consumers)]
+    # a PRNG key is no parameter and no batch: never split, never the batch size (dataflow says which)
+    keys = {v for v in graph.inputs if is_prng_key(graph, v)}
+    fwd_inputs = [v for v in graph.inputs if v not in keys
+                  and any(graph.ops[c].phase == "forward" for c in values[v].consumers)]
     by_arg: dict[object, list[int]] = {}
     for v in fwd_inputs:
         if values[v].keypath_parts:
@@ -189,7 +197,9 @@ def parameter_modules(graph: OpGraph) -> tuple[dict[int, str], dict[str, str]]:
 
     for v in graph.inputs:
         val = values[v]
-        if v in module_of:
+        if v in keys:
+            val.role = "rng"
+        elif v in module_of:
             trained = not has_update or updated(v)
             val.role, val.module = ("parameter" if trained else "buffer"), module_of[v]
         elif (hit := match(_rel_parts(val))) is not None:
@@ -205,6 +215,27 @@ def parameter_modules(graph: OpGraph) -> tuple[dict[int, str], dict[str, str]]:
         if (hit := match(p)) is not None:
             out_modules[kp] = hit
     return module_of, out_modules
+
+
+def is_prng_key(graph: OpGraph, v: int) -> bool:
+    """Is value `v` a PRNG key: a typed key array (`key<fry>`), or a uint32 array of trailing dim 2 (a legacy
+    `jax.random.PRNGKey`, or several) that reaches a jax.random primitive, directly or through ops that pick
+    keys out of it? Dataflow decides: a uint32 pair no random op reads is data."""
+    val = graph.values[v]
+    if val.dtype.startswith("key<"):
+        return True
+    if val.dtype != "uint32" or not val.shape or val.shape[-1] != 2:
+        return False
+    seen, todo = {v}, [v]
+    while todo:
+        for c in graph.values[todo.pop()].consumers:
+            op = graph.ops[c]
+            if op.primitive in _KEY_READERS:
+                return True
+            if op.primitive in _KEY_PICKS:
+                todo += [o for o in op.outputs if o not in seen and graph.values[o].dtype == "uint32"]
+                seen.update(op.outputs)
+    return False
 
 
 def _top_leaf_module(graph: OpGraph, v: int, nested: bool, by_role: bool) -> str:

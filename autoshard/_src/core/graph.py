@@ -62,7 +62,8 @@ class Value:
     consumers: list[int] = dataclasses.field(default_factory=list)
     # for program inputs: "parameter" (read by the forward pass, updated by the optimizer), "buffer"
     # (model state only the forward reads: BatchNorm statistics), "state" (per-parameter state such
-    # as Adam moments, matched to its parameter by keypath) or "data"; module of parameters/state
+    # as Adam moments, matched to its parameter by keypath), "rng" (a PRNG key: never split, never the
+    # batch; core.attribution.is_prng_key) or "data"; module of parameters/state
     role: str = ""
     module: str = ""
 

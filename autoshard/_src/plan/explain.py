@@ -49,6 +49,7 @@ def explain_tensor(self: Any) -> str:
         f"{fmt_bytes(p['memory']['total'])} per device of {fmt_bytes(p['memory_budget'])}",
         *([f"searched {p['plans_evaluated']:,} plans in {p['search_seconds']:.3f} s"]
           if "plans_evaluated" in p and "search_seconds" in p else []),
+        *([f"{p['axis_hint']}"] if p.get("axis_hint") else []),
         *_remat_lines(self),
         "",
         "logical dims (factors) -> mesh axes:",

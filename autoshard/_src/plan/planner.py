@@ -391,6 +391,8 @@ def build_plan(graph: OpGraph, grouping: Grouping, mesh: MeshSpec, hw: HardwareS
         predicted["experts"] = experts
     if expert is not None:
         predicted["expert"] = expert
+    if b.hint_note:         # the mesh axis names decided between plans of the same predicted step
+        predicted["axis_hint"] = b.hint_note
     provenance = {"autoshard": VERSION, "fingerprint": fingerprint(graph),
                   "step": graph.name, "options": dataclasses.asdict(options),
                   "hardware": hardware_dict(hw)}
@@ -407,6 +409,8 @@ def build_plan(graph: OpGraph, grouping: Grouping, mesh: MeshSpec, hw: HardwareS
 def _input_layout(graph: OpGraph, fg: Any, src: int, val: Any, axes_of: dict, storage: str, mesh: MeshSpec,
                   grad_axes: set[str]) -> tuple[Spec, int, str]:
     """(spec, shards, gradient sync) of an input whose representative is `src`."""
+    if val.role == "rng":           # a PRNG key: every device draws from the whole key
+        return tuple(() for _ in val.shape), 1, ""
     spec = _spec_for(fg.value_factors(src), axes_of) if len(graph.values[src].shape) == len(val.shape) \
         else [()] * len(val.shape)
     own = {a for axes in spec for a in axes}      # the axes its logical dims are split over

@@ -74,6 +74,10 @@ class PlanChoice:
     comm_bytes: dict[str, float]          # per device collective buffer bytes by "kind@axes"
     plans_evaluated: int
     feasible: bool
+    # mesh axis names matched (tensor.axis_hints.row_hints; set by the search) and, when the names decided
+    # between plans of the same predicted step, what they decided (explain prints it)
+    hint: int = 0
+    hint_note: str = ""
 
 
 @dataclasses.dataclass

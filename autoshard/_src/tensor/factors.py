@@ -40,8 +40,10 @@ ELEMENTWISE = frozenset({
 REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and",
                         "reduce_or", "argmax", "argmin"})
 CUMULATIVE = frozenset({"cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp"})
-# ops with no data inputs whose result dims start fresh factors
-SOURCES = frozenset({"iota", "random_seed", "random_wrap", "random_unwrap", "rng_bit_generator"})
+# ops with no data inputs whose result dims start fresh factors (the PRNG key ops read only a key, which
+# is never split: core.attribution.is_prng_key)
+SOURCES = frozenset({"iota", "random_seed", "random_wrap", "random_unwrap", "rng_bit_generator", "random_split",
+                     "random_fold_in", "random_clone"})
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -30,6 +30,7 @@ from ..core.grouping import Grouping
 from ..core.hardware import HardwareSpec
 from ..core.liveness import live_weights
 from ..core.mesh import MeshSpec
+from .axis_hints import break_tie, choice_hint, hint_note, ties
 from .evaluator import (
     STORAGE_MODES,
     PlanChoice,
@@ -104,7 +105,8 @@ def search(graph: OpGraph, grouping: Grouping, mesh: MeshSpec, hw: HardwareSpec,
         result._sp_analysis = sp          # with_sequence_parallel prices experts in it without redoing it
         if sp is not None:
             sp_result = _search_space(plan_space(graph, grouping, mesh, options, sp), hw, cost, options)
-            if mode == "on" or _better(sp_result.best, result.best):
+            # by time only: the two spaces' factors differ, so their axis-name hints are not compared
+            if mode == "on" or _better(sp_result.best, result.best, hints=False):
                 n = sp_result.best.plans_evaluated + result.best.plans_evaluated
                 sp_result.best = dataclasses.replace(sp_result.best, plans_evaluated=n)
                 result = sp_result
@@ -409,11 +411,38 @@ def _candidate_factors(graph: OpGraph, fg: FactorGraph, weights: dict[int, float
     total = 1
     for f in cands:
         if total * len(masks_of[f]) > options.max_plans:
-            notes.append(f"factor {f} (size {fg.factor_size(f)}) left unsplit: plan space cap")
+            notes.append(_cap_note(graph, fg, f, [_mask_size(mesh, m) for m in masks_of[f]],
+                                   options.max_plans, total * len(masks_of[f])))
             continue
         kept.append(f)
         total *= len(masks_of[f])
     return tuple(sorted(kept)), masks_of
+
+
+def _cap_note(graph: OpGraph, fg: FactorGraph, f: int, splits: list[int], cap: int, needed: int) -> str:
+    """Why factor `f` stays whole (the plan space cap `cap`): the largest parameter or data input it splits, its size,
+    the per-device bytes of the inputs carrying it that its largest split would divide away, and the option
+    that lets the search split it (`needed` plans with it and the factors ranked before it)."""
+    where, carried, largest = "", 0, -1
+    for v in graph.inputs:
+        val = graph.values[v]
+        fs = fg.value_factors(v) if val.role in ("parameter", "data") else ()
+        if f in fs:
+            carried += val.nbytes
+            if val.nbytes > largest:            # named by the largest tensor carrying it (a kernel, not its bias)
+                where, largest = f"{val.keypath} dim {fs.index(f)}", val.nbytes
+    n = max(splits)
+    cost = (f"; whole, it keeps up to {_fmt_bytes(carried * (1 - 1 / n))} per device of the "
+            f"{_fmt_bytes(carried)} of parameters and inputs carrying it that splitting it {n} ways would free"
+            if carried and n > 1 else "")
+    return (f"{where or f'factor {f}'} (a logical dim of size {fg.factor_size(f)}) left unsplit: splitting it too "
+            f"would make {needed:,} plans, beyond the plan space cap of {cap:,}{cost}. Fix: raise the cap, "
+            f"search={{\"max_plans\": {needed}}} (autoshard.plan / @autoshard.autoshard, or [search] max_plans "
+            "in a config file).")
+
+
+def _fmt_bytes(b: float) -> str:
+    return f"{b / 2**20:,.1f} MiB" if b >= 2**20 else f"{b:,.0f} B"
 
 
 def _ranked_factors(graph: OpGraph, fg: FactorGraph, weights: dict[int, float]) -> tuple[int, ...]:
@@ -472,23 +501,39 @@ def _best_choice(ev: _Evaluator, plans: np.ndarray, storage_modes: tuple[str, ..
     """The best plan of each storage mode, then the best of those."""
     best = None
     by_mode = ev.evaluate_modes(plans, storage_modes)
+    batch = set(region_twins(ev.fg, batch_factors(ev.graph, ev.fg)))
     for storage in storage_modes:
         res = by_mode[storage]
         feasible = res["memory"] <= budget
-        # lexicographic: feasible first, then time (rounded so float noise cannot break ties), then
-        # fewer sharded factors, then enumeration order
+        # lexicographic: feasible first, then time (rounded so float noise cannot break ties), then the mesh
+        # axis names (axis_hints: within TIE of the fastest), then fewer sharded factors, then enumeration order
         t = np.round(res["step_time"], 12)
         score = np.where(feasible, t, np.inf)
-        i = int(np.argmin(score)) if feasible.any() else int(np.argmin(res["memory"]))
+        i = i0 = int(np.argmin(score)) if feasible.any() else int(np.argmin(res["memory"]))
+        if feasible.any():
+            i = break_tie(i0, res["step_time"], feasible, plans, ev.cands, batch, ev.mesh)
         choice = ev._choice(plans[i], res, i, storage, plans.shape[0])
+        note = hint_note(choice.factor_axes, ev._choice(plans[i0], res, i0, storage, 0).factor_axes, batch) \
+            if i != i0 else ""
+        choice = dataclasses.replace(choice, hint=choice_hint(choice.factor_axes, batch), hint_note=note)
         if best is None or _better(choice, best):
+            if best is not None and _hint_decides(choice, best):
+                choice = dataclasses.replace(choice, hint_note=hint_note(choice.factor_axes, best.factor_axes, batch))
             best = choice
     return best
 
 
-def _better(a: PlanChoice, b: PlanChoice) -> bool:
+def _hint_decides(a: PlanChoice, b: PlanChoice) -> bool:
+    """Does `a` beat `b` on the axis-name hint alone (feasible, same predicted step within TIE)?"""
+    return a.feasible and b.feasible and ties(a.step_time, b.step_time) and a.hint > b.hint \
+        and round(a.step_time, 12) >= round(b.step_time, 12)
+
+
+def _better(a: PlanChoice, b: PlanChoice, hints: bool = True) -> bool:
     if a.feasible != b.feasible:
         return a.feasible
     if not a.feasible:
         return a.memory["total"] < b.memory["total"]
+    if hints and a.hint != b.hint and ties(a.step_time, b.step_time):
+        return a.hint > b.hint          # the same predicted step: the mesh axis names decide (axis_hints)
     return round(a.step_time, 12) < round(b.step_time, 12)
