@@ -37,7 +37,8 @@ def test_the_hint_breaks_ties_only(mirror_extra, chosen):
 
 @pytest.fixture(scope="module")
 def gpt():
-    m = models.get("gpt", "debug", num_layers=2)
+    # batch 2: data parallelism fits one axis only, so one axis takes the batch and the names can decide
+    m = models.get("gpt", "debug", num_layers=2, batch_size=2)
     return m, m.abstract_state()
 
 
