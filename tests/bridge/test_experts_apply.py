@@ -278,17 +278,27 @@ def test_grouped_query_attention_splits_query_heads_whatever_the_kv_heads(kv_hea
     assert p["q"]["kernel"] == P(None, "model") and p["o"]["kernel"] == P("model", None)
     assert p["fc1"]["kernel"] == P(None, "model") and p["fc2"]["kernel"] == P("model", None)
     assert p["k"]["kernel"] == kv_spec and p["v"]["kernel"] == kv_spec
-    if kv_heads == 2 and mesh["model"] == 4:
-        # the plan runs as priced: the compiled collectives' bytes and argument memory, and one step
-        # equals the unsharded step
-        report = autoshard.audit(plan, step, *_abstract((params, opt.init(params), {"x": x, "y": x})))
-        assert not [g for g in report.gaps if g.what.startswith("collective")], report.report()
-        assert report.memory["argument"] == pytest.approx(report.predicted_memory["argument"], rel=0.01)
-        fast = autoshard.autoshard(step, mesh=mesh, hardware="cpu-sim", plan=plan)
-        args = (params, opt.init(params), {"x": x, "y": x})
-        got, want = fast(*args), jax.jit(step)(*args)
-        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_grouped_query_attention_with_kv_heads_whole_runs_as_priced():
+    # the compiled collectives' bytes and argument memory are the predicted ones (the repeat's local slice
+    # forward, its cotangent's all-gather backward), and one step equals the unsharded step
+    block = GQABlock(kv_heads=2)
+    x = jax.random.normal(jax.random.key(0), (8, SEQ, WIDTH))
+    params = block.init(jax.random.key(1), x)
+    step = _step(lambda p, b: jnp.mean((block.apply(p, b["x"]) - b["y"]) ** 2))
+    args = (params, opt.init(params), {"x": x, "y": x})
+    _, plan = _specs("data-megatron", step, params, {"x": x, "y": x})
+    report = autoshard.audit(plan, step, *_abstract(args))
+    assert not [g for g in report.gaps if g.what.startswith("collective")], report.report()
+    assert report.memory["argument"] == pytest.approx(report.predicted_memory["argument"], rel=0.01)
+    got = autoshard.autoshard(step, mesh=MESH, hardware="cpu-sim", plan=plan)(*args)
+    want = jax.jit(step)(*args)
+    # (Adam's first step moves every weight by about its learning rate, 1e-3, whatever its gradient's
+    # size: reduction-order noise in a tiny gradient shows there, hence atol 1e-5 on the weights)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
 
 
 def test_expert_that_cannot_apply_names_the_parameter_dim():

@@ -103,7 +103,7 @@ def compare_experts(graph: OpGraph, grouping: Grouping, mesh: MeshSpec, res: Sea
         assignments["megatron-sp"] = expert_assignments(graph, sp.factors, in_map, mesh)["megatron-sp"]
     for name, a in assignments.items():
         if isinstance(a, str):
-            out[name] = {"reason": a}
+            out[name] = {"reason": str(a)}      # a plain str in the plan (NotApplicable's fix is for errors)
             continue
         fa, storage = a
         priced = sp if name == "megatron-sp" and sp is not None else res

@@ -234,8 +234,10 @@ def _sequence_parallel(graph: OpGraph, fg: FactorGraph, in_map: dict[int, int], 
             seq.append(f)
     fits = [f for f in seq if _fits(fg, [f], mesh, tp_axes)]     # others (an MoE's capacity) stay whole
     if not fits:
+        sites = "; ".join(factor_site(graph, fg, f, in_map) for f in sorted(fg.sequence))
         return _indivisible(graph, fg, in_map, "sequence dims", seq, mesh, tp_axes) or NotApplicable(
-            "no sequence dim of the residual stream shares no tensor with a dim split on the tensor-parallel axis")
+            f"every sequence dim of the residual stream ({sites}) shares a tensor with a dim split on axes "
+            f"{tp_axes}", "Fix: use the megatron or data-megatron expert.")
     fa.update({f: tp_axes for f in fits})
     return fa, megatron[1]
 
@@ -267,19 +269,20 @@ def _not_dividing(graph: OpGraph, fg: FactorGraph, in_map: dict[int, int], f: in
 
 def factor_site(graph: OpGraph, fg: FactorGraph, f: int, in_map: dict[int, int] | None = None,
                 sizes: Sequence[int] = ()) -> str:
-    """Where a logical dim shows to a user: "<keypath> dim d" of a parameter holding it (one whose dim
-    has a size in `sizes` first, "and N more parameters" after), else of a data input, else the module
-    of a region boundary where its consumers read it, else "factor f"."""
+    """Where a logical dim shows to a user: "<keypath> dim d" of a parameter holding it (a weight matrix
+    before a bias, one whose dim has a size in `sizes` first; "and N more parameters" after), else of a
+    data input, else the module of a region boundary where its consumers read it, else "factor f"."""
     in_map = in_map or {}
     sites: dict[str, list[tuple[str, int]]] = {"parameter": [], "data": []}
     for v in graph.inputs:
         val = graph.values[v]
         if val.role in sites:
             fs = fg.value_factors(in_map.get(v, v)) if val.role == "parameter" else fg.value_factors(v)
-            sites[val.role].extend((f"{val.keypath} dim {d}", val.shape[d]) for d, g in enumerate(fs) if g == f)
-    params = sorted(sites["parameter"], key=lambda s: s[1] not in sizes)
+            sites[val.role].extend((f"{val.keypath} dim {d}", val.shape[d], len(val.shape) < 2)
+                                   for d, g in enumerate(fs) if g == f)
+    params = sorted(sites["parameter"], key=lambda s: (s[2], s[1] not in sizes))
     if params:
-        more = len({p.rsplit(" dim ", 1)[0] for p, _ in params}) - 1
+        more = len({p.rsplit(" dim ", 1)[0] for p, *_ in params}) - 1
         return params[0][0] + (f" (and {more} more parameter{'s' * (more > 1)})" if more else "")
     if sites["data"]:
         return sites["data"][0][0]

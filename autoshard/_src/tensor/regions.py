@@ -86,7 +86,7 @@ def analyze(graph: OpGraph, ops: Iterable[int], same_ops: Sequence[tuple[int, in
 
 def region_twins(fg: FactorGraph, factors: list[int]) -> list[int]:
     """`factors` and their twins across region boundaries (`FactorGraph.cuts`: the group dim of an MoE
-    layer's tokens as the experts see it): an expert splitting the batch splits it there too."""
+    layer's tokens as the experts see it): an expert plan splitting the batch splits it there too."""
     out = list(factors)
     changed = True
     while changed:
