@@ -46,7 +46,7 @@ import numpy as np
 from ..core.cost import CostModel
 from ..core.hardware import HardwareSpec
 from ..core.mesh import MeshSpec
-from ..tensor.experts import batch_factors, expert_assignments
+from ..tensor.experts import batch_factors, expert_assignments, factor_site
 from ..tensor.memory import kept_share
 from ..tensor.search import STORAGE_MODES, PlanSpace, SearchOptions
 from .units import Units
@@ -108,7 +108,8 @@ def _evaluators(space: PlanSpace, hw: HardwareSpec, cost: CostModel, options: Se
 
 
 def expert_row(space: PlanSpace, name: str) -> np.ndarray | str:
-    """The plan row of the hand-written expert `name` on the space's submesh, or why there is none."""
+    """The plan row of the hand-written expert `name` on the space's submesh, or why there is none
+    (naming the parameter dims it would split that the space leaves out)."""
     a = expert_assignments(space.graph, space.fg, space.in_map, space.mesh).get(name, f"unknown expert {name!r}")
     if isinstance(a, str):
         return a
@@ -116,12 +117,19 @@ def expert_row(space: PlanSpace, name: str) -> np.ndarray | str:
     cidx = {f: i for i, f in enumerate(space.candidates)}
     outside = [f for f in fa if f not in cidx]
     if outside:
-        return f"splits dims the search does not consider ({len(outside)} factors)"
+        return (f"splits dims the 3-D search does not enumerate on submesh {space.mesh} (over its plan space cap "
+                f"or in no op it prices): {_sites(space, outside, fa)}")
     row = np.zeros(len(space.candidates), dtype=np.int64)
     for f, axes in fa.items():
         row[cidx[f]] = sum(1 << space.mesh.names.index(ax) for ax in axes)
     hits = np.flatnonzero((space.plans == row).all(axis=1))
-    return row if hits.size else "its assignment is not in the enumerated plan space"
+    return row if hits.size else (f"its assignment is not among the plans enumerated on submesh {space.mesh}: "
+                                  f"{_sites(space, list(fa), fa)}")
+
+
+def _sites(space: PlanSpace, factors: list[int], fa: dict[int, tuple[str, ...]]) -> str:
+    return "; ".join(f"{factor_site(space.graph, space.fg, f, space.in_map)} (size {space.fg.factor_size(f)}) "
+                     f"over {fa[f]}" for f in factors)
 
 
 def megatron_expert(mesh: MeshSpec, sequence_parallel: bool = False) -> str:

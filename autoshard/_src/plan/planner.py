@@ -103,7 +103,7 @@ def compare_experts(graph: OpGraph, grouping: Grouping, mesh: MeshSpec, res: Sea
         assignments["megatron-sp"] = expert_assignments(graph, sp.factors, in_map, mesh)["megatron-sp"]
     for name, a in assignments.items():
         if isinstance(a, str):
-            out[name] = {"reason": a}
+            out[name] = {"reason": str(a)}      # a plain str in the plan (NotApplicable's fix is for errors)
             continue
         fa, storage = a
         priced = sp if name == "megatron-sp" and sp is not None else res
@@ -127,8 +127,8 @@ def expert_tensor_plan(name: str, graph: OpGraph, *, mesh: Any, hw: HardwareSpec
     res = search(graph, grouping, m, hw, options)
     a = expert_assignments(graph, res.factors, input_maps(graph, grouping, res.periods), m)[name]
     if isinstance(a, str):
-        raise PlanError(f"autoshard.expert_plan: the {name} plan does not apply on mesh {m}: {a}. "
-                        "Fix: choose a mesh whose axis sizes divide the split dimensions.")
+        fix = getattr(a, "fix", "") or "Fix: choose a mesh whose axis sizes divide the split dimensions."
+        raise PlanError(f"autoshard.expert_plan: the {name} plan does not apply on mesh {m}: {a}. {fix}")
     fa, storage = a
     choice, ev = evaluate_assignment(res, fa, storage)      # every dim it splits priced, as emitted
     expert_res = dataclasses.replace(res, best=choice, candidates=ev.cands)

@@ -129,7 +129,8 @@ class _Shared:
     the collective cost tables per cost model and the candidate masks of factor sets."""
 
     def __init__(self) -> None:
-        self.cmasks: dict[tuple | frozenset, tuple[int, ...]] = {}
+        # per candidate tuple: factor set -> candidate indices
+        self.cmasks: dict[tuple[int, ...], dict[tuple | frozenset, tuple[int, ...]]] = {}
         self._coll: dict[int, tuple[CostModel, dict]] = {}
 
     def collective_tables(self, mesh: MeshSpec, cost: CostModel) -> dict[str, tuple[np.ndarray, np.ndarray]]:
@@ -186,7 +187,9 @@ class _Evaluator(MemoryModel, CommRecords):
         self.msize = np.array([_mask_size(mesh, m) for m in range(nm)], dtype=np.float64)
         shared = shared if shared is not None else _Shared()
         self.coll = shared.collective_tables(mesh, cost)
-        self._cmasks = shared.cmasks
+        # candidate indices depend on the candidates: a wider evaluator of the same space (an expert plan
+        # splitting dims outside them, search.evaluate_assignment) must not read the narrower one's
+        self._cmasks = shared.cmasks.setdefault(cands, {})
         # the summaries read the candidates, not the mesh: shared by every mesh with the same candidates
         key = (cands, tuple(sorted(weights.items())), grad_ops, tuple(self.inputs), self.fused_update, accumulate,
                options.attention, repr(hw), id(in_map), keep_all)

@@ -111,6 +111,7 @@ class FactorGraph:
     # the residual stream's token dims cut from tensor-parallel regions (sequence parallelism splits them)
     sequence: frozenset[int] = frozenset()
     expert_cuts: frozenset[int] = frozenset()     # the values cut at MoE dispatch / combine
+    repeat_cuts: frozenset[int] = frozenset()     # the values cut where attention repeats its kv heads
     # evaluator summaries built over this graph, by what they depend on (tensor.evaluator): the 3-D
     # search builds the same ones for every submesh shape whose candidate factors agree
     builds: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)

@@ -9,6 +9,9 @@ are found from the program's structure, never from names:
 * mixture-of-experts layers (`_expert_cuts`): tokens dispatched to the experts and the experts'
   outputs returning to the tokens (GShard's expert parallelism: groups split for attention, experts
   for the expert FFNs, an all-to-all between);
+* grouped-query attention (`_repeat_cuts`): the key/value heads repeated for the query heads they
+  serve; the query heads may split where the fewer kv heads cannot (Megatron-LM then keeps k/v whole:
+  a local slice into the repeat, an all-gather of its cotangent out of it);
 * tensor-parallel regions (`_sequence_cuts`): the ops that touch a Megatron factor (heads, FFN hidden,
   vocabulary) against the residual stream between them (norms, residual adds, dropout). Cutting the
   stream's token dims where it enters and leaves them lets the plan split the sequence over the
@@ -43,14 +46,21 @@ def analyze(graph: OpGraph, ops: Iterable[int], same_ops: Sequence[tuple[int, in
     fg = linked if linked is not None else link_factors(graph, ops, same_ops)
     subs = _expert_cuts(graph, ops, fg)
     expert_values = frozenset(v for per_op in subs.values() for v, _ in per_op.values())
-    kept: dict[int, tuple[int, ...]] = {}
+    repeat_subs, kept = _repeat_cuts(graph, ops, fg)
+    for i, per_op in repeat_subs.items():
+        for k, cut in per_op.items():
+            subs.setdefault(i, {}).setdefault(k, cut)
+    repeat_values = frozenset(v for per_op in repeat_subs.values() for v, _ in per_op.values())
     sequence: set[int] = set()
     inside: set[int | None] = set()
+    seq_kept: dict[int, tuple[int, ...]] = {}
     if tensor_parallel is not None:
-        seq_subs, kept, stream_dims, joined = _sequence_cuts(graph, ops, *tensor_parallel)
+        seq_subs, seq_kept, stream_dims, joined = _sequence_cuts(graph, ops, *tensor_parallel)
         for i, per_op in seq_subs.items():
             for k, cut in per_op.items():
-                subs.setdefault(i, {}).setdefault(k, cut)
+                if cut[0] not in repeat_values:       # a value is cut once (one layout per side)
+                    subs.setdefault(i, {}).setdefault(k, cut)
+                    kept.setdefault(cut[1], seq_kept[cut[1]])
     if not subs:
         return fg
     fg = link_factors(graph, ops, same_ops, subs, kept, joined if tensor_parallel is not None else ())
@@ -62,7 +72,7 @@ def analyze(graph: OpGraph, ops: Iterable[int], same_ops: Sequence[tuple[int, in
                       for d in range(len(shape)))
         before = fg.value_factors(v)
         cuts.append((v, before, after))
-        if tensor_parallel is not None and cid in kept:
+        if tensor_parallel is not None and cid in seq_kept and v not in repeat_values:
             stream, region = (before, after) if v in stream_dims[0] else (after, before)
             cut_dims = [d for d in range(len(shape)) if d - len(shape) not in kept[cid]]
             sequence.update(stream[d] for d in cut_dims if stream[d] is not None)
@@ -70,7 +80,24 @@ def analyze(graph: OpGraph, ops: Iterable[int], same_ops: Sequence[tuple[int, in
     fg.cuts = tuple(cuts)
     fg.sequence = frozenset(sequence - inside)
     fg.expert_cuts = expert_values
+    fg.repeat_cuts = repeat_values
     return fg
+
+
+def region_twins(fg: FactorGraph, factors: list[int]) -> list[int]:
+    """`factors` and their twins across region boundaries (`FactorGraph.cuts`: the group dim of an MoE
+    layer's tokens as the experts see it): an expert plan splitting the batch splits it there too."""
+    out = list(factors)
+    changed = True
+    while changed:
+        changed = False
+        for _, before, after in fg.cuts:
+            for b, a in zip(before, after, strict=True):
+                for x, y in ((b, a), (a, b)):
+                    if x in out and y is not None and y not in out:
+                        out.append(y)
+                        changed = True
+    return out
 
 
 def constant_values(graph: OpGraph, ops: Sequence[int]) -> set[int]:
@@ -141,6 +168,79 @@ def _sequence_cuts(graph: OpGraph, ops: list[int], fg: FactorGraph, tensor_paral
                     if first.setdefault(fs[d], key) != key:
                         joined.append((first[fs[d]], key))
     return subs, kept, (entering,), joined
+
+
+def _repeat_cuts(graph: OpGraph, ops: list[int], fg: FactorGraph) -> tuple[Subs, dict[int, tuple[int, ...]]]:
+    """Where grouped-query attention repeats its key/value heads for the query heads (`jnp.repeat`),
+    found from structure, never from names: a broadcast inserting a dim right after a weight's dim (the
+    kv heads of k_proj's output), merged into it by a reshape; in the backward pass its transpose, a
+    reshape splitting a weight's dim summed over the split-off part. The repeated value is cut (its
+    consumers read the query heads under a factor of their own; the backward's reshape reads the
+    cotangent under the kv heads'), the other dims kept linked. Without the cut the reshape would tie
+    the kv heads to the query heads, and a query-heads split would need the kv heads to divide too.
+    Returns (op -> operand position -> (value, cut id), per cut id the dims kept linked)."""
+    opset = set(ops)
+    wdims = {f for v in graph.inputs if graph.values[v].role in ("parameter", "buffer")
+             for f in fg.value_factors(v) if f is not None}
+    subs: Subs = {}
+    kept: dict[int, tuple[int, ...]] = {}
+    for i in ops:
+        op = graph.ops[i]
+        if op.primitive != "reshape" or not op.outputs:
+            continue
+        merged = _repeat_merge(graph, op, opset, fg, wdims)
+        if merged is not None:      # the repeated value: every consumer reads the query heads
+            v, rank = op.outputs[0], len(op.out_shapes[0])
+            for c in graph.values[v].consumers:
+                if c in opset:
+                    for k, u in enumerate(graph.ops[c].inputs):
+                        if u == v:
+                            subs.setdefault(c, {})[k] = (v, -1 - v)
+            kept[-1 - v] = tuple(d - rank for d in range(rank) if d != merged)
+            continue
+        split = _repeat_split(graph, op, opset, fg, wdims)
+        if split is not None:       # its cotangent, read as the kv heads by the sum over the repeats
+            v, rank = op.inputs[0], len(op.in_shapes[0])
+            subs.setdefault(i, {})[0] = (v, -1 - v)
+            kept[-1 - v] = tuple(d - rank for d in range(rank) if d != split)
+    return subs, kept
+
+
+def _repeat_merge(graph: OpGraph, op, opset: set[int], fg: FactorGraph, wdims: set[int]) -> int | None:
+    """The dim of reshape `op`'s result that merges a weight's dim with a dim a broadcast inserted right
+    after it (a repeat), or None."""
+    p = graph.values[op.inputs[0]].producer
+    if p is None or p not in opset or graph.ops[p].primitive != "broadcast_in_dim":
+        return None
+    b = graph.ops[p]
+    sb, sin, out = b.out_shapes[0], b.in_shapes[0], op.out_shapes[0]
+    bd = tuple(b.params.get("broadcast_dimensions", ()))
+    fs = fg.value_factors(b.inputs[0], len(sin))
+    for n in range(1, len(sb)):
+        if n in bd or sb[n] == 1 or (n - 1) not in bd or sb[n - 1] == 1:
+            continue
+        f = fs[bd.index(n - 1)]
+        if f in wdims and out == (*sb[:n - 1], sb[n - 1] * sb[n], *sb[n + 1:]):
+            return n - 1
+    return None
+
+
+def _repeat_split(graph: OpGraph, op, opset: set[int], fg: FactorGraph, wdims: set[int]) -> int | None:
+    """The dim of reshape `op`'s operand that it splits into (a weight's dim, a part) that a reduce_sum
+    then sums away (the transpose of a repeat), or None."""
+    s, out = op.in_shapes[0], op.out_shapes[0]
+    if len(out) != len(s) + 1:
+        return None
+    fs = fg.value_factors(op.inputs[0], len(s))
+    for m in range(len(s)):
+        a, r = out[m], out[m + 1]
+        if a == 1 or r == 1 or fs[m] not in wdims or out != (*s[:m], a, r, *s[m + 1:]):
+            continue
+        if any(c in opset and graph.ops[c].primitive == "reduce_sum"
+               and tuple(graph.ops[c].params.get("axes", ())) == (m + 1,)
+               for c in graph.values[op.outputs[0]].consumers):
+            return m
+    return None
 
 
 _LAYOUT_OPS = frozenset({"transpose", "reshape", "convert_element_type", "copy"})
