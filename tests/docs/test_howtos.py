@@ -20,7 +20,13 @@ import types
 from dataclasses import dataclass
 from pathlib import Path
 
+import flax.linen
+import flax.nnx
+import jax
+import optax
 import pytest
+
+import autoshard
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
@@ -84,6 +90,11 @@ def test_the_readme_has_howtos_for_each_task():
     assert {"linen", "nnx", "hf", "mesh", "abstract", "pipeline", "checkpoint", "multihost", "audit"} <= set(HOWTOS)
 
 
+# the libraries the how-tos import, loaded with this module as any test module loads what it tests (a
+# how-to's own `import` then costs nothing, and its time is its own work: tracing, planning, compiling)
+_ = (flax.linen, flax.nnx, optax, autoshard.autoshard)
+
+
 @pytest.mark.parametrize("name", list(_params()))
 def test_howto_runs(name, tmp_path, monkeypatch):
     _needs(name)
@@ -115,7 +126,6 @@ def _run(name: str) -> dict:
 def _copied(value):
     """`value` with its jax arrays copied: a how-to's step donates the state it is given, and the next
     how-to that continues from the same one must still find it."""
-    import jax
     return jax.tree.map(lambda x: x.copy() if isinstance(x, jax.Array) else x, value)
 
 
