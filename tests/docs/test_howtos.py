@@ -45,25 +45,28 @@ class Howto:
     processes: int = 1
 
 
-def _howtos(text: str) -> dict[str, Howto]:
+def _howtos(text: str) -> tuple[dict[str, Howto], list[str]]:
+    """The how-tos of `text` by name, and the ```python blocks that carry neither marker."""
     found: dict[str, Howto] = {}
+    unmarked = []
     for kind, marker, code in _BLOCK.findall(text):
         if kind == "not run":
             assert marker.strip(), "a `<!-- not run: -->` block must say why"
-            continue
-        assert kind == "howto", f"README: a ```python block without a howto or not-run marker:\n{code[:300]}"
-        name, *flags = marker.split()
-        opts = dict(f.split("=", 1) if "=" in f else (f, True) for f in flags)
-        assert set(opts) <= {"slow", "needs", "after", "processes"}, (name, opts)
-        assert name not in found, f"two how-tos named {name!r}"
-        found[name] = Howto(name, code, slow=bool(opts.get("slow")), needs=opts.get("needs"),
-                            after=opts.get("after"), processes=int(opts.get("processes", 1)))
+        elif kind != "howto":
+            unmarked.append(code)
+        else:
+            name, *flags = marker.split()
+            opts = dict(f.split("=", 1) if "=" in f else (f, True) for f in flags)
+            assert set(opts) <= {"slow", "needs", "after", "processes"}, (name, opts)
+            assert name not in found, f"two how-tos named {name!r}"
+            found[name] = Howto(name, code, slow=bool(opts.get("slow")), needs=opts.get("needs"),
+                                after=opts.get("after"), processes=int(opts.get("processes", 1)))
     for h in found.values():
         assert h.after is None or h.after in found, f"how-to {h.name!r} comes after unknown {h.after!r}"
-    return found
+    return found, unmarked
 
 
-HOWTOS = _howtos(README.read_text())
+HOWTOS, UNMARKED = _howtos(README.read_text())
 
 
 def _params():
@@ -84,6 +87,10 @@ def _needs(name: str) -> None:
     for n in _chain(name):
         if HOWTOS[n].needs:
             pytest.importorskip(HOWTOS[n].needs)
+
+
+def test_every_python_block_is_a_howto_or_says_why_not():
+    assert not UNMARKED, [code[:200] for code in UNMARKED]
 
 
 def test_the_readme_has_howtos_for_each_task():
