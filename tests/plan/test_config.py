@@ -65,9 +65,10 @@ def test_decorator_and_plan_take_the_same_config():
 
 
 def test_readme_toml_examples_are_valid_configs(tmp_path):
-    """Every ```toml block of the README loads as a Config (the docs cannot drift from the keys)."""
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    blocks = re.findall(r"```toml\n(.*?)```", readme, flags=re.S)
+    """Every ```toml block of the README and docs/ loads as a Config (the docs cannot drift from the keys)."""
+    root = Path(__file__).resolve().parents[2]
+    text = "".join(p.read_text() for p in [root / "README.md", *sorted((root / "docs").glob("*.md"))])
+    blocks = re.findall(r"```toml\n(.*?)```", text, flags=re.S)
     assert len(blocks) >= 2
     for i, text in enumerate(blocks):
         f = tmp_path / f"example{i}.toml"
