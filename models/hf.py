@@ -93,3 +93,35 @@ def build(name: str, batch: int = 8, seq: int = 16, optimizer: Any = None) -> tu
 
     params = model.params
     return step, (params, opt.init(params), data)
+
+
+def build_train_state(name: str = "gpt2", batch: int = 8, seq: int = 16, optimizer: Any = None
+                      ) -> tuple[Callable, tuple]:
+    """(step, (state, batch)) as in transformers' `run_clm_flax.py`: a flax `TrainState` carrying the dropout
+    key (a legacy uint32[2] `jax.random.PRNGKey`), dropout on, the key split afresh every step."""
+    from flax.training import train_state
+
+    class TrainState(train_state.TrainState):
+        dropout_rng: Any
+
+    if name == "t5":
+        raise ValueError("models.hf.build_train_state: T5 needs decoder inputs; use a decoder-only or BERT model")
+    model = _model(name, seq)
+    rng = np.random.default_rng(1)
+    data = {"input_ids": jnp.asarray(rng.integers(0, VOCAB, (batch, seq)), jnp.int32),
+            "labels": jnp.asarray(rng.integers(0, VOCAB, (batch, seq)), jnp.int32)}
+    opt = optimizer if optimizer is not None else optax.adamw(1e-3)
+    state = TrainState.create(apply_fn=model.__call__, params=model.params, tx=opt,
+                              dropout_rng=jax.random.PRNGKey(0))
+
+    def step(state: Any, b: dict) -> tuple:
+        dropout_rng, new_dropout_rng = jax.random.split(state.dropout_rng)
+
+        def loss(params: Any) -> Any:
+            logits = state.apply_fn(b["input_ids"], params=params, dropout_rng=dropout_rng, train=True)[0]
+            return optax.softmax_cross_entropy_with_integer_labels(logits, b["labels"]).mean()
+
+        value, grads = jax.value_and_grad(loss)(state.params)
+        return state.apply_gradients(grads=grads, dropout_rng=new_dropout_rng), value
+
+    return step, (state, data)

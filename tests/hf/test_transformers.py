@@ -6,6 +6,7 @@ slower than any expert, and it trains as on one device. Needs the `hf` extra (sl
 from __future__ import annotations
 
 import contextlib
+import re
 
 import jax
 import numpy as np
@@ -75,3 +76,44 @@ def test_the_auto_plan_trains_like_one_device(name):
             np.testing.assert_allclose(float(l1), float(l2), rtol=1e-5)
     for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p2), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+
+
+# (pattern over "a/b/c" parameter paths, the dim Megatron-LM splits) per model and part. GPT-2's fused c_attn
+# is split by heads in compute only (its kernel is stored whole: no contiguous split lines up with q/k/v).
+_ATTN = [(r"self_attn/(q|k|v)_proj/kernel$", 1)]
+_LLAMA_MLP = [(r"mlp/(gate|up)_proj/kernel$", 1), (r"mlp/down_proj/kernel$", 0)]
+_EMBED = [(r"^model/embed_tokens/embedding$", 0)]
+MEGATRON_SPLITS = {
+    "gpt2": {"mlp": [(r"mlp/c_fc/kernel$", 0), (r"mlp/c_proj/kernel$", 1)],
+             "vocab": [(r"^transformer/wte/embedding$", 0)]},
+    "llama": {"heads": _ATTN, "mlp": _LLAMA_MLP, "vocab": _EMBED},
+    "mistral": {"heads": [(r"self_attn/q_proj/kernel$", 1)], "mlp": _LLAMA_MLP, "vocab": _EMBED},
+    # multi-query attention: the one key/value head stays whole (as Megatron-LM keeps it); queries split
+    "gemma": {"heads": [(r"self_attn/q_proj/kernel$", 1)], "mlp": _LLAMA_MLP, "vocab": _EMBED},
+    "bert": {"heads": [(r"attention/self/(query|key|value)/kernel$", 1)],
+             "mlp": [(r"intermediate/dense/kernel$", 1), (r"layer/\d+/output/dense/kernel$", 0)],
+             "vocab": [(r"^bert/embeddings/word_embeddings/embedding$", 0)]},
+    "t5": {"heads": [(r"(SelfAttention|EncDecAttention)/(q|k|v)/kernel$", 1)],
+           "mlp": [(r"DenseReluDense/wi/kernel$", 1), (r"DenseReluDense/wo/kernel$", 0)],
+           "vocab": [(r"^shared/embedding$", 0)]},
+}
+
+
+def _path(keypath: str) -> str:
+    """"[0]['model']['layers']['0']['mlp']['up_proj']['kernel']" -> "model/layers/0/mlp/up_proj/kernel"."""
+    return "/".join(re.findall(r"\['([^']*)'\]", keypath))
+
+
+@pytest.mark.parametrize("name", hf.NAMES)
+def test_the_megatron_expert_finds_heads_mlp_and_vocabulary_by_structure(name):
+    step, args = hf.build(name)
+    with _context(name):
+        plan = autoshard.expert_plan("megatron", step, *args, **HW)
+    specs = {kp: s for kp, s in plan.specs_by_keypath().items() if kp.startswith("[0]")}
+    unsplit = []
+    for part, rules in MEGATRON_SPLITS[name].items():
+        for pattern, dim in rules:
+            hits = {kp: s for kp, s in specs.items() if re.search(pattern, _path(kp))}
+            assert hits, (part, pattern, sorted(specs))
+            unsplit += [(part, kp, s) for kp, s in hits.items() if "model" not in (s[dim] or ())]
+    assert not unsplit, unsplit
