@@ -251,10 +251,14 @@ def activation_constraints(graph: OpGraph, op_map: dict[int, int], fg: Any, axes
         scattered = after is not None and graph.ops[src].primitive in REDUCE_SCATTERED and \
             {a for f in fg.op_factors[src].reduced for a in axes_of.get(f, ())} & \
             {a for f in after if f is not None for a in axes_of.get(f, ())}
-        if (any(spec) or pin) and not scattered:
+        steps = list(reshard_steps(spec, _spec_for(after, axes_of))) if after is not None else []
+        # a boundary value resharded for its consumers keeps its own layout first, even whole: the
+        # backward then reshards the cotangent back before the producer's transpose reads it (a whole
+        # embedding output sliced into the sequence-parallel stream: its table gradient from the gathered
+        # cotangent, as priced, not all-reduced from a split one)
+        if (any(spec) or pin or steps) and not scattered:
             out.append((op.index, tuple(tuple(a) for a in spec)))
-        if after is not None:     # a region boundary: then the layout its consumers read (all-to-alls)
-            out.extend((op.index, step) for step in reshard_steps(spec, _spec_for(after, axes_of)))
+        out.extend((op.index, step) for step in steps)    # a region boundary: its consumers' layout
     # keys of the ops constrained only (an op's key does not depend on which others are asked)
     keys = keys if keys is not None else op_keys_of(graph, (i for i, _ in out))
     return [(keys[i], spec) for i, spec in out]
