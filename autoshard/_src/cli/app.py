@@ -22,6 +22,7 @@ from typing import Any
 
 from ..core.errors import AutoshardError, InfeasiblePlanError
 from ..core.hardware import presets
+from ..core.quantities import fmt_bytes
 from ..pipeline.registry import partitioner_names
 from ..pipeline.schedules.registry import schedule_names
 from ..plan.config import PROFILES
@@ -30,7 +31,6 @@ from .args import MAX_LAYERS, Parser, UsageError, input_path, memory_budget, out
 from .args import hardware as hardware_flag
 from .args import mesh as mesh_flag
 from .progress import Progress
-from ..core.quantities import fmt_bytes
 
 EPILOG = "Add --debug anywhere for full tracebacks. `autoshard list` shows models, hardware, schedules."
 # command -> (module, function): imported on use

@@ -12,6 +12,7 @@ import autoshard
 
 from ..bridge.api import local_config, plan_traced
 from ..core.hardware import get_hardware, presets
+from ..core.quantities import fmt_bytes, fmt_count, fmt_flops, fmt_rate
 from ..pipeline.registry import get_partitioner, partitioner_names
 from ..pipeline.schedules.registry import schedule_names
 from ..plan.config import Config
@@ -21,7 +22,6 @@ from .progress import Progress
 from .report import explanation, summary
 from .stages import gantt_lines
 from .tables import mesh_text, table
-from ..core.quantities import fmt_bytes, fmt_count, fmt_flops, fmt_rate
 from .zoo import model_from_args, model_names
 
 DEFAULT_AUTO_DEVICES = 8

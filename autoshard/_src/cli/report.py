@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..core.collectives import lowered_differently
+from ..core.quantities import fmt_bytes, fmt_seconds
 from .stages import explanation as stage_explanation
 from .stages import point_lines
 from .stages import summary as stage_summary
@@ -22,7 +23,6 @@ from .tables import (
     split_block,
     table,
 )
-from ..core.quantities import fmt_bytes, fmt_seconds
 
 _TERMS = {"compute": "compute", "fwd_comm": "forward comm", "bwd_comm": "backward comm",
           "opt_comm": "optimizer comm", "grad_sync": "gradient sync", "storage_comm": "ZeRO gathers"}

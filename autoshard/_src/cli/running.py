@@ -16,12 +16,12 @@ from collections.abc import Iterator
 from typing import Any
 
 from ..core.errors import MeshError
+from ..core.quantities import fmt_bytes, fmt_count, fmt_flops
 from .args import UsageError
 from .commands import load_plan, model_line, write_out
 from .progress import NativeStderr, Progress
 from .report import summary
 from .tables import mesh_text, table
-from ..core.quantities import fmt_bytes, fmt_count, fmt_flops
 from .zoo import base_train_step, model_from_args
 
 DEFAULT_RUN_MESH = {"data": 4, "model": 2}   # batch 4 over data, the FFN over model: names read right

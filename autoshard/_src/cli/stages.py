@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..core.quantities import fmt_bytes, fmt_count, fmt_seconds, ranges
 from ..plan.explain import equal_submeshes
 from .tables import ParamRecord, bytes_per_device, full_param_lines, grouped_param_lines, mesh_text, table
-from ..core.quantities import fmt_bytes, fmt_count, fmt_seconds, ranges
 
 
 def summary(plan: Any, full: bool = False) -> list[str]:

@@ -20,12 +20,12 @@ from typing import Any
 import autoshard
 
 from ..core.hardware import presets
+from ..core.quantities import fmt_bytes, fmt_seconds
 from .args import UsageError
 from .commands import write_out
 from .progress import Progress
 from .running import setup_devices
 from .tables import mesh_text, table
-from ..core.quantities import fmt_bytes, fmt_seconds
 from .zoo import model_from_args
 
 _TOP = {"hardware", "multi_node_hardware", "meshes", "compiled", "abstract"}

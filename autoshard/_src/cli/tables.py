@@ -12,8 +12,8 @@ import math
 import re
 from collections.abc import Hashable, Iterable, Sequence
 
-from ..plan.specs import Spec, spec_str
 from ..core.quantities import fmt_bytes, ranges
+from ..plan.specs import Spec, spec_str
 
 ARG_NAMES = ("params", "opt_state", "batch")     # the zoo's train_step(params, opt_state, batch)
 _PART = re.compile(r"\['((?:[^'\\]|\\.)*)'\]|\[(\d+)\]|\.([A-Za-z_]\w*)")

@@ -30,7 +30,7 @@ from ..core.graph import OpGraph
 from ..core.mesh import MeshSpec
 from .factors import FactorGraph, weight_values
 from .regions import region_twins
-from .vocab import vocab_factors
+from .vocab import activation_operand, vocab_factors
 
 EXPERTS = ("data-parallel", "fsdp", "megatron", "data-megatron", "megatron-sp")
 
@@ -83,9 +83,9 @@ def _tensor_parallel_factors(graph: OpGraph, fg: FactorGraph, in_map: dict[int, 
         op, of = graph.ops[i], fg.op_factors[i]
         if op.phase != "forward":
             continue
-        w = [v in weights for v in op.inputs]
-        if op.primitive == "dot_general" and len(w) == 2 and w.count(True) == 1:
-            act = fg.value_factors(op.inputs[w.index(False)])
+        k = activation_operand(op, weights)
+        if k is not None:
+            act = fg.value_factors(op.inputs[k])
             for f in of.out_factors:
                 if f is not None and f not in act:
                     produced.setdefault(f, i)

@@ -140,6 +140,14 @@ def _one_hot_indices(graph: OpGraph, v: int) -> int | None:
     return None
 
 
+def activation_operand(op, weights: set[int]) -> int | None:
+    """The activation operand's position in a matmul of one activation by one weight, else None."""
+    w = [v in weights for v in op.inputs]
+    if op.primitive == "dot_general" and len(w) == 2 and w.count(True) == 1:
+        return w.index(False)
+    return None
+
+
 def logit_factors(graph: OpGraph, fg: FactorGraph, experts: frozenset[int] = frozenset()) -> list[int]:
     """Dims a forward matmul of activations by weights produces and a forward max-reduction reduces
     (the log-softmax of a loss), except `experts` (a mixture-of-experts router's logits); program order."""
@@ -150,9 +158,8 @@ def logit_factors(graph: OpGraph, fg: FactorGraph, experts: frozenset[int] = fro
         op, of = graph.ops[i], fg.op_factors[i]
         if op.phase != "forward":
             continue
-        w = [v in weights for v in op.inputs]
-        if op.primitive == "dot_general" and len(w) == 2 and w.count(True) == 1:
-            k = w.index(False)
+        k = activation_operand(op, weights)
+        if k is not None:
             act = fg.value_factors(op.inputs[k], len(op.in_shapes[k]))
             for f in of.out_factors:
                 if f is not None and f not in act:
