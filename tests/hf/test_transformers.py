@@ -29,9 +29,10 @@ def _context(name: str):
 
 T5_SP_GAP = pytest.mark.xfail(strict=True, reason=(
     "T5's auto plan splits the sequence over 'data' between the tensor-parallel regions (sequence "
-    "parallelism): all-gather@data predicted 16,384 B, compiled 86,016 B, from the RMS layer norms' "
-    "backward (each gathers its stream again; the plan prices one gather per stream value): 7.9 % of the "
-    "step's collective bytes, a minor gap by the audit's share, beyond this test's 5 %"))
+    "parallelism): all-gather@data predicted 16,384 B, compiled 53,248 B (4.3 % of the step's collective "
+    "bytes: minor by the audit's share, but 3.3x off): the plan prices one forward and one backward gather "
+    "where the stream leaves the embedding's region, XLA also gathers at the FFN's RMS norm of the first "
+    "block (forward, backward and its weight gradient) and T5's relative-position tables"))
 
 
 @pytest.mark.parametrize("name", ["gpt2", "llama", "mistral", "gemma", "bert",
@@ -42,9 +43,10 @@ def test_the_auto_plan_compiles_as_predicted_and_beats_every_expert(name):
         plan = autoshard.plan(step, *args, **HW)
         audit = autoshard.audit(plan, step, *args)
     assert audit.fidelity_ok, audit.report()
-    # minor gaps are small ops the plan does not model: under 5 % of the step's bytes here (BERT's
-    # all-reduce@data, 12 % over-predicted, is 3.8 %), so a mis-modelled collective cannot hide in the 10 % share
-    assert sum(audit.share(g) for g in audit.minor_gaps) <= 0.05, audit.report()
+    # a minor gap is a small op the plan does not model (under 1 % of the step's bytes) or a collective priced
+    # within 2x (BERT's all-reduce@data: 12 % over, 3.8 % of the step); one off by more is mis-modelled
+    assert not [g.what for g in audit.minor_gaps if audit.share(g) >= 0.01
+                and max(g.predicted, g.audited) > 2 * min(g.predicted, g.audited)], audit.report()
     assert not any("plan space cap" in w for w in plan.warnings), plan.warnings
     for expert, e in plan.predicted["experts"].items():
         if "step_time" in e and e.get("feasible", True):

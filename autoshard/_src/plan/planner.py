@@ -229,7 +229,11 @@ def activation_constraints(graph: OpGraph, op_map: dict[int, int], fg: Any, axes
     out = []
     todo = graph.ops if ops is None else [graph.ops[i] for i in sorted(ops)]
     phases = constrained_phases(graph, fg, axes_of, storage)     # an op maps to one of its own phase
-    todo = [op for op in todo if op.phase in phases and (cut_after or pinned or op.primitive in _CONSTRAINED)]
+    # with the sequence split, the residual stream's values keep the plan's layout (whole where the plan
+    # keeps it whole): left free, XLA carries a split through the residual adds into regions priced whole
+    stream = _stream_ops(graph, fg) if backward_too else frozenset()
+    todo = [op for op in todo if op.phase in phases and (cut_after or pinned or stream
+                                                         or op.primitive in _CONSTRAINED)]
     outputs = frozenset(graph.outputs)      # a list of every gradient: membership once per op is O(n^2)
     for op in todo:
         if op.nested and not (cut_after and _escapes(graph, op, outputs)):
@@ -240,7 +244,7 @@ def activation_constraints(graph: OpGraph, op_map: dict[int, int], fg: Any, axes
         if src not in fg.op_factors or not graph.ops[src].outputs:
             continue
         boundary = graph.ops[src].outputs[0] in cut_after
-        pin = graph.ops[src].outputs[0] in pinned
+        pin = graph.ops[src].outputs[0] in pinned or (src in stream and op.phase == "forward")
         if not boundary and not pin and (op.phase not in ("forward", "backward" if backward_too else "forward")
                              or op.primitive not in _CONSTRAINED):
             continue              # the backward pass follows, except at region boundaries (its all-to-alls)
@@ -262,6 +266,15 @@ def activation_constraints(graph: OpGraph, op_map: dict[int, int], fg: Any, axes
     # keys of the ops constrained only (an op's key does not depend on which others are asked)
     keys = keys if keys is not None else op_keys_of(graph, (i for i, _ in out))
     return [(keys[i], spec) for i, spec in out]
+
+
+def _stream_ops(graph: OpGraph, fg: Any) -> frozenset[int]:
+    """The analysed forward ops outside the matmuls whose output carries a sequence-parallel stream factor
+    (the residual adds, norms, biases on the stream)."""
+    seq = getattr(fg, "sequence", frozenset())
+    return frozenset(i for i, of in fg.op_factors.items()
+                     if graph.ops[i].phase == "forward" and graph.ops[i].primitive not in _CONSTRAINED
+                     and graph.ops[i].outputs and any(f in seq for f in of.out_factors if f is not None))
 
 
 def _escapes(graph: OpGraph, op, outputs: frozenset[int]) -> bool:
