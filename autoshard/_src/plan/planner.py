@@ -229,8 +229,8 @@ def activation_constraints(graph: OpGraph, op_map: dict[int, int], fg: Any, axes
     out = []
     todo = graph.ops if ops is None else [graph.ops[i] for i in sorted(ops)]
     phases = constrained_phases(graph, fg, axes_of, storage)     # an op maps to one of its own phase
-    # with the sequence split, the residual stream's values keep the plan's layout (whole where the plan
-    # keeps it whole): left free, XLA carries a split through the residual adds into regions priced whole
+    # with the sequence split, the residual adds keep the plan's layout: left free, XLA carries a split
+    # through them into regions priced whole
     stream = _stream_ops(graph, fg) if backward_too else frozenset()
     todo = [op for op in todo if op.phase in phases and (cut_after or pinned or stream
                                                          or op.primitive in _CONSTRAINED)]
@@ -269,11 +269,11 @@ def activation_constraints(graph: OpGraph, op_map: dict[int, int], fg: Any, axes
 
 
 def _stream_ops(graph: OpGraph, fg: Any) -> frozenset[int]:
-    """The analysed forward ops outside the matmuls whose output carries a sequence-parallel stream factor
-    (the residual adds, norms, biases on the stream)."""
+    """The analysed forward adds whose output carries a sequence-parallel stream factor (the residual adds
+    and the biases added on the stream)."""
     seq = getattr(fg, "sequence", frozenset())
     return frozenset(i for i, of in fg.op_factors.items()
-                     if graph.ops[i].phase == "forward" and graph.ops[i].primitive not in _CONSTRAINED
+                     if graph.ops[i].phase == "forward" and graph.ops[i].primitive == "add"
                      and graph.ops[i].outputs and any(f in seq for f in of.out_factors if f is not None))
 
 

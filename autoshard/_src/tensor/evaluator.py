@@ -41,7 +41,7 @@ STORAGE_MODES = ("replicated", "zero1", "zero3")
 class SearchOptions:
     memory_budget: float | None = None       # bytes per device; None: 90 % of the hardware's
     storage_modes: tuple[str, ...] = STORAGE_MODES
-    max_plans: int = 2_000_000               # enumeration cap (factors beyond it stay unsplit)
+    max_plans: int = 200_000    # plans left after pruning (factors beyond stay unsplit): ~10-25 us each to price
     # share of the last micro-batch's backward compute the gradient sync can hide behind: as Megatron's
     # --overlap-grad-reduce, a bucket's reduction starts once the last micro-batch's backward has
     # produced it (tensor plans: one micro-batch, its whole backward; joint/stage_choice.py: a stage's
@@ -472,9 +472,19 @@ class _Evaluator(MemoryModel, CommRecords):
 
     # --- evaluation --------------------------------------------------------------------------
     def _or(self, plans: np.ndarray, idxs: tuple[int, ...]) -> np.ndarray:
-        out = np.zeros(plans.shape[0], dtype=np.int64)
-        for i in idxs:
-            out |= plans[:, i]
+        """The axes the factors at `idxs` take together, per plan (read-only: cached per plans array, since
+        an evaluation asks for the same few factor sets once per op)."""
+        memo = self.__dict__.get("_or_memo")
+        if memo is None or memo[0] is not plans:
+            memo = self.__dict__["_or_memo"] = (plans, {})
+        key = tuple(sorted(set(idxs)))
+        out = memo[1].get(key)
+        if out is None:
+            out = np.zeros(plans.shape[0], dtype=np.int64)
+            for i in key:
+                out |= plans[:, i]
+            out.flags.writeable = False
+            memo[1][key] = out
         return out
 
     def _sync_count(self, kind: str, count: float, per_device: np.ndarray) -> np.ndarray | float:
