@@ -29,10 +29,11 @@ def _context(name: str):
 
 T5_SP_GAP = pytest.mark.xfail(strict=True, reason=(
     "T5's auto plan splits the sequence over 'data' between the tensor-parallel regions (sequence "
-    "parallelism): all-gather@data predicted 16,384 B, compiled 53,248 B (4.3 % of the step's collective "
-    "bytes: minor by the audit's share, but 3.3x off): the plan prices one forward and one backward gather "
+    "parallelism): all-gather@data predicted 16,384 B, compiled 61,568 B (5.3 % of the step's collective "
+    "bytes: minor by the audit's share, but 3.8x off): the plan prices one forward and one backward gather "
     "where the stream leaves the embedding's region, XLA also gathers at the FFN's RMS norm of the first "
-    "block (forward, backward and its weight gradient) and T5's relative-position tables"))
+    "block (forward, backward and its weight gradient), at the second block's attention norm and T5's "
+    "relative-position tables"))
 
 
 @pytest.mark.parametrize("name", ["gpt2", "llama", "mistral", "gemma", "bert",
