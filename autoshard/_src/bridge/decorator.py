@@ -232,6 +232,12 @@ class Autosharded:
             # such arrays with explicit in_shardings, so they are moved first, as on the first call
             args = self._placed(args)
             leaves = jax.tree.leaves(args)
+        elif self._in_shardings is not None and not all(isinstance(x, jax.Array) for x in leaves):
+            # host data (numpy batches from a loader) placed as on the first call: its type then
+            # carries the planned sharding, the same program's input type (no retrace on every call)
+            args = jax.tree.map(lambda x, s: x if isinstance(x, jax.Array) else jax.device_put(x, s),
+                                args, self._in_shardings)
+            leaves = jax.tree.leaves(args)
         args = unaliased(args, leaves, self._donated)
         try:
             return self._jitted(*args)

@@ -102,7 +102,8 @@ SEARCH_SCHEMA = {o.name: o for o in (
     Option("overlap", NUMBER, "the share of backward compute gradient sync can hide behind", low=0, high=1),
     Option("bucket_bytes", NUMBER, "the gradient packing threshold in bytes", low=1),
     Option("memory_budget", NUMBER, "bytes per device", low=1, none_ok=True),
-    Option("sequence_parallel", CHOICE, "'auto' (when nothing else fits the memory budget), 'on' or 'off'",
+    Option("sequence_parallel", CHOICE, "'auto' (the sequence-parallel space searched too, its plan taken when "
+           "predicted faster), 'on' (that space only) or 'off'",
            choices=("auto", "on", "off")),
     Option("attention", CHOICE, "'as_traced' (the program's attention as XLA runs it) or 'flash' (each recognised "
            "attention priced as FlashAttention's kernels: no [batch, heads, seq, seq] tensor in memory)",
