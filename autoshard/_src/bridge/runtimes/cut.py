@@ -45,6 +45,7 @@ from .cut_3d import ActivationSpecs, dict_path, guard_gathers, plan_batch_axes, 
 from .cut_dag import assign as dag_assign
 from .cut_dag import plan_edges
 from .cut_place import anchors, live_bytes, plan_anchors, plan_stages, stage_count
+from .layouts import on_one_place
 from .repack import Repacker
 from .runtime import pipeline_value_and_grad
 
@@ -486,6 +487,7 @@ def _check_chunk_mean(loss_fn: Callable, params: Any, batch: Any, form: LossForm
     leaves = jax.tree.leaves((params, batch))
     if form is None or not all(isinstance(x, jax.Array | np.ndarray) for x in leaves):
         return   # one chunk, or abstract example arguments: nothing to compare
+    params, batch = on_one_place((params, batch))
     full = float(jax.jit(loss_fn)(params, batch))
     rows = jax.tree.map(lambda x: x[0], form.globals(batch))
     f = jax.jit(form.chunk_loss)

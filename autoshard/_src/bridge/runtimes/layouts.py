@@ -32,6 +32,14 @@ from ...core.errors import PipelineError
 Spec = tuple[tuple[str, ...], ...]
 
 
+def on_one_place(tree: Any) -> Any:
+    """`tree`, or host copies of its arrays when they are committed to different devices (the state an
+    MPMD step returns lives on its stages' submeshes): one jax computation reads one device set."""
+    places = {frozenset(x.sharding.device_set) for x in jax.tree.leaves(tree)
+              if isinstance(x, jax.Array) and x.committed}
+    return jax.device_get(tree) if len(places) > 1 else tree
+
+
 @dataclasses.dataclass(frozen=True)
 class Layout:
     """Where the leaves of one pytree sit in a flat 1-D buffer (leaves keep their own dtypes)."""

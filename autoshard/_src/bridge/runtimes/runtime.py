@@ -46,7 +46,17 @@ from jax.sharding import PartitionSpec as P
 from ...core.errors import PipelineError
 from ...pipeline.schedules.registry import schedule as build_schedule
 from ...pipeline.schedules.schedule import Schedule, chain_edges
-from .layouts import FlatCodec, ShardedCodec, Spec, StackedParams, buffer_dtype, check_specs, constrain_to, layout
+from .layouts import (
+    FlatCodec,
+    ShardedCodec,
+    Spec,
+    StackedParams,
+    buffer_dtype,
+    check_specs,
+    constrain_to,
+    layout,
+    on_one_place,
+)
 from .ticks import Buffers, branches, spmd_body, static_plan
 
 INTERLEAVED = "interleaved-1f1b"   # the registered schedule that places several stages per rank
@@ -115,6 +125,7 @@ class PipelineProgram:
                 got += f" of {len(params)}"
             raise PipelineError(
                 f"pipeline runtime: stack(params) takes one parameter pytree per stage ({self.num_stages}), got {got}.")
+        params = on_one_place(params)
         if self.auto:
             for s, p in enumerate(params):
                 layout(p, f"stage {s}'s parameters")          # the same float-only check
