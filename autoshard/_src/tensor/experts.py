@@ -30,7 +30,7 @@ from ..core.graph import OpGraph
 from ..core.mesh import MeshSpec
 from .factors import FactorGraph, weight_values
 from .regions import region_twins
-from .vocab import activation_operand, vocab_factors
+from .vocab import forward_ops, vocab_factors
 
 EXPERTS = ("data-parallel", "fsdp", "megatron", "data-megatron", "megatron-sp")
 
@@ -79,11 +79,7 @@ def _tensor_parallel_factors(graph: OpGraph, fg: FactorGraph, in_map: dict[int, 
     produced: dict[int, int] = {}          # factor -> first op producing it (program order)
     contracted: set[int] = set()
     reduced_elsewhere: set[int] = set()
-    for i in sorted(fg.op_factors):
-        op, of = graph.ops[i], fg.op_factors[i]
-        if op.phase != "forward":
-            continue
-        k = activation_operand(op, weights)
+    for i, op, of, k in forward_ops(graph, fg):
         if k is not None:
             act = fg.value_factors(op.inputs[k])
             for f in of.out_factors:

@@ -148,17 +148,22 @@ def activation_operand(op, weights: set[int]) -> int | None:
     return None
 
 
+def forward_ops(graph: OpGraph, fg: FactorGraph):
+    """(index, op, its factors, the activation operand's position when it is a matmul by a weight, else None)
+    of the analysed forward ops, in program order."""
+    weights = weight_values(graph, sorted(fg.op_factors))
+    for i in sorted(fg.op_factors):
+        op = graph.ops[i]
+        if op.phase == "forward":
+            yield i, op, fg.op_factors[i], activation_operand(op, weights)
+
+
 def logit_factors(graph: OpGraph, fg: FactorGraph, experts: frozenset[int] = frozenset()) -> list[int]:
     """Dims a forward matmul of activations by weights produces and a forward max-reduction reduces
     (the log-softmax of a loss), except `experts` (a mixture-of-experts router's logits); program order."""
-    weights = weight_values(graph, sorted(fg.op_factors))
     produced: dict[int, int] = {}
     maxed: set[int] = set()
-    for i in sorted(fg.op_factors):
-        op, of = graph.ops[i], fg.op_factors[i]
-        if op.phase != "forward":
-            continue
-        k = activation_operand(op, weights)
+    for i, op, of, k in forward_ops(graph, fg):
         if k is not None:
             act = fg.value_factors(op.inputs[k], len(op.in_shapes[k]))
             for f in of.out_factors:
