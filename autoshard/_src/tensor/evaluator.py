@@ -41,7 +41,7 @@ STORAGE_MODES = ("replicated", "zero1", "zero3")
 class SearchOptions:
     memory_budget: float | None = None       # bytes per device; None: 90 % of the hardware's
     storage_modes: tuple[str, ...] = STORAGE_MODES
-    max_plans: int = 200_000    # plans left after pruning (factors beyond stay unsplit): ~10-25 us each to price
+    max_plans: int = 2_000_000               # enumeration cap (factors beyond it stay unsplit)
     # share of the last micro-batch's backward compute the gradient sync can hide behind: as Megatron's
     # --overlap-grad-reduce, a bucket's reduction starts once the last micro-batch's backward has
     # produced it (tensor plans: one micro-batch, its whole backward; joint/stage_choice.py: a stage's

@@ -409,27 +409,15 @@ def _candidate_factors(graph: OpGraph, fg: FactorGraph, weights: dict[int, float
     masks_of = {f: [m for m in _axis_masks(mesh) if fg.divides(f, _mask_size(mesh, m))]
                 for f in cands}
     kept: list[int] = []
-    plans = np.zeros((1, 0), dtype=np.int64)      # the kept factors' plans, ranked order (only counted here)
+    total = 1
     for f in cands:
-        count = _grown_count(fg, kept, plans, f, masks_of[f])
-        if count > options.max_plans:
+        if total * len(masks_of[f]) > options.max_plans:
             notes.append(_cap_note(graph, fg, f, [_mask_size(mesh, m) for m in masks_of[f]],
-                                   options.max_plans, count))
+                                   options.max_plans, total * len(masks_of[f])))
             continue
-        plans = _enumerate_plans(fg, (*kept, f), masks_of, plans)
         kept.append(f)
+        total *= len(masks_of[f])
     return tuple(sorted(kept)), masks_of
-
-
-def _grown_count(fg: FactorGraph, kept: list[int], plans: np.ndarray, f: int, masks: list[int]) -> int:
-    """How many plans the space holds with factor `f` added to `kept` (whose plans are `plans`): per plan,
-    the masks of `f` sharing no axis with a factor that shares a tensor with `f`. Counted, not built, so a
-    factor the cap leaves out costs no memory."""
-    taken = np.zeros(plans.shape[0], dtype=np.int64)
-    for a, g in enumerate(kept):
-        if f in fg.cooccur.get(g, ()):
-            taken |= plans[:, a]
-    return int(sum(np.count_nonzero((taken & m) == 0) for m in masks))
 
 
 def _cap_note(graph: OpGraph, fg: FactorGraph, f: int, splits: list[int], cap: int, needed: int) -> str:
@@ -492,17 +480,13 @@ def _ranked_factors(graph: OpGraph, fg: FactorGraph, weights: dict[int, float]) 
     return cands
 
 
-def _enumerate_plans(fg: FactorGraph, cands_t: tuple[int, ...], masks_of: dict[int, list[int]],
-                     start: np.ndarray | None = None) -> np.ndarray:
+def _enumerate_plans(fg: FactorGraph, cands_t: tuple[int, ...], masks_of: dict[int, list[int]]) -> np.ndarray:
     """Every assignment of axis masks to the candidate factors, plans[C, K], in canonical order
     (itertools.product's: the last factor fastest). Built a factor at a time, each step dropping the
     rows where two factors that share a tensor share an axis, so the array never holds the pruned
-    product (with no candidate factors, a step with nothing to split, there is one plan: ()).
-    `start`: the plans of the first factors of `cands_t`, already built."""
-    plans = np.zeros((1, 0), dtype=np.int64) if start is None else start
+    product (with no candidate factors, a step with nothing to split, there is one plan: ())."""
+    plans = np.zeros((1, 0), dtype=np.int64)
     for k, f in enumerate(cands_t):
-        if k < plans.shape[1]:
-            continue
         masks = np.asarray(masks_of[f], dtype=np.int64)
         rows = plans.shape[0]
         plans = np.concatenate([np.repeat(plans, len(masks), axis=0), np.tile(masks, rows)[:, None]], axis=1)

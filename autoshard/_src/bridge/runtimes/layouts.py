@@ -36,7 +36,7 @@ def on_one_place(tree: Any) -> Any:
     """`tree`, or host copies of its arrays when they are committed to different devices (the state an
     MPMD step returns lives on its stages' submeshes): one jax computation reads one device set."""
     places = {frozenset(x.sharding.device_set) for x in jax.tree.leaves(tree)
-              if isinstance(x, jax.Array) and x.committed}
+              if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and x.committed}
     return jax.device_get(tree) if len(places) > 1 else tree
 
 
