@@ -15,6 +15,8 @@ import pytest
 
 import autoshard
 
+from .._reference import run_steps
+
 pytest.importorskip("transformers")
 import models.hf as hf  # noqa: E402
 
@@ -76,11 +78,9 @@ def test_the_auto_plan_trains_like_one_device(name):
     with _context(name):
         fast = autoshard.autoshard(step, **HW)
         slow = jax.jit(step)
-        p1, s1, p2, s2 = params, opt_state, params, opt_state
-        for _ in range(2):
-            p1, s1, l1 = fast(p1, s1, batch)
-            p2, s2, l2 = slow(p2, s2, batch)
-            np.testing.assert_allclose(float(l1), float(l2), rtol=1e-5)
+        got, p1, _ = run_steps(fast, params, opt_state, batch, 2)
+        want, p2, _ = run_steps(slow, params, opt_state, batch, 2)
+        np.testing.assert_allclose(got, want, rtol=1e-5)
     for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p2), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
 
