@@ -6,6 +6,8 @@ step equals one device."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -53,6 +55,47 @@ def test_expert_parallel_step_equals_one_device(moe):
     ref_params, ref_state, ref_loss = jax.jit(m.train_step)(params, opt_state, batch)
     new_params, _, loss = step(params, opt_state, batch)
     np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5, atol=1e-5)
+    # Adam's first step moves each weight by lr * g / (|g| + eps): a gradient within a few eps of zero
+    # turns the plan's summation order into a visible share of lr, so weights are compared at 5 % of lr
+    atol = 0.05 * m.config.learning_rate
     for a, b in zip(jax.tree.leaves(new_params), jax.tree.leaves(ref_params), strict=True):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=atol)
     assert any(c["kind"] == "all-to-all" for c in step.plan.predicted["collectives"])
+
+
+def _assigned_plan(m, args, mesh, axes_by_desc):
+    """The plan splitting the factors named in `axes_by_desc` (descriptions as in `plan.factors`) over
+    the given axes and nothing else, priced and emitted as the planner does an expert plan."""
+    from autoshard._src.bridge.api import bind
+    from autoshard._src.bridge.trace.trace import trace
+    from autoshard._src.core.grouping import group
+    from autoshard._src.core.hardware import get_hardware
+    from autoshard._src.core.mesh import mesh_spec
+    from autoshard._src.plan.planner import build_plan
+    from autoshard._src.tensor.search import SearchOptions, evaluate_assignment, search
+
+    graph = trace(m.train_step, *args)
+    grouping, spec, hw = group(graph), mesh_spec(mesh), get_hardware("cpu-sim")
+    res = search(graph, grouping, spec, hw, SearchOptions())
+    auto = autoshard.plan(m.train_step, *args, mesh=mesh, hardware="cpu-sim")
+    ids = {desc: f for f, desc, _, _ in auto.factors}
+    fa = {ids[d]: axes for d, axes in axes_by_desc.items()}
+    choice, ev = evaluate_assignment(res, fa, "replicated")
+    res = dataclasses.replace(res, best=choice, candidates=ev.cands)
+    res._evaluator = ev
+    return bind(build_plan(graph, grouping, spec, hw, res, SearchOptions(), 0.0), *args)
+
+
+def test_tokens_and_experts_over_both_axes_move_in_one_all_to_all(moe):
+    """Experts split over data x expert, tokens' batch too: the dispatch moves both axes from the
+    groups to the experts in one all-to-all over the 8 devices (emitted in one step: one axis at a time
+    XLA adds a second all-to-all and a collective-permute), priced as compiled."""
+    m, args = moe
+    both = ("data", "expert")
+    plan = _assigned_plan(m, args, {"data": 2, "expert": 4}, {
+        "[2]['inputs'] dim 0": both, "[0]['layer_1']['moe']['experts']['wi'] dim 0": both})
+    report = autoshard.audit(plan, m.train_step, *args)
+    assert report.fidelity_ok, report.report()
+    kinds = {r.kind for r in report.collectives}
+    assert "collective-permute" not in kinds, report.report()
+    assert report.audited_collectives["all-to-all@data,expert"]["bytes"] > 0, report.report()

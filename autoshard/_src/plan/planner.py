@@ -330,17 +330,27 @@ def reshard_steps(spec: list[tuple[str, ...]], target: list[tuple[str, ...]]) ->
     """Layouts from `spec` to `target` moving one mesh axis at a time (each an all-to-all, or a
     local slice when the axis was unused), in the target's axis order so every step keeps each dim's
     axes in mesh order; axes the target leaves unused are gathered last. XLA reshards one axis
-    between two dims cleanly, but replicates a tensor to move several at once."""
+    between two dims cleanly, but replicates a tensor to move several at once -- except axes that
+    are the minor ones of both dims (a suffix leaving one dim to end another, in order): the two
+    tilings then run over the same devices, one all-to-all over them all (the evaluator's
+    `_all_to_alls` prices it so), which this takes in one step."""
     cur = [list(t) for t in spec]
     steps: list[tuple[tuple[str, ...], ...]] = []
     for d, want in enumerate(target):
-        for a in want:
+        for n, a in enumerate(want):
             if a in cur[d]:
                 continue
+            run = [a]
+            src = next((dims for dims in cur if a in dims), None)
+            if src is not None and cur[d] == list(want[:n]):
+                tail = list(want[n:])
+                if len(tail) > 1 and src[-len(tail):] == tail:
+                    run = tail
             for dims in cur:
-                if a in dims:
-                    dims.remove(a)
-            cur[d] = [x for x in want if x in cur[d] or x == a] + [x for x in cur[d] if x not in want]
+                for x in run:
+                    if x in dims:
+                        dims.remove(x)
+            cur[d] = [x for x in want if x in cur[d] or x in run] + [x for x in cur[d] if x not in want]
             steps.append(tuple(tuple(t) for t in cur))
     final = tuple(tuple(t) for t in target)
     if (steps[-1] if steps else tuple(tuple(t) for t in spec)) != final:

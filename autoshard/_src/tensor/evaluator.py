@@ -31,6 +31,7 @@ from .comm_records import CommRecords, _mask_axes
 from .factors import FactorGraph
 from .kernel_costs import GemmCosts
 from .memory import MemoryModel
+from .moves import CollectiveMoves
 from .regions import REDUCE_SCATTERED
 from .shares import unlinked_batch_loops
 
@@ -155,7 +156,7 @@ _BUILT = ("partial_cuts", "gemm_costs", "phase_work", "fused", "op_loops", "grou
           "reshards", "regathers")
 
 
-class _Evaluator(MemoryModel, CommRecords):
+class _Evaluator(MemoryModel, CollectiveMoves, CommRecords):
     """Vectorised cost and memory of many plans over one factor graph."""
 
     def __init__(self, graph: OpGraph, fg: FactorGraph, weights: dict[int, float],
@@ -290,48 +291,6 @@ class _Evaluator(MemoryModel, CommRecords):
             if b_idx != a_idx:
                 self.reshards.append((b_idx, a_idx, float(self.graph.values[v].nbytes), w,
                                       self.graph.ops[p].phase))
-
-    def _reshard_moves(self, plans: np.ndarray):
-        """Per reshard and move: (kind, axis mask (per plan for gathers), per-device buffer bytes per
-        plan, executions, phase, which plans). An axis on one dim before and another after is an
-        all-to-all (one per axis); the axes on a dim before and on none after are one all-gather
-        (after the all-to-alls, as emission orders it); an axis on none before: a local slice."""
-        C = plans.shape[0]
-        for b_idx, a_idx, nb, w, phase in self.reshards:
-            bmask = self._or(plans, tuple(i for i in b_idx if i >= 0))
-            amask = self._or(plans, tuple(i for i in a_idx if i >= 0))
-            per_dev = nb / self.msize[bmask]
-            for k, size in enumerate(self.mesh.sizes):
-                if size == 1:
-                    continue
-                bit = 1 << k
-                bdim = np.full(C, -1)
-                adim = np.full(C, -1)
-                for d, i in enumerate(b_idx):
-                    if i >= 0:
-                        bdim = np.where(plans[:, i] & bit, d, bdim)
-                for d, i in enumerate(a_idx):
-                    if i >= 0:
-                        adim = np.where(plans[:, i] & bit, d, adim)
-                yield "all-to-all", bit, per_dev, w, phase, (bdim >= 0) & (adim >= 0) & (bdim != adim)
-            # the axes the consumers leave unused are gathered together, last (as emission orders it)
-            gone = bmask & ~amask
-            yield "all-gather", gone, nb / self.msize[bmask & amask], w, phase, gone > 0
-
-    def _partial_sums(self, plans: np.ndarray):
-        """Per partial sum read split by its consumers (or reduced in parts): (kind, per-device buffer
-        bytes per plan, axis mask per plan, executions, latencies paid, phase) for the reduce-scatter over the reduced
-        axes the consumers' layout splits and the all-reduce(s) over the others (a local slice then
-        finishes the move)."""
-        for loop, red, parts, a_idx, out_bytes, w, phase in self.partial_cuts:
-            r_mask = self._or(plans, red)
-            buf = out_bytes * self.msize[r_mask] / self.msize[self._or(plans, loop)]
-            rs = r_mask & self._or(plans, tuple(i for i in a_idx if i >= 0))
-            # gradients travel in buckets (TAP §4.7.1): each pays its per-device share of a bucket's latency
-            count = w * np.minimum(1.0, buf / self.options.bucket_bytes) if phase == "grad" else w
-            for part in parts or (red,):
-                yield "all-reduce", buf, self._or(plans, part) & ~rs, w, count, phase
-            yield "reduce-scatter", buf, rs, w, count, phase
 
     def _build_tensors(self, weights: dict[int, float], grad_ops: frozenset[int]) -> None:
         g, fg = self.graph, self.fg
@@ -566,13 +525,6 @@ class _Evaluator(MemoryModel, CommRecords):
                 "all-gather", b * np.ones(C), m)
         for mask, per_dev, w, phase in self._regathers(plans):
             out["fwd_comm" if phase == "forward" else "bwd_comm"] += self._coll("all-gather", per_dev * w, mask, w)
-
-    def _regathers(self, plans: np.ndarray):
-        """Per reshape merging a split minor dim: (axis mask per plan, per-device result bytes per plan,
-        executions, phase): the input gathered over the minor dims' axes, split as before elsewhere."""
-        for minor, rest, b, w, phase in self.regathers:
-            keep = self._or(plans, rest)
-            yield self._or(plans, minor) & ~keep, b / self.msize[keep], w, phase
 
     def op_shares(self, row: np.ndarray) -> list[tuple[int, float, float, float]]:
         """Per priced op under one plan (a row of axis masks): (op index, executions, flops, bytes),

@@ -123,7 +123,10 @@ class MemoryModel:
         if self.accumulate:
             return before, np.zeros(plans.shape[0])
         reduced, scattered = out["grads_reduced"], out["grads_scattered"]
-        waiting = before if self.update_reads_all else np.minimum(before, reduced)    # held to the end
+        # held to the end: every partial sum a reduction waits for (a parameter read twice, a tied
+        # embedding, has one per use: XLA reduces each before adding them), and with a global norm
+        # the gradients no reduction waits for too
+        waiting = np.maximum(before, reduced) if self.update_reads_all else reduced
         # one gradient beside the activations still saved (the first: nearly all of them)
         alone = np.where(before > waiting * (1 + 1e-9), np.minimum(out["grads_largest"], before - waiting), 0.0)
         gpu = np.maximum(0.0, waiting + scattered - acts) + alone
