@@ -410,14 +410,43 @@ def _candidate_factors(graph: OpGraph, fg: FactorGraph, weights: dict[int, float
                 for f in cands}
     kept: list[int] = []
     total = 1
+    carried: dict[int, float] | None = None
     for f in cands:
         if total * len(masks_of[f]) > options.max_plans:
-            notes.append(_cap_note(graph, fg, f, [_mask_size(mesh, m) for m in masks_of[f]],
-                                   options.max_plans, total * len(masks_of[f])))
+            carried = carried if carried is not None else _carried_bytes(graph, fg, weights)
+            if carried.get(f, 0.0) >= NEGLIGIBLE_SHARE * carried[-1]:   # else: nothing to lose, no warning
+                notes.append(_cap_note(graph, fg, f, [_mask_size(mesh, m) for m in masks_of[f]],
+                                       options.max_plans, total * len(masks_of[f])))
             continue
         kept.append(f)
         total *= len(masks_of[f])
     return tuple(sorted(kept)), masks_of
+
+
+# a factor over the plan space cap whose values, all together, hold under this share of the bytes the
+# search prices is left whole without a warning: splitting it could move the step's bytes (and with them
+# its memory and the flops of the ops reading them) by less (T5's 32-bucket relative-position table, 1 KiB)
+NEGLIGIBLE_SHARE = 1e-3
+
+
+def _carried_bytes(graph: OpGraph, fg: FactorGraph, weights: dict[int, float]) -> dict[int, float]:
+    """Bytes of the priced ops' values (each once, times the executions it stands for) carrying each
+    factor, and under key -1 those of all of them."""
+    out: dict[int, float] = defaultdict(float)
+    seen: set[int] = set()
+    for i, w in weights.items():
+        if w <= 0:
+            continue
+        op = graph.ops[i]
+        for v in (*op.inputs, *op.outputs):
+            if v in seen:
+                continue
+            seen.add(v)
+            b = graph.values[v].nbytes * w
+            out[-1] += b
+            for f in set(fg.value_factors(v)) - {None}:
+                out[f] += b
+    return out
 
 
 def _cap_note(graph: OpGraph, fg: FactorGraph, f: int, splits: list[int], cap: int, needed: int) -> str:
