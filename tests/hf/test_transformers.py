@@ -29,17 +29,7 @@ def _context(name: str):
     return hf.t5_compat() if name == "t5" else contextlib.nullcontext()
 
 
-T5_SP_GAP = pytest.mark.xfail(strict=True, reason=(
-    "T5's auto plan splits the sequence over 'data' between the tensor-parallel regions (sequence "
-    "parallelism): all-gather@data predicted 16,384 B, compiled 61,568 B (5.3 % of the step's collective "
-    "bytes: minor by the audit's share, but 3.8x off): the plan prices one forward and one backward gather "
-    "where the stream leaves the embedding's region, XLA also gathers at the FFN's RMS norm of the first "
-    "block (forward, backward and its weight gradient), at the second block's attention norm and T5's "
-    "relative-position tables"))
-
-
-@pytest.mark.parametrize("name", ["gpt2", "llama", "mistral", "gemma", "bert",
-                                  pytest.param("t5", marks=T5_SP_GAP)])
+@pytest.mark.parametrize("name", ["gpt2", "llama", "mistral", "gemma", "bert", "t5"])
 def test_the_auto_plan_compiles_as_predicted_and_beats_every_expert(name):
     step, args = hf.build(name)
     with _context(name):

@@ -259,9 +259,10 @@ class _Evaluator(MemoryModel, CollectiveMoves, CommRecords):
             if of.reduced and after is not None and op.primitive in REDUCE_SCATTERED:
                 a_idx = tuple(self.cidx.get(f, -1) if f is not None else -1 for f in after)
                 self.partial_cuts.append((key[0], key[1], (), a_idx, float(of.out_bytes), w, kind))
-            elif len(of.reduced) > 1 and of.reduced & self.fg.sequence:
-                # a stream weight's gradient sums the batch and the split sequence: XLA all-reduces each
-                # dim's axes apart (the sequence's at once, the batch's with the other gradients)
+            elif len(of.reduced) > 1:
+                # a sum over several dims split on different axes (a weight's gradient over the batch and
+                # the split sequence): XLA all-reduces each dim's axes apart, the whole buffer each time
+                # (measured: one all-reduce per contracted dim; one over all axes when one dim holds them)
                 parts = tuple(self._cmask([f]) for f in sorted(of.reduced))
                 self.partial_cuts.append((key[0], key[1], parts, (), float(of.out_bytes), w, kind))
             elif of.reduced:

@@ -342,7 +342,7 @@ def _find_analysed_ops(graph: OpGraph, grouping: Grouping, periods_given: list[i
         # middle ones (the first layer computes no input gradient when its input is the data; the
         # last feeds the remainder); one middle instance per residue class stands for the rest.
         # Linking the analysed instances to the first ones makes factors run through the model.
-        exact = set(range(min(period, n))) | {n - 1}
+        exact = set(range(min(period, n))) | {n - 1} | _bordering_remainder(graph, grouping, bt)
         middle = {k: sum(1 for j in range(k % period, n, period) if j not in exact)
                   for k in range(period, 2 * period) if k < n and k not in exact}
         for k in sorted(exact | set(middle)):
@@ -354,6 +354,31 @@ def _find_analysed_ops(graph: OpGraph, grouping: Grouping, periods_given: list[i
                 pairs.extend(corresponding_ops(graph, insts[k % period].ops, insts[k].ops))
     # ops XLA deletes as dead code cost nothing (they stay analysed: their dims still link factors)
     return live_weights(graph, weights), ops, pairs, periods
+
+
+def _bordering_remainder(graph: OpGraph, grouping: Grouping, bt) -> set[int]:
+    """The instances of block type `bt` whose forward pass exchanges a value with the remainder that no other
+    instance of the type reads (the residual stream entering or leaving it). Instances need not come in
+    program order and a type's instances may sit between remainder ops (T5's FFN sublayers between its
+    unrepeated attention sublayers): one that another instance stands for has no factors of its own, so the
+    stream would not link through it and a plan could lay the stream out differently on its two sides
+    without the reshard being priced. They count for themselves."""
+    values, ops, block_of = graph.values, graph.ops, grouping.block_of
+    t = next(j for j, b in enumerate(grouping.block_types) if b is bt)
+    out: set[int] = set()
+    for k, inst in enumerate(bt.instances):
+        for i in inst.ops:
+            op = ops[i]
+            if op.phase != "forward":
+                continue
+            if any((p := values[v].producer) is not None and ops[p].phase == "forward" and block_of(p) is None
+                   and all(b is None or b[0] != t or b[1] == k for b in map(block_of, values[v].consumers))
+                   for v in op.inputs) or \
+               any(ops[c].phase == "forward" and block_of(c) is None
+                   for v in op.outputs for c in values[v].consumers):
+                out.add(k)
+                break
+    return out
 
 
 WINDOW_SHARE = 0.5       # a window over more of the graph than this: the whole graph is fused
