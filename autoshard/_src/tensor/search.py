@@ -366,18 +366,19 @@ def _bordering_remainder(graph: OpGraph, grouping: Grouping, bt) -> set[int]:
     values, ops, block_of = graph.values, graph.ops, grouping.block_of
     t = next(j for j, b in enumerate(grouping.block_types) if b is bt)
     out: set[int] = set()
-    for k, inst in enumerate(bt.instances):
-        for i in inst.ops:
-            op = ops[i]
-            if op.phase != "forward":
-                continue
-            if any((p := values[v].producer) is not None and ops[p].phase == "forward" and block_of(p) is None
-                   and all(b is None or b[0] != t or b[1] == k for b in map(block_of, values[v].consumers))
-                   for v in op.inputs) or \
-               any(ops[c].phase == "forward" and block_of(c) is None
-                   for v in op.outputs for c in values[v].consumers):
-                out.add(k)
-                break
+    for i in grouping.remainder:        # walked from the remainder's side: it is small beside the blocks
+        op = ops[i]
+        if op.phase != "forward":
+            continue
+        for v in op.inputs:             # a value an instance's forward pass hands to the remainder
+            p = values[v].producer
+            if p is not None and ops[p].phase == "forward" and (b := block_of(p)) is not None and b[0] == t:
+                out.add(b[1])
+        for v in op.outputs:            # one the remainder hands to one instance alone (not a shared mask)
+            readers = {b[1] for c in values[v].consumers if (b := block_of(c)) is not None and b[0] == t}
+            if len(readers) == 1 and any(ops[c].phase == "forward" and block_of(c) == (t, k)
+                                         for k in readers for c in values[v].consumers):
+                out |= readers
     return out
 
 
