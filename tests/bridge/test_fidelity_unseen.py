@@ -14,6 +14,7 @@ import pytest
 from flax import nnx
 
 import autoshard
+import models
 
 BYTES_TOL, MEMORY_TOL = 0.10, 0.15
 
@@ -256,6 +257,32 @@ def test_post_ln_encoder_on_model_4_sequence_parallel():
 @pytest.mark.slow
 def test_post_ln_encoder_megatron_sp_expert():
     step, args = _encoder("post")
+    plan = autoshard.expert_plan("megatron-sp", step, *args, mesh={"model": 4}, hardware="cpu-sim")
+    check(_sequence_parallel(plan), step, args)
+
+
+@pytest.mark.slow
+def test_post_ln_layers_crossing_into_the_next_layer_are_gathered_once_each():
+    """Post-LN layers (the zoo's BERT, 4 layers, Megatron-SP on data 2 x model 4): each layer's last norm
+    feeds the next layer's attention, a region cut crossing instances. The middle instance stands for
+    two layers and no analysed op reads its own crossing: every crossing is priced by its reader's
+    count, and the all-gathers are those compiled (two were missing: -11 %)."""
+    m = models.get("bert", "debug", num_layers=4, hidden=256, num_heads=8, seq_len=64, batch_size=16,
+                   vocab_size=4096)
+    step, args = m.train_step, m.abstract_state()
+    plan = autoshard.expert_plan("megatron-sp", step, *args, mesh={"data": 2, "model": 4}, hardware="h100-sxm")
+    a = check(_sequence_parallel(plan), step, args)
+    compiled = a.audited_collectives["all-gather@model"]["bytes"]
+    assert a.predicted_collectives["all-gather@model"] == pytest.approx(compiled, rel=1e-9), a.report()
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason=(
+    "nn.MultiHeadDotProductAttention post-LN layers under Megatron-SP on model 4: XLA compiles 5 stream "
+    "all-gathers per layer, the plan prices 4 (layers 2-6: 10/9, 14/13, 19/17, 24/21, 29/25 compiled/predicted "
+    "gathers of 64 KiB); the extra ones are named after the attention's value projection"))
+def test_post_ln_encoder_megatron_sp_expert_five_layers():
+    step, args = _encoder("post", layers=5)
     plan = autoshard.expert_plan("megatron-sp", step, *args, mesh={"model": 4}, hardware="cpu-sim")
     check(_sequence_parallel(plan), step, args)
 

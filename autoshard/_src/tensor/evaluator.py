@@ -284,8 +284,12 @@ class _Evaluator(MemoryModel, CollectiveMoves, CommRecords):
         self.reshards = []
         for v, before, after in self.fg.cuts:
             p = self.graph.values[v].producer
-            w = weights.get(p, 0.0) if p is not None else 0.0
-            if w <= 0:
+            # moved once per execution of the ops reading it in the new layout: a value crossing from one
+            # block instance into the next counts as often as its reader's instance stands for (from
+            # the middle instance, which stands for n, into an unanalysed one no analysed op reads it;
+            # into the middle one from an instance standing for one, it crosses n times)
+            w = max((weights.get(c, 0.0) for c in self.graph.values[v].consumers), default=0.0)
+            if p is None or w <= 0:
                 continue
             b_idx = tuple(self.cidx.get(f, -1) if f is not None else -1 for f in before)
             a_idx = tuple(self.cidx.get(f, -1) if f is not None else -1 for f in after)
