@@ -16,7 +16,7 @@ _MOVEMENT = frozenset({
     "reshape", "transpose", "broadcast_in_dim", "squeeze", "expand_dims", "convert_element_type",
     "slice", "dynamic_slice", "dynamic_update_slice", "concatenate", "pad", "gather", "copy",
     "copy_p", "iota", "select_n", "rev", "bitcast_convert_type", "stop_gradient",
-    "sharding_constraint", "device_put", "split", "random_bits", "random_wrap", "random_unwrap",
+    "sharding_constraint", "device_put", "split", "stack", "unstack", "random_bits", "random_wrap", "random_unwrap",
     "random_seed", "random_fold_in", "threefry2x32", "optimization_barrier", "pjit", "reduce_precision",
 })
 _REDUCTIONS = frozenset({

@@ -398,6 +398,22 @@ def _link_split(uf: _UnionFind, op: Op) -> None:
         _link_same(uf, op.inputs[0], op.in_shapes[0], v2, s2, keep, keep)
 
 
+def _link_stack(uf: _UnionFind, op: Op) -> None:
+    """jnp.stack (jax >= 0.10: a primitive): every operand's dims are the result's dims around the new
+    `axis`, which starts its own factor; jnp.unstack is the same read backwards."""
+    (o, so), axis = (op.outputs[0], op.out_shapes[0]), op.params.get("axis", 0)
+    kept = [d for d in range(len(so)) if d != axis]
+    for v, sv in zip(op.inputs, op.in_shapes, strict=True):
+        _link_same(uf, v, sv, o, so, range(len(sv)), kept)
+
+
+def _link_unstack(uf: _UnionFind, op: Op) -> None:
+    (i, si), axis = (op.inputs[0], op.in_shapes[0]), op.params.get("axis", 0)
+    kept = [d for d in range(len(si)) if d != axis]
+    for v, sv in zip(op.outputs, op.out_shapes, strict=True):
+        _link_same(uf, i, si, v, sv, kept, range(len(sv)))
+
+
 def _link_dot_general(uf: _UnionFind, op: Op) -> None:
     params = op.params
     if "contracting" not in params:
@@ -467,7 +483,7 @@ def _link_conv(uf: _UnionFind, op: Op) -> None:
 _LOOKUPS = frozenset({"gather", "scatter-add", "scatter_add", "scatter"})
 _WINDOWED = frozenset({"reduce_window_sum", "reduce_window_max", "reduce_window_min", "reduce_window",
                        "select_and_scatter_add", "select_and_gather_add"})
-_KNOWN = (ELEMENTWISE | REDUCTIONS | CUMULATIVE | SOURCES | _WINDOWED | {"split",
+_KNOWN = (ELEMENTWISE | REDUCTIONS | CUMULATIVE | SOURCES | _WINDOWED | {"split", "stack", "unstack",
     "broadcast_in_dim", "transpose", "reshape", "squeeze", "expand_dims", "dot_general", "sort",
     "rev", "slice", "dynamic_slice", "dynamic_update_slice", "pad", "concatenate", "gather",
     "scatter-add", "scatter_add", "scatter", "conv_general_dilated", "select_and_scatter_add",
@@ -488,6 +504,8 @@ for _names, _rule in (
         (REDUCTIONS, _link_reduction),
         ((*CUMULATIVE, "sort", "rev", "reduce_precision"), _link_same_shape),
         (("split",), _link_split),
+        (("stack",), _link_stack),
+        (("unstack",), _link_unstack),
         # pooling: dims the window leaves whole (batch, channels) keep their factor
         (_WINDOWED, _link_equal_rank),
         # dims that keep their size keep their factor; resized dims start new ones
