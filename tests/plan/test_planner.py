@@ -308,3 +308,14 @@ def test_a_negligible_factor_over_the_cap_is_left_whole_without_a_warning():
     small = autoshard.plan(m.train_step, *m.abstract_state(), mesh=mesh, hardware=hw, search={"max_plans": 64})
     capped = [w for w in small.warnings if "plan space cap" in w]
     assert capped and not any("type_emb" in w for w in capped), small.warnings
+
+
+def test_a_capped_activation_dim_is_named_by_the_op_producing_it():
+    """A capped factor no parameter or input carries (GPT's positions, from an iota) is named by the first
+    op producing it, never by a bare factor number."""
+    m = models.get("gpt", "debug")
+    p = autoshard.plan(m.train_step, *m.abstract_state(), mesh={"data": 2, "model": 4}, hardware="cpu-sim",
+                       search={"max_plans": 3})
+    capped = [w for w in p.warnings if "left unsplit" in w]
+    assert any(" result dim " in w for w in capped), capped
+    assert not any(w.startswith("factor ") for w in capped), capped

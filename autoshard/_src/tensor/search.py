@@ -487,6 +487,9 @@ def _cap_note(graph: OpGraph, fg: FactorGraph, f: int, splits: list[int], cap: i
             carried += val.nbytes
             if val.nbytes > largest:            # named by the largest tensor carrying it (a kernel, not its bias)
                 where, largest = f"{val.keypath} dim {fs.index(f)}", val.nbytes
+    if not where:                               # an activation's dim: named by the first op producing it
+        where = next((f"{op.module or '(root)'}/{op.primitive} result dim {fs.index(f)}" for op in graph.ops
+                      for v in op.outputs if f in (fs := fg.value_factors(v))), "")
     n = max(splits)
     cost = (f"; whole, it keeps up to {_fmt_bytes(carried * (1 - 1 / n))} per device of the "
             f"{_fmt_bytes(carried)} of parameters and inputs carrying it that splitting it {n} ways would free"
