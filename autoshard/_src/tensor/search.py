@@ -372,14 +372,21 @@ def _bordering_remainder(graph: OpGraph, grouping: Grouping, bt) -> set[int]:
             continue
         for v in op.inputs:             # a value an instance's forward pass hands to the remainder
             p = values[v].producer
-            if p is not None and ops[p].phase == "forward" and (b := block_of(p)) is not None and b[0] == t:
+            if p is not None and ops[p].phase == "forward" and (b := block_of(p)) is not None and b[0] == t \
+                    and _not_scalar(values[v].shape):       # not a layer's auxiliary loss (MoE load balancing)
                 out.add(b[1])
         for v in op.outputs:            # one the remainder hands to one instance alone (not a shared mask)
+            if not _not_scalar(values[v].shape):
+                continue
             readers = {b[1] for c in values[v].consumers if (b := block_of(c)) is not None and b[0] == t}
             if len(readers) == 1 and any(ops[c].phase == "forward" and block_of(c) == (t, k)
                                          for k in readers for c in values[v].consumers):
                 out |= readers
     return out
+
+
+def _not_scalar(shape: tuple[int, ...]) -> bool:
+    return math.prod(shape) > 1
 
 
 WINDOW_SHARE = 0.5       # a window over more of the graph than this: the whole graph is fused
