@@ -168,8 +168,12 @@ class _Fuser(_Rules):
             self.cls = [op_class(op) if live[op.index] else "dead" for op in ops]
             self.has_gemm = [op.primitive in GEMM_OPS for op in ops]
         else:
-            alive = is_live(graph)
-            self.cls = _Lazy(lambda i: op_class(ops[i]) if alive(i) else "dead")
+            alive, inside, values = is_live(graph), self.inside, graph.values
+            # outside the window only an op with no reader is taken for dead (not one whose readers all
+            # are): a value read across the step (an optimizer's bias correction, by every update) would
+            # walk each reader's chain to its root
+            self.cls = _Lazy(lambda i: op_class(ops[i]) if (alive(i) if i in inside else (
+                any(values[v].consumers for v in ops[i].outputs) or alive(i))) else "dead")
             self.has_gemm = _Lazy(lambda i: ops[i].primitive in GEMM_OPS)
         self.parent = list(range(n))
         self.outputs = set(graph.outputs)

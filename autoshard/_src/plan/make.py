@@ -7,7 +7,7 @@ import math
 import time
 
 from ..core.errors import ConfigError, InfeasiblePlanError, PipelineError
-from ..core.graph import OpGraph
+from ..core.graph import OpGraph, collector_paused
 from ..core.grouping import group
 from ..core.hardware import HardwareSpec
 from ..core.mesh import MeshSpec
@@ -31,6 +31,12 @@ def make_plan(graph: OpGraph, config: Config, hardware: HardwareSpec, *, profile
         raise ConfigError("autoshard: no mesh given; pass mesh={'data': 2, 'model': 4} (axis name -> size), a jax "
                           "Mesh, or 'auto' with devices=<count>, or a config file with [mesh].")
     _check_batch_split(graph, config)
+    with collector_paused():      # the grouping and every planner (3-D, pipeline) too: see collector_paused
+        return _make_plan(graph, config, hardware, profiler, trace_seconds, three_d)
+
+
+def _make_plan(graph: OpGraph, config: Config, hardware: HardwareSpec, profiler: Profiler | None,
+               trace_seconds: float, three_d: bool) -> Plan:
     t0 = time.perf_counter()
     if config.pipeline is None and config.mesh == "auto" and three_d:
         grouping = group(graph)

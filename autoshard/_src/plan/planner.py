@@ -180,10 +180,12 @@ def describe_factors(graph: OpGraph, fg, candidates: tuple[int, ...],
         for d, f in enumerate(fg.value_factors(v)):
             if f is not None and f not in desc:
                 desc[f] = f"{val.keypath} dim {d}"
-    for op in graph.ops:     # a fused projection's heads: a dim of its weight's exposed view only (trace/fused.py)
+    # a fused projection's heads: a dim of its weight's exposed view only (trace/fused.py)
+    for i in sorted(fg.op_factors):
+        op = graph.ops[i]
         if op.primitive == "reshape" and op.outputs and len(op.out_shapes[0]) > len(op.in_shapes[0]):
             src = _parameter_behind(graph, op.inputs[0])
-            if src is None or op.index not in fg.op_factors:
+            if src is None:
                 continue
             for d, f in enumerate(fg.value_factors(op.outputs[0])):
                 if f is not None and f not in desc:
@@ -226,47 +228,64 @@ def activation_constraints(graph: OpGraph, op_map: dict[int, int], fg: Any, axes
     # activations for a weight gradient instead of the stream's cotangent: pin the backward matmuls too
     backward_too = any(axes_of.get(f) for f in getattr(fg, "sequence", ()))
     pinned = _pinned(graph, fg) | (_stored_reads(graph) if storage == "zero3" else set())
-    out = []
-    todo = graph.ops if ops is None else [graph.ops[i] for i in sorted(ops)]
     phases = constrained_phases(graph, fg, axes_of, storage)     # an op maps to one of its own phase
     # with the sequence split, the residual adds keep the plan's layout: left free, XLA carries a split
     # through them into regions priced whole
     stream = _stream_ops(graph, fg) if backward_too else frozenset()
-    todo = [op for op in todo if op.phase in phases and (cut_after or pinned or stream
-                                                         or op.primitive in _CONSTRAINED)]
+    # the ops asked: an analysed op stands for itself, another for its representative (`op_map`); the
+    # rest have no factors. Not a walk over every op: a deep step's layers share their representatives'
+    if ops is None:
+        asked = [(i, i) for i in fg.op_factors]
+        asked += [(b, a) for b, a in op_map.items() if b not in fg.op_factors]
+    else:
+        asked = [(i, i if i in fg.op_factors else op_map.get(i, i)) for i in ops]
+    ctx = (graph, fg, axes_of, cut_after, pinned, stream, backward_too)
+    by_src: dict[tuple, list] = {}        # corresponding ops get their representative's layouts
+    out = []
     outputs = frozenset(graph.outputs)      # a list of every gradient: membership once per op is O(n^2)
-    for op in todo:
-        if op.nested and not (cut_after and _escapes(graph, op, outputs)):
+    for i, src in asked:
+        op = graph.ops[i]
+        if op.phase not in phases or src not in fg.op_factors:
             continue
-        # an analysed op reads its own factors: the last instance of a block type is analysed apart
-        # because it differs at its edge (its output enters the head, not the next block's regions)
-        src = op.index if op.index in fg.op_factors else op_map.get(op.index, op.index)
-        if src not in fg.op_factors or not graph.ops[src].outputs:
-            continue
-        boundary = graph.ops[src].outputs[0] in cut_after
-        pin = graph.ops[src].outputs[0] in pinned or (src in stream and op.phase == "forward")
-        if not boundary and not pin and (op.phase not in ("forward", "backward" if backward_too else "forward")
-                             or op.primitive not in _CONSTRAINED):
-            continue              # the backward pass follows, except at region boundaries (its all-to-alls)
-        spec = _spec_for(fg.op_factors[src].out_factors, axes_of)
-        after = cut_after.get(graph.ops[src].outputs[0])
-        # a partial sum its consumers read split along the reduced axes (a row-parallel output entering
-        # the sequence-parallel stream) goes straight to their layout: a reduce-scatter, as priced
-        scattered = after is not None and graph.ops[src].primitive in REDUCE_SCATTERED and \
-            {a for f in fg.op_factors[src].reduced for a in axes_of.get(f, ())} & \
-            {a for f in after if f is not None for a in axes_of.get(f, ())}
-        steps = list(reshard_steps(spec, _spec_for(after, axes_of))) if after is not None else []
-        # a boundary value resharded for its consumers keeps its own layout first, even whole: the
-        # backward then reshards the cotangent back before the producer's transpose reads it (a whole
-        # embedding output sliced into the sequence-parallel stream: its table gradient from the gathered
-        # cotangent, as priced, not all-reduced from a split one)
-        if (any(spec) or pin or steps) and not scattered:
-            out.append((op.index, tuple(tuple(a) for a in spec)))
-        out.extend((op.index, step) for step in steps)    # a region boundary: its consumers' layout
+        key = (src, op.phase, op.primitive)
+        specs = by_src.get(key)
+        if specs is None:
+            specs = by_src[key] = _src_constraints(ctx, src, op)
+        if specs and not (op.nested and not (cut_after and _escapes(graph, op, outputs))):
+            out.extend((i, spec) for spec in specs)
+    out.sort(key=lambda e: e[0])           # program order (stable: an op's own layout before its steps)
     # keys of the ops constrained only (an op's key does not depend on which others are asked)
     keys = keys if keys is not None else op_keys_of(graph, (i for i, _ in out))
     return [(keys[i], spec) for i, spec in out]
 
+
+
+def _src_constraints(ctx: tuple, src: int, op) -> list[tuple]:
+    """The layouts `activation_constraints` pins on an op of `op`'s phase and primitive standing for the
+    analysed op `src`: its own (when split, pinned or a boundary kept before its steps), then the steps
+    to its consumers' layout at a region boundary; [] when the op is left free."""
+    graph, fg, axes_of, cut_after, pinned, stream, backward_too = ctx
+    if not graph.ops[src].outputs:
+        return []
+    boundary = graph.ops[src].outputs[0] in cut_after
+    pin = graph.ops[src].outputs[0] in pinned or (src in stream and op.phase == "forward")
+    if not boundary and not pin and (op.phase not in ("forward", "backward" if backward_too else "forward")
+                                     or op.primitive not in _CONSTRAINED):
+        return []                 # the backward pass follows, except at region boundaries (its all-to-alls)
+    spec = _spec_for(fg.op_factors[src].out_factors, axes_of)
+    after = cut_after.get(graph.ops[src].outputs[0])
+    # a partial sum its consumers read split along the reduced axes (a row-parallel output entering
+    # the sequence-parallel stream) goes straight to their layout: a reduce-scatter, as priced
+    scattered = after is not None and graph.ops[src].primitive in REDUCE_SCATTERED and \
+        {a for f in fg.op_factors[src].reduced for a in axes_of.get(f, ())} & \
+        {a for f in after if f is not None for a in axes_of.get(f, ())}
+    steps = list(reshard_steps(spec, _spec_for(after, axes_of))) if after is not None else []
+    # a boundary value resharded for its consumers keeps its own layout first, even whole: the
+    # backward then reshards the cotangent back before the producer's transpose reads it (a whole
+    # embedding output sliced into the sequence-parallel stream: its table gradient from the gathered
+    # cotangent, as priced, not all-reduced from a split one)
+    out = [tuple(tuple(a) for a in spec)] if (any(spec) or pin or steps) and not scattered else []
+    return out + steps            # a region boundary: its consumers' layout
 
 def _stream_ops(graph: OpGraph, fg: Any) -> frozenset[int]:
     """The analysed forward adds whose output carries a sequence-parallel stream factor (the residual adds
@@ -496,13 +515,17 @@ def _whole_mesh_stage(graph: OpGraph, mesh: MeshSpec, choice: PlanChoice, batch_
     the batch. Its step time is split into forward and backward by the compute's flop shares (the
     search prices a whole step; communication stays with the phase it belongs to)."""
     replicas = math.prod(mesh.axis_size(a) for a in mesh.names if a in batch_axes)
-    flops = graph.flops_by_phase()
+    flops = dict.fromkeys(PHASES, 0.0)
+    forward_modules: dict[str, None] = {}
+    for op in graph.ops:           # one pass for both (a deep step's ops)
+        flops[op.phase] += op.flops * op.repeat if op.loops else op.flops
+        if op.phase == "forward" and op.module:
+            forward_modules[op.module] = None
     total = sum(flops.values()) or 1.0
     bd = choice.breakdown
     forward = bd["compute"] * flops["forward"] / total + bd["fwd_comm"]
     # each module name split once (first appearances keep program order)
-    modules = tuple(dict.fromkeys("/".join(m.split("/")[:2]) for m in dict.fromkeys(
-        op.module for op in graph.ops if op.phase == "forward" and op.module)))
+    modules = tuple(dict.fromkeys("/".join(m.split("/")[:2]) for m in forward_modules))
     return Stage(index=0, mesh=tuple(mesh.axes), replicas=replicas,
                  microbatch_size=max(1, traced_batch(graph) // replicas), predicted_forward=forward,
                  predicted_backward=max(choice.step_time - forward, 0.0), memory=choice.memory["total"],
