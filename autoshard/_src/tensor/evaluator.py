@@ -315,12 +315,19 @@ class _Evaluator(MemoryModel, CollectiveMoves, CommRecords):
                 hit = dims_of[src] = tuple(self.cidx.get(f, -1) if f is not None else -1
                                            for f in fg.value_factors(src))
             return hit
+        # ZeRO-3 gathers a parameter once: emission pins its reads to the layout it is computed in
+        # (planner._stored_reads), and XLA keeps that gathered copy for every forward use (a tied
+        # embedding's lookup and head) and for the backward pass instead of gathering again
+        gathered: dict[tuple, float] = defaultdict(float)
         for v in self.inputs:
             val = g.values[v]
             if val.role in ("parameter", "state"):
-                key = (val.role, dims_for(v), val.shape)
-                tensors[key] += val.nbytes
-                largest[key] = max(largest[key], float(val.nbytes))
+                dims, size = dims_for(v), val.nbytes
+                key = (val.role, dims, val.shape)
+                tensors[key] += size
+                largest[key] = max(largest[key], float(size))
+                if val.role == "parameter":
+                    gathered[(dims, val.shape)] += size
             else:
                 src = self.in_map.get(v, v)
                 fs = fg.value_factors(src) if g.values[src].shape == val.shape else (None,) * len(val.shape)
@@ -330,14 +337,6 @@ class _Evaluator(MemoryModel, CollectiveMoves, CommRecords):
         # an update that reads a reduction over a gradient (a global norm to clip by) waits for every
         # gradient; otherwise each parameter's update reads its own gradient only (memory.py)
         self.update_reads_all = _update_reads_all(g)
-        # ZeRO-3 gathers a parameter once: emission pins its reads to the layout it is computed in
-        # (planner._stored_reads), and XLA keeps that gathered copy for every forward use (a tied
-        # embedding's lookup and head) and for the backward pass instead of gathering again
-        gathered: dict[tuple, float] = defaultdict(float)
-        for v in self.inputs:
-            val = g.values[v]
-            if val.role == "parameter":
-                gathered[(dims_for(v), val.shape)] += val.nbytes
         self.gathered = [(dims, shape, b) for (dims, shape), b in sorted(gathered.items())]
         self.state = [(dims, shape, b) for (role, dims, shape), b in sorted(tensors.items()) if role == "state"]
         self._build_activations(weights)

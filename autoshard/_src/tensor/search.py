@@ -263,7 +263,7 @@ def _analysis(graph: OpGraph, grouping: Grouping) -> Analysis:
     weights, ops, pairs, periods, fg = _linked_analysis(graph, grouping)
     grad_ops = _grad_ops(graph, [i for i, w in weights.items() if w > 0])
     return Analysis(weights, fg, grad_ops, tuple(periods), input_maps(graph, grouping, tuple(periods)),
-                    any(op.phase == "optimizer" for op in graph.ops), fusion_window(graph, grouping))
+                    any(op.phase == "optimizer" for op in reversed(graph.ops)), fusion_window(graph, grouping))
 
 
 def plan_space(graph: OpGraph, grouping: Grouping, mesh: MeshSpec, options: SearchOptions = SearchOptions(),
