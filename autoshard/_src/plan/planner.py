@@ -173,7 +173,7 @@ def describe_factors(graph: OpGraph, fg, candidates: tuple[int, ...],
     """(factor, "keypath dim d" of the first parameter or data input it splits, size, mesh axes) per
     candidate factor: how a plan shows its logical dims."""
     desc: dict[int, str] = {}
-    for v in graph.inputs:
+    for v in fg.factored_inputs():
         val = graph.values[v]
         if val.role not in ("parameter", "data"):
             continue

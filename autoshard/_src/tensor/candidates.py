@@ -115,7 +115,7 @@ def _ranked_factors(graph: OpGraph, fg: FactorGraph, weights: dict[int, float]) 
                     sliced.update(f for f in fg.value_factors(v)[:len(full) - len(shape)] if f is not None)
     in_loops = {f for i, w in weights.items() if w > 0 for f in fg.op_factors[i].loop} - sliced
     weight_of: dict[int, float] = defaultdict(float)
-    for v in graph.inputs:
+    for v in fg.factored_inputs():
         val = graph.values[v]
         if val.role in ("parameter", "data"):
             for f in fg.value_factors(v):

@@ -123,6 +123,16 @@ class FactorGraph:
         # _key inlined: called for every input and op operand
         return tuple([get((value, d - rank)) if shape[lead + d] != 1 else None for d in range(rank)])
 
+    def factored_inputs(self) -> tuple[int, ...]:
+        """The program inputs with a factor on some dim, in input order: those the analysed ops read (a
+        deep step's other layers' weights have none), so loops over the factors of inputs skip them."""
+        key = ("factored inputs", id(self.factor_of))
+        hit = self.builds.get(key)
+        if hit is None or hit[0] is not self.factor_of:
+            have = {v for v, _ in self.factor_of}
+            hit = self.builds[key] = (self.factor_of, tuple(v for v in self.graph.inputs if v in have))
+        return hit[1]
+
     def divides(self, factor: int, n: int) -> bool:
         # a factor's sizes repeat once per dim it names (thousands for the residual stream): distinct once
         distinct = self.builds.get(("distinct sizes", factor))
@@ -206,8 +216,15 @@ class _FactorIds:
         self.sizes: dict[int, list[int]] = {}
         self.repeated: set[int] = set()
         self.cooccur: dict[int, set[int]] = {}
+        self.registered: dict[tuple, tuple] = {}     # a value is read by its producer and every consumer
 
     def register(self, v: int, shape: tuple[int, ...]) -> tuple:
+        hit = self.registered.get((v, shape))
+        if hit is None:
+            hit = self.registered[(v, shape)] = self._register(v, shape)
+        return hit
+
+    def _register(self, v: int, shape: tuple[int, ...]) -> tuple:
         out = []
         for d, size in enumerate(shape):
             if size == 1:

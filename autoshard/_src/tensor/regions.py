@@ -180,7 +180,7 @@ def _repeat_cuts(graph: OpGraph, ops: list[int], fg: FactorGraph) -> tuple[Subs,
     the kv heads to the query heads, and a query-heads split would need the kv heads to divide too.
     Returns (op -> operand position -> (value, cut id), per cut id the dims kept linked)."""
     opset = set(ops)
-    wdims = {f for v in graph.inputs if graph.values[v].role in ("parameter", "buffer")
+    wdims = {f for v in fg.factored_inputs() if graph.values[v].role in ("parameter", "buffer")
              for f in fg.value_factors(v) if f is not None}
     subs: Subs = {}
     kept: dict[int, tuple[int, ...]] = {}

@@ -26,7 +26,7 @@ def unlinked_batch_loops(graph: OpGraph, fg: FactorGraph) -> dict[int, frozenset
     out: dict[int, frozenset[int]] = {}
     if batch and size > 1:
         # factors some program input carries are real dims (a parameter's rows of the batch's size)
-        anchored = {f for v in graph.inputs for f in fg.value_factors(v) if f is not None}
+        anchored = {f for v in fg.factored_inputs() for f in fg.value_factors(v) if f is not None}
         for i, of in fg.op_factors.items():
             if of.loop & set(batch) or not of.known:
                 continue
