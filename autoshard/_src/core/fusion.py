@@ -175,7 +175,7 @@ class _Fuser(_Rules):
             self.cls = _Lazy(lambda i: op_class(ops[i]) if (alive(i) if i in inside else (
                 any(values[v].consumers for v in ops[i].outputs) or alive(i))) else "dead")
             self.has_gemm = _Lazy(lambda i: ops[i].primitive in GEMM_OPS)
-        self.parent = list(range(n))
+        self.parent = list(range(n)) if scope is None else _Lazy(lambda i: i)
         self.outputs = set(graph.outputs)
         self.reader_cache: dict[int, frozenset[int]] = {}
         self.producer_cache: dict[int, frozenset[int]] = {}

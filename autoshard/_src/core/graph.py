@@ -17,6 +17,8 @@ from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Literal
 
+import numpy as np
+
 Phase = Literal["forward", "backward", "optimizer", "other"]
 PHASES: tuple[Phase, ...] = ("forward", "backward", "optimizer", "other")
 
@@ -243,15 +245,18 @@ def fingerprint(graph: OpGraph) -> str:
         val = graph.values[v]
         h.update(f"{kp}:{val.shape}:{val.dtype};".encode())
     h.update(b"|")
-    typed: dict[tuple, str] = {}      # layers repeat a few signatures: each is formatted once
-    parts = []
-    for op in graph.ops:
-        key = (op.in_shapes, op.in_dtypes, op.out_shapes, op.out_dtypes)   # tuples (Op's contract)
-        sig = typed.get(key)
-        if sig is None:
-            sig = typed[key] = f"{op.in_shapes}{op.in_dtypes}{op.out_shapes}{op.out_dtypes}"
-        parts.append(f"{op.module}/{op.primitive}{sig};")
-    h.update("".join(parts).encode())    # one update: SHA-1 streams, so the digest is that of the pieces
+    # layers repeat a few signatures: each is numbered at its first appearance and hashed once, the op
+    # sequence as modules, primitives and those numbers (the same identity, read in a few C passes)
+    ops = graph.ops
+    typed: dict[tuple, int] = {}
+    sigs = [typed.setdefault((op.in_shapes, op.in_dtypes, op.out_shapes, op.out_dtypes), len(typed))
+            for op in ops]      # tuples (Op's contract)
+    h.update("\n".join([op.module for op in ops]).encode())
+    h.update(b"|")
+    h.update("\n".join([op.primitive for op in ops]).encode())
+    h.update(b"|")
+    h.update(np.asarray(sigs, dtype="<i8").tobytes())
+    h.update(";".join(f"{a}{b}{c}{d}" for a, b, c, d in typed).encode())
     return h.hexdigest()[:16]
 
 

@@ -383,8 +383,9 @@ def _cluster_by_composition(buckets: dict[tuple, list[_Node]], tree: _ModuleTree
             size = max(sum(ref.values()), 1)
             members, diffs, rest = [], {}, []
             for n in remaining:
-                missing = sum((ref - comps[n]).values())
-                extra = sum((comps[n] - ref).values())
+                same = comps[n] == ref       # most members: no differences to count
+                missing = 0 if same else sum((ref - comps[n]).values())
+                extra = 0 if same else sum((comps[n] - ref).values())
                 if (missing + extra) <= tolerance * size:
                     members.append(n)
                     diffs[n] = (missing, extra)

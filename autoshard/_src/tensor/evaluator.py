@@ -116,7 +116,7 @@ def _update_reads_all(graph: OpGraph) -> bool:
     hit = graph.cache.get("update reads all")
     if hit is None:
         hit = graph.cache["update reads all"] = any(
-            op.phase == "optimizer" and op.primitive in _GRADIENT_REDUCTIONS and op.in_shapes
+            op.primitive in _GRADIENT_REDUCTIONS and op.phase == "optimizer" and op.in_shapes
             and len(op.in_shapes[0]) > 0 for op in graph.ops)
     return hit
 
