@@ -383,7 +383,7 @@ def _cluster_by_composition(buckets: dict[tuple, list[_Node]], tree: _ModuleTree
             size = max(sum(ref.values()), 1)
             members, diffs, rest = [], {}, []
             for n in remaining:
-                same = comps[n] == ref       # most members: no differences to count
+                same = dict.__eq__(comps[n], ref)     # most members: no differences to count (no zero counts)
                 missing = 0 if same else sum((ref - comps[n]).values())
                 extra = 0 if same else sum((comps[n] - ref).values())
                 if (missing + extra) <= tolerance * size:

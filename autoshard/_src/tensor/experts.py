@@ -276,10 +276,16 @@ def factor_site(graph: OpGraph, fg: FactorGraph, f: int, in_map: dict[int, int] 
     data input, else the module of a region boundary where its consumers read it, else "factor f"."""
     in_map = in_map or {}
     sites: dict[str, list[tuple[str, int]]] = {"parameter": [], "data": []}
+    factors_of: dict[int, tuple] = {}      # the layers' parameters share their representatives'
     for v in graph.inputs:
         val = graph.values[v]
         if val.role in sites:
-            fs = fg.value_factors(in_map.get(v, v)) if val.role == "parameter" else fg.value_factors(v)
+            src = in_map.get(v, v) if val.role == "parameter" else v
+            fs = factors_of.get(src)
+            if fs is None:
+                fs = factors_of[src] = fg.value_factors(src)
+            if f not in fs:
+                continue
             sites[val.role].extend((f"{val.keypath} dim {d}", val.shape[d], len(val.shape) < 2)
                                    for d, g in enumerate(fs) if g == f)
     params = sorted(sites["parameter"], key=lambda s: (s[2], s[1] not in sizes))

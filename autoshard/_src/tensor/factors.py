@@ -280,8 +280,18 @@ def _merged_minor_dims(a: tuple[int, ...], b: tuple[int, ...]) -> list[int]:
     return [d for dims_a, _ in _reshape_groups(a, b) for d in dims_a[1:] if a[d] != 1]
 
 
-def weight_values(graph: OpGraph, ops: Iterable[int]) -> set[int]:
-    """Values computed from parameters alone (a kernel, its cast or reshape) among `ops` (sorted)."""
+def weight_values(graph: OpGraph, ops: Iterable[int]) -> frozenset[int]:
+    """Values computed from parameters alone (a kernel, its cast or reshape) among `ops` (sorted).
+    Cached on the graph per ops: the analyses of one factor graph ask several times."""
+    ops = tuple(ops)
+    key = ("weight values", ops)
+    hit = graph.cache.get(key)
+    if hit is None:
+        hit = graph.cache[key] = frozenset(_weight_values(graph, ops))
+    return hit
+
+
+def _weight_values(graph: OpGraph, ops: tuple[int, ...]) -> set[int]:
     weights = {v for v in graph.inputs if graph.values[v].role in ("parameter", "buffer")}
     for i in ops:
         op = graph.ops[i]
