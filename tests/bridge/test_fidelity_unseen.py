@@ -277,14 +277,16 @@ def test_post_ln_layers_crossing_into_the_next_layer_are_gathered_once_each():
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason=(
-    "nn.MultiHeadDotProductAttention post-LN layers under Megatron-SP on model 4: XLA compiles 5 stream "
-    "all-gathers per layer, the plan prices 4 (layers 2-6: 10/9, 14/13, 19/17, 24/21, 29/25 compiled/predicted "
-    "gathers of 64 KiB); the extra ones are named after the attention's value projection"))
 def test_post_ln_encoder_megatron_sp_expert_five_layers():
+    """Five post-LN layers: the third and fifth are analysed by none of their own (the second stands for
+    them). They took the first layer's layouts, whose input cotangent is gathered whole for the embedding's
+    table gradient, so XLA gathered their input cotangents too (24 stream all-gathers compiled for 21
+    priced); now they take the second layer's."""
     step, args = _encoder("post", layers=5)
     plan = autoshard.expert_plan("megatron-sp", step, *args, mesh={"model": 4}, hardware="cpu-sim")
-    check(_sequence_parallel(plan), step, args)
+    a = check(_sequence_parallel(plan), step, args)
+    # one stream gather per layer and pass, beside the embedding's and the head's (64 KiB each)
+    assert a.audited_collectives["all-gather@model"]["bytes"] <= a.predicted_collectives["all-gather@model"] + 65536
 
 
 @pytest.mark.slow

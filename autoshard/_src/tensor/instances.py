@@ -6,6 +6,8 @@ takes the factors of instance k mod p. These maps carry that over to every op an
 
 from __future__ import annotations
 
+import math
+
 from ..core.graph import PHASES, OpGraph
 from ..core.grouping import Grouping
 from .factors import corresponding_ops
@@ -26,14 +28,38 @@ def _instance_maps(graph: OpGraph, grouping: Grouping, periods: tuple[int, ...],
                    phases: tuple[str, ...]) -> dict[int, int]:
     out: dict[int, int] = {}
     for bt, period in zip(grouping.block_types, periods, strict=True):
-        rep_sigs: list[dict] = [{} for _ in range(period)]    # each representative's signature, once
+        rep_sigs: dict[int, dict] = {}        # each representative's signature, once
+        stands = {} if bt.scanned else instance_roles(graph, grouping, bt, period)[1]
         for k, inst in enumerate(bt.instances):
-            rep = bt.instances[k % period]
+            # an instance the search did not analyse takes the factors of the one standing for it (not of
+            # the first, which differs at its edge: its input comes from the remainder)
+            r = stands.get(k, k % period)
+            r = k % period if r == k else r
+            rep = bt.instances[r]
             if k < period or inst.ops == rep.ops:
                 continue
-            for a, b in corresponding_ops(graph, rep.ops, inst.ops, phases, rep_sigs[k % period]):
+            for a, b in corresponding_ops(graph, rep.ops, inst.ops, phases, rep_sigs.setdefault(r, {})):
                 out[b] = a
     return out
+
+
+def instance_roles(graph: OpGraph, grouping: Grouping, bt, period: int) -> tuple[set[int], dict[int, int]]:
+    """Which instances of block type `bt` (repeating with `period`) the search analyses: (those counting for
+    themselves, {every other instance from `period` on: the one standing for it}). The first `period`
+    instances, the last and those bordering the remainder count for themselves: they differ from the
+    middle ones (the first layer computes no input gradient when its input is the data; the last feeds
+    the remainder). The first other instance of each residue class stands for its class (itself too)."""
+    n = bt.count
+    exact = set(range(min(period, n))) | {n - 1} | bordering_remainder(graph, grouping, bt)
+    first: dict[int, int] = {}
+    stands = {}
+    for j in range(period, n):
+        if j not in exact:
+            stands[j] = first.setdefault(j % period, j)
+    return exact, stands
+
+
+
 
 
 def input_maps(graph: OpGraph, grouping: Grouping, periods: tuple[int, ...]) -> dict[int, int]:
@@ -92,3 +118,36 @@ def _input_maps(graph: OpGraph, grouping: Grouping, periods: tuple[int, ...]) ->
                 if hit is not None:
                     out[v] = hit
     return out
+
+
+def bordering_remainder(graph: OpGraph, grouping: Grouping, bt) -> set[int]:
+    """The instances of block type `bt` whose forward pass exchanges a value with the remainder that no other
+    instance of the type reads (the residual stream entering or leaving it). Instances need not come in
+    program order and a type's instances may sit between remainder ops (T5's FFN sublayers between its
+    unrepeated attention sublayers): one that another instance stands for has no factors of its own, so the
+    stream would not link through it and a plan could lay the stream out differently on its two sides
+    without the reshard being priced. They count for themselves."""
+    values, ops, block_of = graph.values, graph.ops, grouping.block_of
+    t = next(j for j, b in enumerate(grouping.block_types) if b is bt)
+    out: set[int] = set()
+    for i in grouping.remainder:        # walked from the remainder's side: it is small beside the blocks
+        op = ops[i]
+        if op.phase != "forward":
+            continue
+        for v in op.inputs:             # a value an instance's forward pass hands to the remainder
+            p = values[v].producer
+            if p is not None and ops[p].phase == "forward" and (b := block_of(p)) is not None and b[0] == t \
+                    and _not_scalar(values[v].shape):       # not a layer's auxiliary loss (MoE load balancing)
+                out.add(b[1])
+        for v in op.outputs:            # one the remainder hands to one instance alone (not a shared mask)
+            if not _not_scalar(values[v].shape):
+                continue
+            readers = {b[1] for c in values[v].consumers if (b := block_of(c)) is not None and b[0] == t}
+            if len(readers) == 1 and any(ops[c].phase == "forward" and block_of(c) == (t, k)
+                                         for k in readers for c in values[v].consumers):
+                out |= readers
+    return out
+
+
+def _not_scalar(shape: tuple[int, ...]) -> bool:
+    return math.prod(shape) > 1

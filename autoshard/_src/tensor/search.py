@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections import Counter
 from collections.abc import Sequence
 
 import numpy as np
@@ -41,7 +42,7 @@ from .evaluator import (
 )
 from .experts import batch_factors, region_twins, tensor_parallel_factors
 from .factors import FactorGraph, corresponding_ops
-from .instances import input_maps
+from .instances import input_maps, instance_roles
 from .regions import analyze
 
 __all__ = ["STORAGE_MODES", "Analysis", "PlanChoice", "PlanSpace", "SearchOptions", "SearchResult", "analysis",
@@ -335,14 +336,11 @@ def _find_analysed_ops(graph: OpGraph, grouping: Grouping, periods_given: list[i
             continue
         period = periods_given[len(periods)] if periods_given is not None else _period(graph, bt, grouping.remainder)
         periods.append(period)
-        n = bt.count
-        # the first `period` instances and the last count for themselves: they differ from the
-        # middle ones (the first layer computes no input gradient when its input is the data; the
-        # last feeds the remainder); one middle instance per residue class stands for the rest.
+        # the first `period` instances, the last and those bordering the remainder count for themselves;
+        # one middle instance per residue class stands for the rest (instances.instance_roles).
         # Linking the analysed instances to the first ones makes factors run through the model.
-        exact = set(range(min(period, n))) | {n - 1} | _bordering_remainder(graph, grouping, bt)
-        middle = {k: sum(1 for j in range(k % period, n, period) if j not in exact)
-                  for k in range(period, 2 * period) if k < n and k not in exact}
+        exact, stands = instance_roles(graph, grouping, bt, period)
+        middle = Counter(stands.values())
         for k in sorted(exact | set(middle)):
             w = 1 if k in exact else middle[k]
             for i in insts[k].ops:
@@ -352,39 +350,6 @@ def _find_analysed_ops(graph: OpGraph, grouping: Grouping, periods_given: list[i
                 pairs.extend(corresponding_ops(graph, insts[k % period].ops, insts[k].ops))
     # ops XLA deletes as dead code cost nothing (they stay analysed: their dims still link factors)
     return live_weights(graph, weights), ops, pairs, periods
-
-
-def _bordering_remainder(graph: OpGraph, grouping: Grouping, bt) -> set[int]:
-    """The instances of block type `bt` whose forward pass exchanges a value with the remainder that no other
-    instance of the type reads (the residual stream entering or leaving it). Instances need not come in
-    program order and a type's instances may sit between remainder ops (T5's FFN sublayers between its
-    unrepeated attention sublayers): one that another instance stands for has no factors of its own, so the
-    stream would not link through it and a plan could lay the stream out differently on its two sides
-    without the reshard being priced. They count for themselves."""
-    values, ops, block_of = graph.values, graph.ops, grouping.block_of
-    t = next(j for j, b in enumerate(grouping.block_types) if b is bt)
-    out: set[int] = set()
-    for i in grouping.remainder:        # walked from the remainder's side: it is small beside the blocks
-        op = ops[i]
-        if op.phase != "forward":
-            continue
-        for v in op.inputs:             # a value an instance's forward pass hands to the remainder
-            p = values[v].producer
-            if p is not None and ops[p].phase == "forward" and (b := block_of(p)) is not None and b[0] == t \
-                    and _not_scalar(values[v].shape):       # not a layer's auxiliary loss (MoE load balancing)
-                out.add(b[1])
-        for v in op.outputs:            # one the remainder hands to one instance alone (not a shared mask)
-            if not _not_scalar(values[v].shape):
-                continue
-            readers = {b[1] for c in values[v].consumers if (b := block_of(c)) is not None and b[0] == t}
-            if len(readers) == 1 and any(ops[c].phase == "forward" and block_of(c) == (t, k)
-                                         for k in readers for c in values[v].consumers):
-                out |= readers
-    return out
-
-
-def _not_scalar(shape: tuple[int, ...]) -> bool:
-    return math.prod(shape) > 1
 
 
 WINDOW_SHARE = 0.5       # a window over more of the graph than this: the whole graph is fused
