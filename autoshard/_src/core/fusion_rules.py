@@ -71,7 +71,14 @@ class _Rules:
         out = self.g.values[op.outputs[0]].nbytes
         if not self.gpu:
             return self._operand_bytes(op) <= out
-        return len(readers) * self._input_bytes(op) <= (1 + len(readers)) * out
+        n = len(readers)
+        # the operands' bytes bound what recomputing reads (sources replace an operand only when no
+        # larger, a broadcast's are smaller): when even they pass, the sources need not be walked
+        values = self.g.values
+        operands = {self.source(v) for v in op.inputs}
+        if n * sum(self._nbytes(w) for w in operands if values[w].kind != "literal") <= (1 + n) * out:
+            return True
+        return n * self._input_bytes(op) <= (1 + n) * out
 
     def _operand_bytes(self, op: Op) -> float:
         """XLA:CPU's test (InstructionFusion): copying a producer into several readers cannot add memory
