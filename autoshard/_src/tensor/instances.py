@@ -1,7 +1,9 @@
 """Which instance of a block type stands for which (pure: no jax import).
 
-The planner analyses representative instances only; instance k of a type repeating with period p
-takes the factors of instance k mod p. These maps carry that over to every op and every input.
+The planner analyses representative instances only (`instance_roles`). An op of an instance it did not
+analyse takes the factors of the instance standing for it (the first middle instance of its residue class
+mod the type's period); an input takes those of instance k mod p (the instances' weights are linked).
+These maps carry that over to every op and every input.
 """
 
 from __future__ import annotations
@@ -15,9 +17,9 @@ from .factors import corresponding_ops
 
 def instance_maps(graph: OpGraph, grouping: Grouping, periods: tuple[int, ...],
                   phases: tuple[str, ...] = PHASES) -> dict[int, int]:
-    """Op index → the corresponding op of its representative instance (instance k of a type
-    with period p takes the factors of instance k mod p), for the ops of `phases`. Computed once per
-    grouping: do not modify."""
+    """Op index → the corresponding op of its representative instance (an instance the search did not
+    analyse: the one standing for it; another: instance k mod p of a type with period p), for the ops of
+    `phases`. Computed once per grouping: do not modify."""
     if graph is not grouping.graph:
         return _instance_maps(graph, grouping, periods, phases)
     return grouping.memo(("instance_maps", tuple(periods), phases),
