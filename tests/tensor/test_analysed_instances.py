@@ -45,8 +45,8 @@ class Interleaved(nn.Module):
         return x
 
 
-def _traced_interleaved():
-    model, opt = Interleaved(), optax.adam(1e-3)
+def _traced(model, opt):
+    """(step, args, traced graph) of a mean-square loss on `model` updated by `opt`."""
     x = jnp.ones((8, 16, D))
     params = model.init(jax.random.key(0), x)
 
@@ -57,6 +57,10 @@ def _traced_interleaved():
 
     args = (params, opt.init(params), x)
     return step, args, trace(step, *args)
+
+
+def _traced_interleaved():
+    return _traced(Interleaved(), optax.adam(1e-3))
 
 
 def test_instances_between_remainder_ops_count_for_themselves():
@@ -131,16 +135,7 @@ class TappedStack(nn.Module):
 def test_a_class_whose_first_middle_instance_borders_the_remainder_still_has_a_stand_in():
     """The second layer hands its output to the auxiliary head: it counts for itself, where the class's
     stand-in would be. The third layer stands for the third and fourth instead (they were counted by none)."""
-    model, opt = TappedStack(), optax.sgd(0.1)
-    x = jnp.ones((8, 16, D))
-    params = model.init(jax.random.key(0), x)
-
-    def step(params, opt_state, x):
-        loss, grads = jax.value_and_grad(lambda p: jnp.mean(model.apply(p, x) ** 2))(params)
-        updates, opt_state = opt.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
-    graph = trace(step, params, opt.init(params), x)
+    _, _, graph = _traced(TappedStack(), optax.sgd(0.1))
     grouping = group(graph)
     (bt,) = [bt for bt in grouping.block_types if bt.count == 5]
     exact, stands = instance_roles(graph, grouping, bt, 1)
