@@ -128,9 +128,10 @@ def bind_eqn(eqn: Any, invals: list) -> list:
     return list(ans) if eqn.primitive.multiple_results else [ans]
 
 
-def eval_jaxpr_with(closed: Any, args: list, after_eqn: Any) -> list:
+def eval_jaxpr_with(closed: Any, args: list, after_eqn: Any, bind: Any = None) -> list:
     """Evaluate a ClosedJaxpr like `jax.core.eval_jaxpr`, calling `after_eqn(index, outs)` on the
-    outputs of every top-level eqn (it returns the outputs to use, e.g. sharding-constrained)."""
+    outputs of every top-level eqn (it returns the outputs to use, e.g. sharding-constrained). `bind(index,
+    eqn, invals)`: the outputs of an eqn bound otherwise (a call re-bound with a rewritten body), or None."""
     jaxpr = closed.jaxpr
     env: dict = {}
 
@@ -142,10 +143,33 @@ def eval_jaxpr_with(closed: Any, args: list, after_eqn: Any) -> list:
     for var, val in zip(jaxpr.invars, args, strict=True):
         env[var] = val
     for k, eqn in enumerate(jaxpr.eqns):
-        outs = after_eqn(k, bind_eqn(eqn, [read(v) for v in eqn.invars]))
+        invals = [read(v) for v in eqn.invars]
+        outs = bind(k, eqn, invals) if bind is not None else None
+        outs = after_eqn(k, bind_eqn(eqn, invals) if outs is None else outs)
         for var, val in zip(eqn.outvars, outs, strict=True):
             env[var] = val
     return [read(v) for v in jaxpr.outvars]
+
+
+def rebind_with_body(eqn: Any, invals: list, body: Any) -> list:
+    """Bind a call eqn whose body is the open jaxpr param `jaxpr` (remat2) with the body traced from
+    `body(*inner_args)` instead (same values: the caller adds only identities such as sharding
+    constraints); its other params (prevent_cse, differentiated, policy) and its context are kept."""
+    from jax._src.interpreters import partial_eval as pe
+
+    inner = eqn.params["jaxpr"]
+    avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, weak_type=getattr(v.aval, "weak_type", False))
+             for v in inner.invars]
+    with eqn_context(eqn):
+        closed = jax.make_jaxpr(body)(*avals)
+    jaxpr = pe.convert_constvars_jaxpr(closed.jaxpr)
+    bind_params = eqn.primitive.get_bind_params({**eqn.params, "jaxpr": jaxpr})
+    subfuns: list = []
+    if isinstance(bind_params, tuple):
+        subfuns, bind_params = bind_params
+    with eqn_context(eqn), eqn.ctx.manager:
+        ans = eqn.primitive.bind(*subfuns, *closed.consts, *invals, **bind_params)
+    return list(ans) if eqn.primitive.multiple_results else [ans]
 
 
 CALL_PRIMITIVES = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr"}

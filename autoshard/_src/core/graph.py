@@ -100,6 +100,7 @@ class Op:
     params: dict = dataclasses.field(default_factory=dict)
     top_eqn: int = -1                    # index of the top-level jaxpr eqn the op comes from
     nested: bool = False                 # inside a nested jaxpr (jit/remat/scan/cond body)
+    remat_eqn: int = -1                  # its eqn's index in the body of a top-level remat call it is read from
     module: str = ""
     phase: Phase = "other"
 

@@ -251,7 +251,8 @@ def activation_constraints(graph: OpGraph, op_map: dict[int, int], fg: Any, axes
         specs = by_src.get(key)
         if specs is None:
             specs = by_src[key] = _src_constraints(ctx, src, op)
-        if specs and not (op.nested and not (cut_after and _escapes(graph, op, outputs))):
+        # a nested op is pinned in a remat call's body (emission re-binds the call), or where it leaves its call
+        if specs and (not op.nested or op.remat_eqn >= 0 or (cut_after and _escapes(graph, op, outputs))):
             out.extend((i, spec) for spec in specs)
     out.sort(key=lambda e: e[0])           # program order (stable: an op's own layout before its steps)
     # keys of the ops constrained only (an op's key does not depend on which others are asked)

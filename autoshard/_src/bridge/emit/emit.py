@@ -165,18 +165,25 @@ def constrained(traced: Traced, plan: Plan, mesh: Mesh, remat: bool = False) -> 
     graph = traced.graph
     index = {k: i for i, k in enumerate(op_keys(graph))}
     by_eqn: dict[int, list[tuple[tuple[int, ...] | None, NamedSharding]]] = {}
+    # ops of a remat call's body (a user's nn.remat block, recomputed in the backward pass): the call is
+    # bound again with its body's eqns pinned, else XLA partitions the recomputation unguided
+    in_remat: dict[int, dict[int, list[tuple[tuple[int, ...] | None, NamedSharding]]]] = {}
     wanted = [key for key, _ in plan.activation_constraints]
     check_constraints_matched(wanted, set(wanted) & set(index), "autoshard")
     for key, spec in plan.activation_constraints:      # two for one op: its layout, then its consumers'
         i = index.get(key)
         if i is not None:
             op = graph.ops[i]
+            sharding = NamedSharding(mesh, partition_spec(spec))
+            if op.remat_eqn >= 0:
+                in_remat.setdefault(op.top_eqn, {}).setdefault(op.remat_eqn, []).append((None, sharding))
+                continue
             # a nested op (a gather inside jnp.take's jit) is the call's output of its shape
             shape = tuple(op.out_shapes[0]) if op.nested else None
-            by_eqn.setdefault(op.top_eqn, []).append((shape, NamedSharding(mesh, partition_spec(spec))))
+            by_eqn.setdefault(op.top_eqn, []).append((shape, sharding))
 
-    def after(k: int, outs: list) -> list:
-        for shape, s in by_eqn.get(k, ()):
+    def after(k: int, outs: list, pins: dict | None = None) -> list:
+        for shape, s in (pins if pins is not None else by_eqn).get(k, ()):
             if shape is None:
                 at = 0 if getattr(outs[0], "ndim", 0) == len(s.spec) else None
             else:
@@ -195,9 +202,17 @@ def constrained(traced: Traced, plan: Plan, mesh: Mesh, remat: bool = False) -> 
                       "traced, or plan with remat 'none'.",
                       stacklevel=4)
 
+    def rebind(k: int, eqn, invals: list) -> list | None:
+        pins = in_remat.get(k)
+        if pins is None:
+            return None
+        inner = jc.ClosedJaxpr(eqn.params["jaxpr"], [])
+        return jc.rebind_with_body(eqn, invals, lambda *a: jc.eval_jaxpr_with(
+            inner, list(a), lambda j, outs: after(j, outs, pins)))
+
     def run(*call_args):
         flat = jax.tree_util.tree_leaves(call_args)
-        outs = (jc.eval_jaxpr_with(traced.closed, flat, after) if not schedule
+        outs = (jc.eval_jaxpr_with(traced.closed, flat, after, rebind if in_remat else None) if not schedule
                 else eval_with_replays(traced.closed, flat, after, schedule))
         return jax.tree_util.tree_unflatten(traced.out_tree, outs)
 

@@ -26,6 +26,7 @@ from .. import compat as jc
 from .fused import expose_fused
 
 # call-like primitives whose body runs once with the eqn's operands: inlined
+_REMAT_CALLS = frozenset({"remat2", "checkpoint"})     # jax.checkpoint / nn.remat
 _TRANSPARENT = {
     "pjit": ("jaxpr",), "jit": ("jaxpr",), "closed_call": ("call_jaxpr",),
     "core_call": ("call_jaxpr",), "remat2": ("jaxpr",), "checkpoint": ("jaxpr",),
@@ -205,12 +206,17 @@ class _Builder:
 
     def walk(self, jaxpr: Any, env: dict, scope: _Scope, loops: tuple[Loop, ...],
              top: bool = False) -> None:
+        # the body of a top-level remat call: its leaf eqns are numbered on their ops (emission pins them
+        # by re-binding the call with a constrained body)
+        remat_body, self._remat_body = getattr(self, "_remat_body", False), False
         for k, eqn in enumerate(jaxpr.eqns):
             start = len(self.ops)
             full = scope.enter(jc.name_stack(eqn))
             name = eqn.primitive.name
             in_ids = [self.read(env, a) for a in eqn.invars]
+            self._remat_body = top and name in _REMAT_CALLS
             outs = self._expand(eqn, name, in_ids, full, loops)
+            self._remat_body = False
             if outs is None:
                 params = _simple_params(name, eqn.params)
                 # a container kept whole (shard_map, pallas_call, ...): say how big (a jaxpr can only
@@ -225,6 +231,8 @@ class _Builder:
                 self.eqns[len(self.ops) - 1] = eqn
             for var, vid in zip(eqn.outvars, outs, strict=True):
                 env[var] = vid
+            if remat_body and len(self.ops) - start == 1 and self.ops[start].primitive == name:
+                self.ops[start].remat_eqn = k
             if top:
                 leaf = len(self.ops) - start == 1 and self.ops[start].primitive == name
                 for op in self.ops[start:]:
