@@ -204,8 +204,8 @@ def constrained(traced: Traced, plan: Plan, mesh: Mesh, remat: bool = False) -> 
 
     def rebind(k: int, eqn, invals: list) -> list | None:
         pins = in_remat.get(k)
-        if pins is None:
-            return None
+        if pins is None or isinstance(eqn.params.get("jaxpr"), jc.ClosedJaxpr):
+            return None      # (a jax whose remat carries a closed body: bound as traced, XLA places it)
         inner = jc.ClosedJaxpr(eqn.params["jaxpr"], [])
         return jc.rebind_with_body(eqn, invals, lambda *a: jc.eval_jaxpr_with(
             inner, list(a), lambda j, outs: after(j, outs, pins)))
