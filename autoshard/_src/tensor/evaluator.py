@@ -288,14 +288,22 @@ class _Evaluator(MemoryModel, CollectiveMoves, CommRecords):
             # block instance into the next counts as often as its reader's instance stands for (from
             # the middle instance, which stands for n, into an unanalysed one no analysed op reads it;
             # into the middle one from an instance standing for one, it crosses n times)
-            w = max((weights.get(c, 0.0) for c in self.graph.values[v].consumers), default=0.0)
-            if p is None or w <= 0:
+            # a remat call's body reads its own moved copy: the backward's recomputation of a user's
+            # nn.remat block moves the value again (the forward's copy is not kept across the call)
+            by_call: dict[int, tuple[float, str]] = {}
+            for c in self.graph.values[v].consumers:
+                wc, op = weights.get(c, 0.0), self.graph.ops[c]
+                call = op.top_eqn if op.remat_eqn >= 0 else -1
+                if wc > by_call.get(call, (0.0, ""))[0]:
+                    by_call[call] = (wc, op.phase)
+            if p is None or not by_call:
                 continue
             b_idx = tuple(self.cidx.get(f, -1) if f is not None else -1 for f in before)
             a_idx = tuple(self.cidx.get(f, -1) if f is not None else -1 for f in after)
             if b_idx != a_idx:
-                self.reshards.append((b_idx, a_idx, float(self.graph.values[v].nbytes), w,
-                                      self.graph.ops[p].phase))
+                for call, (w, phase) in by_call.items():
+                    self.reshards.append((b_idx, a_idx, float(self.graph.values[v].nbytes), w,
+                                          self.graph.ops[p].phase if call < 0 else phase))
 
     def _build_tensors(self, weights: dict[int, float], grad_ops: frozenset[int]) -> None:
         g, fg = self.graph, self.fg
