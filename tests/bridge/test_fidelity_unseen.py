@@ -321,9 +321,11 @@ def test_remat_encoder_on_model_4_auto():
 @pytest.mark.slow
 @pytest.mark.xfail(strict=True, reason=(
     "nn.remat blocks, batch 2, SP on: the recomputation is pinned now (test_remat_blocks_recompute_as_planned_...) "
-    "but priced short: all-gather@model predicted 180,224 B, compiled 229,376 B (-21 %: one stream gather per layer "
-    "of the recomputed forward is not priced); argument+temp 657,864 vs 951,132 B (-31 %): a user's remat is "
-    "priced as no remat (the stage's remat is 'none'), without the recomputed block's activations at the peak"))
+    "but priced short: all-gather@model predicted 196,608 B, compiled 229,376 B (-14 %: the embedding's output is "
+    "pinned to the split stream, so the first layer's query/key/value -- forward and recomputed -- gather it back, "
+    "unpriced; the same +1 gather as the plain encoders'); argument+temp 657,864 vs 951,132 B (-31 %): a user's "
+    "remat is priced as no remat (the stage's remat is 'none'): the recomputed block's activations at the peak are "
+    "not counted"))
 def test_remat_encoder_on_model_4_sequence_parallel():
     step, args = _encoder("post", remat=True, batch=2)
     plan = autoshard.plan(step, *args, mesh={"model": 4}, hardware="cpu-sim", search={"sequence_parallel": "on"})
@@ -336,15 +338,16 @@ def test_remat_blocks_recompute_as_planned_under_sequence_parallelism():
     """A user's nn.remat blocks are recomputed in the backward pass inside one checkpoint call per block.
     Emission pins that call's body too (it binds the call again with its ops constrained): left to XLA's
     propagation, the recomputation kept the stream split and gathered the query/key/value/out kernels and
-    biases, then the keys and values (378,368 B of stream gathers per step for 180,224 priced); pinned, it
-    gathers the stream (229,376 B). The step still trains as on one device."""
+    biases, then the keys and values (378,368 B of stream gathers per step); pinned, it gathers the stream
+    (229,376 B). The recomputation moves a cut value again (the forward's gathered copy is not kept across
+    the call): priced, 196,608 B (180,224 without). The step still trains as on one device."""
     opt = optax.sgd(0.1)        # (Adam turns the key bias's zero gradient, float noise, into steps of lr)
     step, args = _encoder("post", opt, remat=True, batch=2)
     plan = _sequence_parallel(autoshard.plan(step, *args, mesh={"model": 4}, hardware="cpu-sim",
                                              search={"sequence_parallel": "on"}))
     a = autoshard.audit(plan, step, *args)
     gathered = a.audited_collectives["all-gather@model"]["bytes"]
-    assert gathered <= 1.3 * a.predicted_collectives["all-gather@model"], a.report()
+    assert gathered <= 1.2 * a.predicted_collectives["all-gather@model"], a.report()
     assert not [r for r in a.collectives if r.kind == "all-gather" and "kernel" in r.op_name], a.report()
     model = Encoder("post", remat=True)
     tokens = jax.random.randint(jax.random.key(1), (2, 32), 0, 128)
