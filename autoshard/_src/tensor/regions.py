@@ -25,7 +25,8 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable, Sequence
 
 from ..core.graph import OpGraph
-from .factors import FactorGraph, _key, link_factors, weight_values
+from .factors import FactorGraph, link_factors, weight_values
+from .link_rules import _key
 
 Subs = dict[int, dict[int, tuple[int, int]]]
 # producers whose partial sums XLA reduce-scatters straight into a split layout; a gather's partial

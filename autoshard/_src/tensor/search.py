@@ -1,6 +1,6 @@
 """Tensor-sharding search (pure: no jax import).
 
-A plan assigns mesh axes to factors (logical dims, see _factors.py) plus a storage mode for
+A plan assigns mesh axes to factors (logical dims, see factors.py) plus a storage mode for
 parameters and optimizer state (replicated where the factors leave them whole, ZeRO-1: optimizer
 state split over the remaining axes, ZeRO-3/FSDP: parameters too). Data parallel (batch on every
 axis), FSDP, Megatron column/row (heads+ffn+vocab on a model axis), 2-D data×model and TAP's partial

@@ -30,7 +30,8 @@ import functools
 import re
 
 from ..core.graph import OpGraph
-from .factors import FactorGraph, _dn5, weight_values
+from .factors import FactorGraph, weight_values
+from .link_rules import _dn5
 from .regions import region_twins
 
 # last resort only (see the module docstring): position tables passed in as data look like

@@ -20,7 +20,7 @@ reshape of a weight-sized value) instead of slicing the activation:
 Each matmul stays one matmul of the same shape (same flops, same kernel), and the m dim of every
 exposed value is linked to the heads by the factor analysis, so the heads can be split with no
 activation moved; what a plan pays instead is weight-sized: the merged weight gradient is gathered
-over the heads' axes (priced by the reshape rule of tensor/factors.py). Only top-level eqns are
+over the heads' axes (priced by the reshape rule of tensor/link_rules.py). Only top-level eqns are
 rewritten, and only when every reader of the fused value is one the rewrite understands; anything
 else keeps its program as traced. Numerics: identical per element (the same sums, in the same matmul).
 """
