@@ -260,7 +260,6 @@ def activation_constraints(graph: OpGraph, op_map: dict[int, int], fg: Any, axes
     return [(keys[i], spec) for i, spec in out]
 
 
-
 def _src_constraints(ctx: tuple, src: int, op) -> list[tuple]:
     """The layouts `activation_constraints` pins on an op of `op`'s phase and primitive standing for the
     analysed op `src`: its own (when split, pinned or a boundary kept before its steps), then the steps
@@ -287,6 +286,7 @@ def _src_constraints(ctx: tuple, src: int, op) -> list[tuple]:
     # cotangent, as priced, not all-reduced from a split one)
     out = [tuple(tuple(a) for a in spec)] if (any(spec) or pin or steps) and not scattered else []
     return out + steps            # a region boundary: its consumers' layout
+
 
 def _stream_ops(graph: OpGraph, fg: Any) -> frozenset[int]:
     """The analysed forward adds whose output carries a sequence-parallel stream factor (the residual adds
@@ -516,17 +516,13 @@ def _whole_mesh_stage(graph: OpGraph, mesh: MeshSpec, choice: PlanChoice, batch_
     the batch. Its step time is split into forward and backward by the compute's flop shares (the
     search prices a whole step; communication stays with the phase it belongs to)."""
     replicas = math.prod(mesh.axis_size(a) for a in mesh.names if a in batch_axes)
-    flops = dict.fromkeys(PHASES, 0.0)
-    forward_modules: dict[str, None] = {}
-    for op in graph.ops:           # one pass for both (a deep step's ops)
-        flops[op.phase] += op.flops * op.repeat if op.loops else op.flops
-        if op.phase == "forward" and op.module:
-            forward_modules[op.module] = None
+    flops = graph.flops_by_phase()
     total = sum(flops.values()) or 1.0
     bd = choice.breakdown
     forward = bd["compute"] * flops["forward"] / total + bd["fwd_comm"]
     # each module name split once (first appearances keep program order)
-    modules = tuple(dict.fromkeys("/".join(m.split("/")[:2]) for m in forward_modules))
+    modules = tuple(dict.fromkeys("/".join(m.split("/")[:2]) for m in dict.fromkeys(
+        op.module for op in graph.ops if op.phase == "forward" and op.module)))
     return Stage(index=0, mesh=tuple(mesh.axes), replicas=replicas,
                  microbatch_size=max(1, traced_batch(graph) // replicas), predicted_forward=forward,
                  predicted_backward=max(choice.step_time - forward, 0.0), memory=choice.memory["total"],

@@ -284,19 +284,21 @@ class _Evaluator(MemoryModel, CollectiveMoves, CommRecords):
         self.reshards = []
         for v, before, after in self.fg.cuts:
             p = self.graph.values[v].producer
+            if p is None:
+                continue
             # moved once per execution of the ops reading it in the new layout: a value crossing from one
             # block instance into the next counts as often as its reader's instance stands for (from
             # the middle instance, which stands for n, into an unanalysed one no analysed op reads it;
-            # into the middle one from an instance standing for one, it crosses n times)
-            # a remat call's body reads its own moved copy: the backward's recomputation of a user's
-            # nn.remat block moves the value again (the forward's copy is not kept across the call)
+            # into the middle one from an instance standing for one, it crosses n times). A remat call's
+            # body reads its own moved copy: the backward's recomputation of a user's nn.remat block moves
+            # the value again (the forward's copy is not kept across the call)
             by_call: dict[int, tuple[float, str]] = {}
             for c in self.graph.values[v].consumers:
                 wc, op = weights.get(c, 0.0), self.graph.ops[c]
                 call = op.top_eqn if op.remat_eqn >= 0 else -1
                 if wc > by_call.get(call, (0.0, ""))[0]:
                     by_call[call] = (wc, op.phase)
-            if p is None or not by_call:
+            if not by_call:
                 continue
             b_idx = tuple(self.cidx.get(f, -1) if f is not None else -1 for f in before)
             a_idx = tuple(self.cidx.get(f, -1) if f is not None else -1 for f in after)

@@ -35,8 +35,8 @@ def _instance_maps(graph: OpGraph, grouping: Grouping, periods: tuple[int, ...],
         for k, inst in enumerate(bt.instances):
             # an instance the search did not analyse takes the factors of the one standing for it (not of
             # the first, which differs at its edge: its input comes from the remainder)
-            r = stands.get(k, k % period)
-            r = k % period if r == k else r
+            r = stands.get(k)
+            r = k % period if r is None or r == k else r
             rep = bt.instances[r]
             if k < period or inst.ops == rep.ops:
                 continue
@@ -59,9 +59,6 @@ def instance_roles(graph: OpGraph, grouping: Grouping, bt, period: int) -> tuple
         if j not in exact:
             stands[j] = first.setdefault(j % period, j)
     return exact, stands
-
-
-
 
 
 def input_maps(graph: OpGraph, grouping: Grouping, periods: tuple[int, ...]) -> dict[int, int]:
