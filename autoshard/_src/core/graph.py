@@ -19,6 +19,8 @@ from typing import Literal
 
 import numpy as np
 
+from .optable import OpTable, build_table
+
 Phase = Literal["forward", "backward", "optimizer", "other"]
 PHASES: tuple[Phase, ...] = ("forward", "backward", "optimizer", "other")
 
@@ -133,6 +135,14 @@ class OpGraph:
     # of the loops that carry it into their next iteration (a scan's carry-out, a while body's
     # results and its condition); liveness.live_ops keeps them while their loop runs
     carried: dict[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)
+    _table: OpTable | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
+
+    def table(self) -> OpTable:
+        """The ops as columns (`core.optable`): built when the trace finishes, or on first use for a
+        graph made otherwise."""
+        if self._table is None or len(self._table.phase) != len(self.ops):
+            self._table = build_table(self.ops)
+        return self._table
 
     def __len__(self) -> int:
         return len(self.ops)
@@ -145,10 +155,9 @@ class OpGraph:
         return float(sum(op.flops * op.repeat for op in self.ops))
 
     def flops_by_phase(self) -> dict[str, float]:
-        out = dict.fromkeys(PHASES, 0.0)
-        for op in self.ops:       # `repeat` is 1 outside loops: skip the property (most ops)
-            out[op.phase] += op.flops * op.repeat if op.loops else op.flops
-        return out
+        # bincount adds the weights in index order: the same sums as a loop over the ops
+        sums = np.bincount(self.table().phase, weights=self.table().flops, minlength=len(PHASES))
+        return {p: float(sums[k]) for k, p in enumerate(PHASES)}
 
     def ops_by_phase(self) -> dict[str, int]:
         out = dict.fromkeys(PHASES, 0)
@@ -246,18 +255,15 @@ def fingerprint(graph: OpGraph) -> str:
         val = graph.values[v]
         h.update(f"{kp}:{val.shape}:{val.dtype};".encode())
     h.update(b"|")
-    # layers repeat a few signatures: each is numbered at its first appearance and hashed once, the op
-    # sequence as modules, primitives and those numbers (the same identity, read in a few C passes)
-    ops = graph.ops
-    typed: dict[tuple, int] = {}
-    sigs = [typed.setdefault((op.in_shapes, op.in_dtypes, op.out_shapes, op.out_dtypes), len(typed))
-            for op in ops]      # tuples (Op's contract)
-    h.update("\n".join([op.module for op in ops]).encode())
+    # the op sequence as the table's columns: module and signature (primitive, shapes, dtypes) ids per op,
+    # and what each id stands for (ids number items in order of first appearance: the same program, the
+    # same ids, on every host)
+    t = graph.table()
+    h.update(t.module.astype("<i4").tobytes())
+    h.update("\n".join(t.modules).encode())
     h.update(b"|")
-    h.update("\n".join([op.primitive for op in ops]).encode())
-    h.update(b"|")
-    h.update(np.asarray(sigs, dtype="<i8").tobytes())
-    h.update(";".join(f"{a}{b}{c}{d}" for a, b, c, d in typed).encode())
+    h.update(t.sig.astype("<i4").tobytes())
+    h.update(";".join(f"{p}{a}{b}{c}{d}" for p, a, b, c, d in t.sigs).encode())
     return h.hexdigest()[:16]
 
 
@@ -269,19 +275,22 @@ def op_keys(graph: OpGraph) -> list[str]:
 
 
 def op_keys_of(graph: OpGraph, ops: Iterable[int]) -> dict[int, str]:
-    """`op_keys(graph)[i]` for the ops `ops` only: one pass counting just their (module, primitive) pairs."""
-    mine = set(ops)
-    want = {(graph.ops[i].module or "<root>", graph.ops[i].primitive) for i in mine}
-    seen: dict[tuple[str, str], int] = {}
-    out: dict[int, str] = {}
-    # a key counts the ops before it only: stop at the last one asked for (often a forward op)
-    for op in graph.ops[:max(mine, default=-1) + 1]:
-        key = (op.module or "<root>", op.primitive)
-        if key in want:
-            k = seen[key] = seen.get(key, -1) + 1
-            if op.index in mine:
-                out[op.index] = f"{key[0]}/{key[1]}:{k}"
-    return out
+    """`op_keys(graph)[i]` for the ops `ops` only: each op's rank among the earlier ops of its (module,
+    primitive) pair, from the table's columns (a stable sort by pair)."""
+    mine = np.unique(np.fromiter(ops, dtype=np.int64))
+    if not len(mine):
+        return {}
+    t = graph.table()
+    n = int(mine[-1]) + 1                # a key counts the ops before it only
+    pair = t.module[:n].astype(np.int64) * len(t.primitives) + t.primitive[:n]
+    order = np.argsort(pair, kind="stable")
+    sorted_pair = pair[order]
+    starts = np.flatnonzero(np.r_[True, sorted_pair[1:] != sorted_pair[:-1]])
+    rank = np.empty(n, dtype=np.int64)
+    rank[order] = np.arange(n) - np.repeat(starts, np.diff(np.r_[starts, n]))
+    names = [m or "<root>" for m in t.modules]
+    mod, prim, rk = t.module[mine].tolist(), t.primitive[mine].tolist(), rank[mine].tolist()
+    return {i: f"{names[a]}/{t.primitives[b]}:{k}" for i, a, b, k in zip(mine.tolist(), mod, prim, rk, strict=True)}
 
 
 def keys_in_order(ops: Iterable[tuple[str, str]]) -> list[str]:

@@ -25,8 +25,11 @@ import re
 from collections import Counter, defaultdict
 from collections.abc import Iterable
 
+import numpy as np
+
 from .errors import GroupingError
 from .graph import OpGraph
+from .optable import PHASE_CODES
 
 _NUMBERED = re.compile(r"^(.*?)(\d+)$")
 PHASE_ORDER = ("forward", "backward", "optimizer", "other")
@@ -220,12 +223,12 @@ class _ModuleTree:
 
     def __init__(self, graph: OpGraph, tolerance: float) -> None:
         self.ops = graph.ops
-        # ops by module, then the module tree (few distinct modules, so this is cheap)
-        by_name: dict[str, list[int]] = defaultdict(list)   # split each module name once, not per op
-        for op in self.ops:
-            by_name[op.module].append(op.index)
-        self.by_module: dict[_Node, list[int]] = {tuple(m.split("/")) if m else (): idxs
-                                                  for m, idxs in by_name.items()}
+        # ops by module, in order of the modules' first ops (the table numbers modules so): one stable sort
+        t = graph.table()
+        order = np.argsort(t.module, kind="stable")
+        bounds = np.cumsum(np.bincount(t.module, minlength=len(t.modules)))[:-1]
+        self.by_module: dict[_Node, list[int]] = {tuple(m.split("/")) if m else (): idxs.tolist()
+                                                  for m, idxs in zip(t.modules, np.split(order, bounds), strict=True)}
         self.node_modules: dict[_Node, list[_Node]] = defaultdict(list)
         for mod in self.by_module:
             for d in range(1, len(mod) + 1):
@@ -284,30 +287,27 @@ def _forward_compositions(graph: OpGraph, by_module: dict[_Node, list[int]]
     are what legitimately differs between the first instance and the others."""
     ops, values = graph.ops, graph.values
     outputs = set(graph.outputs)
+    t = graph.table()
     # plain loops and lists, not nested generators: this visits every op of a deep step
-    fwd = [op.phase == "forward" for op in ops]
+    fwd = (t.phase == PHASE_CODES["forward"]).tolist()
     feeds_forward = [False] * len(ops)       # reaches a step output through forward ops only
-    for op in reversed(ops):                 # feeds_forward is only set on forward ops
-        if fwd[op.index]:
-            for v in op.outputs:
-                if v in outputs or any(map(feeds_forward.__getitem__, values[v].consumers)):
-                    feeds_forward[op.index] = True
-                    break
+    for i in np.flatnonzero(t.phase == PHASE_CODES["forward"])[::-1].tolist():   # only set on forward ops
+        for v in ops[i].outputs:
+            if v in outputs or any(map(feeds_forward.__getitem__, values[v].consumers)):
+                feeds_forward[i] = True
+                break
     if sum(feeds_forward) * 2 < sum(fwd):   # the step returns no loss: nothing to tell residuals by
-        feeds_forward = [True] * len(ops)
-    counted = [f and c for f, c in zip(fwd, feeds_forward, strict=True)]
-
-    key_ids: dict[tuple, int] = {}
+        feeds_forward = fwd
+    kind = t.as_list("kind")                 # (primitive, in shapes, out shapes) ids
     fwd_key: dict[_Node, Counter] = {}
     for mod, idxs in by_module.items():
         c: dict[int, int] = {}               # a dict, then a Counter: same items in the same order
         for i in idxs:
-            if counted[i]:
-                op = ops[i]
-                k = key_ids.setdefault((op.primitive, op.in_shapes, op.out_shapes), len(key_ids))
+            if feeds_forward[i]:
+                k = kind[i]
                 c[k] = c.get(k, 0) + 1
         fwd_key[mod] = Counter(c)
-    return fwd_key, list(key_ids)  # id -> (primitive, in_shapes, out_shapes)
+    return fwd_key, list(t.kinds)  # id -> (primitive, in_shapes, out_shapes)
 
 
 def _params_by_module(graph: OpGraph) -> dict[_Node, list[tuple[str, tuple[int, ...], str]]]:

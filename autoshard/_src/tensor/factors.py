@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterable, Sequence
 import numpy as np
 
 from ..core.graph import PHASES, Op, OpGraph, nbytes
+from ..core.optable import PHASE_CODES
 from .link_rules import _KNOWN, _LOOKUPS, REDUCTIONS, _dn5, _key, _link_op, _reshape_groups, _UnionFind
 
 
@@ -319,18 +320,21 @@ def corresponding_ops(graph: OpGraph, a: Sequence[int], b: Sequence[int],
     return pairs
 
 
-def _phase_signature(graph: OpGraph, ops: Sequence[int], phase: str) -> tuple[list[int], tuple]:
-    """The ops of `phase` among `ops` and their (primitive, in shapes, out shapes), in order."""
-    all_ops = graph.ops
-    mine = [i for i in ops if all_ops[i].phase == phase]
-    return mine, tuple([(all_ops[i].primitive, all_ops[i].in_shapes, all_ops[i].out_shapes) for i in mine])
+def _phase_signature(graph: OpGraph, ops: Sequence[int], phase: str) -> tuple[list[int], bytes]:
+    """The ops of `phase` among `ops` and their (primitive, in shapes, out shapes) ids, in order (as bytes:
+    compared and hashed at C speed; the ids stand for those tuples one to one)."""
+    t = graph.table()
+    arr = np.asarray(ops, dtype=np.int64)
+    mine = arr[t.phase[arr] == PHASE_CODES[phase]] if len(arr) else arr
+    return mine.tolist(), t.kind[mine].tobytes()
 
 
 @functools.lru_cache(maxsize=256)
-def _matching_blocks(sa: tuple, sb: tuple) -> tuple[tuple[int, int, int], ...]:
+def _matching_blocks(sa: bytes, sb: bytes) -> tuple[tuple[int, int, int], ...]:
     """difflib's matching blocks of two op signature sequences. The instances of a block differ from
     their representative in the same way (a 96-layer model asks ~190 times), so each distinct pair
     of sequences is matched once."""
     import difflib
 
-    return tuple(tuple(m) for m in difflib.SequenceMatcher(a=sa, b=sb, autojunk=False).get_matching_blocks())
+    a, b = np.frombuffer(sa, dtype=np.int32).tolist(), np.frombuffer(sb, dtype=np.int32).tolist()
+    return tuple(tuple(m) for m in difflib.SequenceMatcher(a=a, b=b, autojunk=False).get_matching_blocks())

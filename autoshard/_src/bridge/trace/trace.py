@@ -360,6 +360,7 @@ def trace_step(fn: Callable, *args: Any, name: str | None = None,
         graph = _build_graph(closed, out_shape, args, fn_name, keep_eqns)
         infer_phases(graph, optimizer_scopes)
         attribute_modules(graph)
+        graph.table()                       # the ops as columns, once the graph is final (core.optable)
     return Traced(graph, closed, jax.tree_util.tree_structure(out_shape))
 
 
