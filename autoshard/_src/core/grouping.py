@@ -211,8 +211,11 @@ def group(graph: OpGraph, min_duplicate: int = 2, tolerance: float = 0.1,
     clusters = _cluster_by_composition(_candidate_buckets(tree), tree, tolerance)
     repeated = _repeated_clusters(clusters, tree, min_duplicate)
     block_types, levels = _select_block_types(repeated, tree, descend_fraction)
-    in_block = {i for bt in block_types for inst in bt.instances for i in inst.ops}
-    remainder = tuple(i for i in range(len(graph.ops)) if i not in in_block)
+    in_block = np.zeros(len(graph.ops), dtype=bool)
+    for bt in block_types:
+        for inst in bt.instances:
+            in_block[list(inst.ops)] = True
+    remainder = tuple(np.flatnonzero(~in_block).tolist())
     levels.sort(key=lambda c: (c.depth, c.name))
     return Grouping(graph, tuple(block_types), remainder, tuple(levels), min_duplicate)
 
@@ -225,10 +228,10 @@ class _ModuleTree:
         self.ops = graph.ops
         # ops by module, in order of the modules' first ops (the table numbers modules so): one stable sort
         t = graph.table()
-        order = np.argsort(t.module, kind="stable")
-        bounds = np.cumsum(np.bincount(t.module, minlength=len(t.modules)))[:-1]
-        self.by_module: dict[_Node, list[int]] = {tuple(m.split("/")) if m else (): idxs.tolist()
-                                                  for m, idxs in zip(t.modules, np.split(order, bounds), strict=True)}
+        order = np.argsort(t.module, kind="stable").tolist()
+        ends = np.cumsum(np.bincount(t.module, minlength=len(t.modules))).tolist()
+        self.by_module: dict[_Node, list[int]] = {tuple(m.split("/")) if m else (): order[start:end] for m, start, end
+                                                  in zip(t.modules, [0, *ends[:-1]], ends, strict=True)}
         self.node_modules: dict[_Node, list[_Node]] = defaultdict(list)
         for mod in self.by_module:
             for d in range(1, len(mod) + 1):
@@ -288,26 +291,24 @@ def _forward_compositions(graph: OpGraph, by_module: dict[_Node, list[int]]
     ops, values = graph.ops, graph.values
     outputs = set(graph.outputs)
     t = graph.table()
-    # plain loops and lists, not nested generators: this visits every op of a deep step
-    fwd = (t.phase == PHASE_CODES["forward"]).tolist()
+    fwd = t.phase == PHASE_CODES["forward"]
     feeds_forward = [False] * len(ops)       # reaches a step output through forward ops only
-    for i in np.flatnonzero(t.phase == PHASE_CODES["forward"])[::-1].tolist():   # only set on forward ops
+    for i in np.flatnonzero(fwd)[::-1].tolist():                   # only set on forward ops
         for v in ops[i].outputs:
             if v in outputs or any(map(feeds_forward.__getitem__, values[v].consumers)):
                 feeds_forward[i] = True
                 break
-    if sum(feeds_forward) * 2 < sum(fwd):   # the step returns no loss: nothing to tell residuals by
+    if sum(feeds_forward) * 2 < fwd.sum():  # the step returns no loss: nothing to tell residuals by
         feeds_forward = fwd
-    kind = t.as_list("kind")                 # (primitive, in shapes, out shapes) ids
-    fwd_key: dict[_Node, Counter] = {}
-    for mod, idxs in by_module.items():
-        c: dict[int, int] = {}               # a dict, then a Counter: same items in the same order
-        for i in idxs:
-            if feeds_forward[i]:
-                k = kind[i]
-                c[k] = c.get(k, 0) + 1
-        fwd_key[mod] = Counter(c)
-    return fwd_key, list(t.kinds)  # id -> (primitive, in_shapes, out_shapes)
+    # count each (module, kind) pair among them: one sort of pair ids, not a dict update per op
+    counted = np.flatnonzero(feeds_forward)
+    n_kinds = max(len(t.kinds), 1)
+    pairs, counts = np.unique(t.module[counted].astype(np.int64) * n_kinds + t.kind[counted], return_counts=True)
+    nodes = [tuple(m.split("/")) if m else () for m in t.modules]      # by module id
+    fwd_key: dict[_Node, Counter] = {node: Counter() for node in by_module}
+    for pair, n in zip(pairs.tolist(), counts.tolist(), strict=True):
+        fwd_key[nodes[pair // n_kinds]][pair % n_kinds] = n
+    return fwd_key, list(t.kinds)  # kind id -> (primitive, in_shapes, out_shapes)
 
 
 def _params_by_module(graph: OpGraph) -> dict[_Node, list[tuple[str, tuple[int, ...], str]]]:

@@ -33,6 +33,8 @@ class OpTable:
     primitive: np.ndarray        # int32: index into `primitives`
     primitives: tuple[str, ...]
     flops: np.ndarray            # float64: flops per step (the op's flops times its loops' trip counts)
+    nested: np.ndarray           # bool: inside a nested jaxpr (op.nested)
+    in_remat: np.ndarray         # bool: read from the body of a top-level remat call (op.remat_eqn >= 0)
     _lists: dict = dataclasses.field(default_factory=dict, repr=False)
 
     def as_list(self, column: str) -> list:
@@ -65,4 +67,6 @@ def build_table(ops: Sequence[Any]) -> OpTable:
         phase=np.asarray(phase, dtype=np.int8), module=np.asarray(module, dtype=np.int32), modules=tuple(mod_ids),
         sig=sig_arr, sigs=tuple(sig_ids), kind=kind_of_sig[sig_arr] if len(sig_arr) else sig_arr,
         kinds=tuple(kind_ids), primitive=prim_of_sig[sig_arr] if len(sig_arr) else sig_arr,
-        primitives=tuple(prim_ids), flops=np.asarray(flops, dtype=np.float64))
+        primitives=tuple(prim_ids), flops=np.asarray(flops, dtype=np.float64),
+        nested=np.asarray([op.nested for op in ops], dtype=bool),
+        in_remat=np.asarray([op.remat_eqn >= 0 for op in ops], dtype=bool))

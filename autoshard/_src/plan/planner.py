@@ -7,11 +7,14 @@ import math
 import time
 from typing import Any
 
+import numpy as np
+
 from ..core.errors import InfeasiblePlanError, PlanError
 from ..core.graph import PHASES, OpGraph, collector_paused, fingerprint, op_keys_of
 from ..core.grouping import Grouping, group
 from ..core.hardware import HardwareSpec, hardware_dict
 from ..core.mesh import MeshSpec, candidate_meshes, mesh_spec
+from ..core.optable import PHASE_CODES
 from ..core.version import VERSION
 from ..pipeline.costs import traced_batch
 from ..tensor.experts import EXPERTS, expert_assignments
@@ -234,30 +237,54 @@ def activation_constraints(graph: OpGraph, op_map: dict[int, int], fg: Any, axes
     stream = _stream_ops(graph, fg) if backward_too else frozenset()
     # the ops asked: an analysed op stands for itself, another for its representative (`op_map`); the
     # rest have no factors. Not a walk over every op: a deep step's layers share their representatives'
-    if ops is None:
-        asked = [(i, i) for i in fg.op_factors]
-        asked += [(b, a) for b, a in op_map.items() if b not in fg.op_factors]
-    else:
-        asked = [(i, i if i in fg.op_factors else op_map.get(i, i)) for i in ops]
+    idx, src = _asked(graph, op_map, fg, ops)
+    t = graph.table()
+    codes = [PHASE_CODES[p] for p in phases]
+    keep = np.isin(t.phase[idx], codes) & _has_factors(graph, fg)[src]
+    idx, src = idx[keep], src[keep]
+    # corresponding ops get their representative's layouts: one evaluation per (source, phase, primitive)
+    combo = (src * len(PHASE_CODES) + t.phase[idx]) * max(len(t.primitives), 1) + t.primitive[idx]
+    uniq, first, inverse = np.unique(combo, return_index=True, return_inverse=True)
     ctx = (graph, fg, axes_of, cut_after, pinned, stream, backward_too)
-    by_src: dict[tuple, list] = {}        # corresponding ops get their representative's layouts
+    specs = [_src_constraints(ctx, int(src[f]), graph.ops[int(idx[f])]) for f in first.tolist()]
+    has_specs = np.asarray([bool(sp) for sp in specs], dtype=bool)
+    # a nested op is pinned in a remat call's body (emission re-binds the call), or where it leaves its call
+    chosen = has_specs[inverse.reshape(-1)] & (~t.nested[idx] | t.in_remat[idx])
     out = []
     outputs = frozenset(graph.outputs)      # a list of every gradient: membership once per op is O(n^2)
-    for i, src in asked:
-        op = graph.ops[i]
-        if op.phase not in phases or src not in fg.op_factors:
-            continue
-        key = (src, op.phase, op.primitive)
-        specs = by_src.get(key)
-        if specs is None:
-            specs = by_src[key] = _src_constraints(ctx, src, op)
-        # a nested op is pinned in a remat call's body (emission re-binds the call), or where it leaves its call
-        if specs and (not op.nested or op.remat_eqn >= 0 or (cut_after and _escapes(graph, op, outputs))):
-            out.extend((i, spec) for spec in specs)
-    out.sort(key=lambda e: e[0])           # program order (stable: an op's own layout before its steps)
+    nested_free = has_specs[inverse.reshape(-1)] & ~chosen
+    if cut_after and nested_free.any():
+        for k in np.flatnonzero(nested_free).tolist():
+            chosen[k] = _escapes(graph, graph.ops[int(idx[k])], outputs)
+    sel = np.flatnonzero(chosen)
+    order = sel[np.argsort(idx[sel], kind="stable")]     # program order (an op's own layout before its steps)
+    inv = inverse.reshape(-1)
+    for k in order.tolist():
+        i = int(idx[k])
+        out.extend((i, spec) for spec in specs[inv[k]])
     # keys of the ops constrained only (an op's key does not depend on which others are asked)
     keys = keys if keys is not None else op_keys_of(graph, (i for i, _ in out))
     return [(keys[i], spec) for i, spec in out]
+
+
+def _asked(graph: OpGraph, op_map: dict[int, int], fg: Any, ops: set[int] | None) -> tuple[np.ndarray, np.ndarray]:
+    """(op indices, the analysed op each stands for): every analysed op and every op `op_map` maps, or `ops`."""
+    if ops is None:
+        own = np.fromiter(fg.op_factors, dtype=np.int64, count=len(fg.op_factors))
+        b = np.fromiter(op_map.keys(), dtype=np.int64, count=len(op_map))
+        a = np.fromiter(op_map.values(), dtype=np.int64, count=len(op_map))
+        other = ~_has_factors(graph, fg)[b]
+        return np.concatenate([own, b[other]]), np.concatenate([own, a[other]])
+    asked = sorted(ops)
+    return (np.asarray(asked, dtype=np.int64).reshape(-1),
+            np.asarray([i if i in fg.op_factors else op_map.get(i, i) for i in asked], dtype=np.int64).reshape(-1))
+
+
+def _has_factors(graph: OpGraph, fg: Any) -> np.ndarray:
+    """Per op: does the factor graph analyse it (a boolean column)?"""
+    has = np.zeros(len(graph.ops), dtype=bool)
+    has[np.fromiter(fg.op_factors, dtype=np.int64, count=len(fg.op_factors))] = True
+    return has
 
 
 def _src_constraints(ctx: tuple, src: int, op) -> list[tuple]:

@@ -303,7 +303,15 @@ def corresponding_ops(graph: OpGraph, a: Sequence[int], b: Sequence[int],
     backward has no input gradient) still pair up everywhere else. `phases`: those phases' pairs only
     (each phase is matched on its own). `a_cache`: a dict kept for one `a` (a representative matched
     against every other instance), holding its per-phase ops and signatures."""
-    pairs: list[tuple[int, int]] = []
+    side_a, side_b = corresponding_sides(graph, a, b, phases, a_cache)
+    return list(zip(side_a, side_b, strict=True))
+
+
+def corresponding_sides(graph: OpGraph, a: Sequence[int], b: Sequence[int], phases: Sequence[str] = PHASES,
+                        a_cache: dict | None = None) -> tuple[list[int], list[int]]:
+    """`corresponding_ops` as two aligned lists (the ops of `a`, the ops of `b` they pair with)."""
+    side_a: list[int] = []
+    side_b: list[int] = []
     for phase in phases:
         hit = a_cache.get(phase) if a_cache is not None else None
         if hit is None:
@@ -313,11 +321,13 @@ def corresponding_ops(graph: OpGraph, a: Sequence[int], b: Sequence[int],
         oa, sa = hit
         ob, sb = _phase_signature(graph, b, phase)
         if sa == sb:
-            pairs.extend(zip(oa, ob, strict=True))
+            side_a.extend(oa)
+            side_b.extend(ob)
             continue
         for ia, ib, size in _matching_blocks(sa, sb):
-            pairs.extend(zip(oa[ia:ia + size], ob[ib:ib + size], strict=True))
-    return pairs
+            side_a.extend(oa[ia:ia + size])
+            side_b.extend(ob[ib:ib + size])
+    return side_a, side_b
 
 
 def _phase_signature(graph: OpGraph, ops: Sequence[int], phase: str) -> tuple[list[int], bytes]:

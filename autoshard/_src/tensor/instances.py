@@ -12,7 +12,7 @@ import math
 
 from ..core.graph import PHASES, OpGraph
 from ..core.grouping import Grouping
-from .factors import corresponding_ops
+from .factors import corresponding_sides
 
 
 def instance_maps(graph: OpGraph, grouping: Grouping, periods: tuple[int, ...],
@@ -40,8 +40,8 @@ def _instance_maps(graph: OpGraph, grouping: Grouping, periods: tuple[int, ...],
             rep = bt.instances[r]
             if k < period or inst.ops == rep.ops:
                 continue
-            for a, b in corresponding_ops(graph, rep.ops, inst.ops, phases, rep_sigs.setdefault(r, {})):
-                out[b] = a
+            side_a, side_b = corresponding_sides(graph, rep.ops, inst.ops, phases, rep_sigs.setdefault(r, {}))
+            out.update(zip(side_b, side_a))
     return out
 
 
@@ -71,31 +71,35 @@ def input_maps(graph: OpGraph, grouping: Grouping, periods: tuple[int, ...]) -> 
 
 
 def _input_maps(graph: OpGraph, grouping: Grouping, periods: tuple[int, ...]) -> dict[int, int]:
+    tails_of: dict[str, list[tuple[str, ...]]] = {}
+
     def strip(parts: tuple, path: str) -> tuple:
         # remove the instance's own path components ("block_3", or "blocks", "3" in nnx); the
-        # keypath may lack leading scope names (linen's "GPT"), so try the path's suffixes
-        comps = path.split("/")
-        out = [str(p).lstrip(".") for p in parts[1:]]
-        present = set(out)
-        for start in range(len(comps)):
-            tail = comps[start:]
-            if tail[0] not in present:
-                continue
-            for k in range(len(out) - len(tail) + 1):
+        # keypath may lack leading scope names (linen's "GPT"), so try the path's suffixes, longest first
+        tails = tails_of.get(path)
+        if tails is None:
+            comps = path.split("/")
+            tails = tails_of[path] = [tuple(comps[s:]) for s in range(len(comps))]
+        out = tuple([str(p).lstrip(".") for p in parts[1:]])
+        for tail in tails:
+            k = -1
+            while tail[0] in out[k + 1:]:
+                k = out.index(tail[0], k + 1)
                 if out[k:k + len(tail)] == tail:
                     return (parts[0], *out[:k], *out[k + len(tail):])
         return (parts[0], *out)
 
-    # inputs by the instance whose subtree holds their module (one pass: O(inputs × depth))
+    # inputs by the instance whose subtree holds their module (each distinct module looked up once)
     paths = {inst.path for bt in grouping.block_types for inst in bt.instances}
+    path_of: dict[str, str | None] = {}
     under: dict[str, list[int]] = {}
     for v in graph.inputs:
-        comps = graph.values[v].module.split("/")
-        for d in range(len(comps), 0, -1):
-            prefix = "/".join(comps[:d])
-            if prefix in paths:
-                under.setdefault(prefix, []).append(v)
-                break
+        module = graph.values[v].module
+        if module not in path_of:
+            comps = module.split("/")
+            path_of[module] = next((p for d in range(len(comps), 0, -1) if (p := "/".join(comps[:d])) in paths), None)
+        if (path := path_of[module]) is not None:
+            under.setdefault(path, []).append(v)
 
     def inputs_under(path: str) -> list[int]:
         return under.get(path, [])
