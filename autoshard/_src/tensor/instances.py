@@ -41,7 +41,7 @@ def _instance_maps(graph: OpGraph, grouping: Grouping, periods: tuple[int, ...],
             if k < period or inst.ops == rep.ops:
                 continue
             side_a, side_b = corresponding_sides(graph, rep.ops, inst.ops, phases, rep_sigs.setdefault(r, {}))
-            out.update(zip(side_b, side_a))
+            out.update(zip(side_b, side_a, strict=True))
     return out
 
 
