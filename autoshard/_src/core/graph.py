@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import gc
 import hashlib
+import itertools
 import math
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
@@ -247,13 +248,9 @@ def fingerprint(graph: OpGraph) -> str:
     the modules that name its activation constraints). Two steps alike in inputs and ops but not in
     what they return (one also returns the gradients) must not share a plan."""
     h = hashlib.sha1()
-    for v in graph.inputs:
-        val = graph.values[v]
-        h.update(f"{val.keypath}:{val.shape}:{val.dtype};".encode())
+    _hash_values(h, [str(graph.values[v].keypath) for v in graph.inputs], graph, graph.inputs)
     h.update(b"->")
-    for kp, v in zip(graph.output_keypaths, graph.outputs, strict=True):
-        val = graph.values[v]
-        h.update(f"{kp}:{val.shape}:{val.dtype};".encode())
+    _hash_values(h, graph.output_keypaths, graph, graph.outputs)
     h.update(b"|")
     # the op sequence as the table's columns: module and signature (primitive, shapes, dtypes) ids per op,
     # and what each id stands for (ids number items in order of first appearance: the same program, the
@@ -265,6 +262,16 @@ def fingerprint(graph: OpGraph) -> str:
     h.update(t.sig.astype("<i4").tobytes())
     h.update(";".join(f"{p}{a}{b}{c}{d}" for p, a, b, c, d in t.sigs).encode())
     return h.hexdigest()[:16]
+
+
+def _hash_values(h, names: Sequence[str], graph: OpGraph, vids: Sequence[int]) -> None:
+    """Feed values' names, shapes and dtypes to the hash `h`, each field as one string or array."""
+    vals = [graph.values[v] for v in vids]
+    shapes = [val.shape for val in vals]
+    h.update("\n".join(names).encode())
+    h.update(np.fromiter(map(len, shapes), dtype="<i8", count=len(shapes)).tobytes())
+    h.update(np.fromiter(itertools.chain.from_iterable(shapes), dtype="<i8").tobytes())
+    h.update("\n".join([val.dtype for val in vals]).encode())
 
 
 def op_keys(graph: OpGraph) -> list[str]:

@@ -409,10 +409,11 @@ def _best_inner_coverage(depth: int, members: list[_Node], repeated: list[_Clust
     """Largest share of the members' forward ops held by one deeper repeated group."""
     total = sum(fwd_count[m] for m in members) or 1
     best = 0
+    member_set = set(members)
     for d2, inner, _, _ in repeated:
         if d2 <= depth:
             continue
-        held = sum(fwd_count[n] for n in inner if any(n[:depth] == m for m in members))
+        held = sum(fwd_count[n] for n in inner if n[:depth] in member_set)
         best = max(best, held)
     return best / total
 
@@ -424,7 +425,7 @@ def _select_block_types(repeated: list[_Cluster], tree: _ModuleTree,
     block types and every cluster as a Candidate (unsorted)."""
     # forward ops of each repeated node, to decide when to descend
     fwd_count = {n: tree.fwd_total(n) for c in repeated for n in c[1]}
-    selected_paths: list[_Node] = []
+    selected_paths: set[_Node] = set()
     block_types: list[BlockType] = []
     levels: list[Candidate] = []
     for depth, members, ref, diffs in repeated:
@@ -432,13 +433,13 @@ def _select_block_types(repeated: list[_Cluster], tree: _ModuleTree,
         if members[0] in tree.trip_of:
             name += f"[scan x{tree.trip_of[members[0]]}]"
         fwd = sum(ref.values())
-        inside = any(m[:len(s)] == s for m in members for s in selected_paths)
+        inside = any(m[:d] in selected_paths for m in members for d in range(len(m) + 1))
         descend = not inside and _best_inner_coverage(depth, members, repeated, fwd_count) >= descend_fraction
         select = not inside and not descend
         levels.append(Candidate(name, depth, tree.instance_count(members), fwd, select))
         if not select:
             continue
-        selected_paths.extend(members)
+        selected_paths.update(members)
         block_types.append(_block_type(name, depth, members, ref, diffs, tree))
     return block_types, levels
 

@@ -547,9 +547,12 @@ def _whole_mesh_stage(graph: OpGraph, mesh: MeshSpec, choice: PlanChoice, batch_
     total = sum(flops.values()) or 1.0
     bd = choice.breakdown
     forward = bd["compute"] * flops["forward"] / total + bd["fwd_comm"]
-    # each module name split once (first appearances keep program order)
-    modules = tuple(dict.fromkeys("/".join(m.split("/")[:2]) for m in dict.fromkeys(
-        op.module for op in graph.ops if op.phase == "forward" and op.module)))
+    # the forward ops' modules in order of their first forward op, each name split once
+    t = graph.table()
+    fwd_modules = t.module[t.phase == PHASE_CODES["forward"]]
+    ids, first = np.unique(fwd_modules, return_index=True)
+    modules = tuple(dict.fromkeys("/".join(m.split("/")[:2]) for m in (t.modules[k] for k in ids[np.argsort(first)].tolist())
+                                  if m))
     return Stage(index=0, mesh=tuple(mesh.axes), replicas=replicas,
                  microbatch_size=max(1, traced_batch(graph) // replicas), predicted_forward=forward,
                  predicted_backward=max(choice.step_time - forward, 0.0), memory=choice.memory["total"],

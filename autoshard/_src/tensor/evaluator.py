@@ -26,6 +26,7 @@ from ..core.graph import OpGraph, nbytes
 from ..core.hardware import HardwareSpec
 from ..core.kernels import compute_dtype
 from ..core.mesh import MeshSpec
+from ..core.optable import PHASE_CODES
 from ..core.residuals import saved_values
 from .comm_records import CommRecords, _mask_axes
 from .factors import FactorGraph
@@ -115,10 +116,37 @@ def _update_reads_all(graph: OpGraph) -> bool:
     the 3-D tables build asks."""
     hit = graph.cache.get("update reads all")
     if hit is None:
+        t = graph.table()
+        reductions = [k for k, p in enumerate(t.primitives) if p in _GRADIENT_REDUCTIONS]
+        candidates = np.flatnonzero(np.isin(t.primitive, reductions) & (t.phase == PHASE_CODES["optimizer"]))
         hit = graph.cache["update reads all"] = any(
-            op.primitive in _GRADIENT_REDUCTIONS and op.phase == "optimizer" and op.in_shapes
-            and len(op.in_shapes[0]) > 0 for op in graph.ops)
+            graph.ops[i].in_shapes and len(graph.ops[i].in_shapes[0]) > 0 for i in candidates.tolist())
     return hit
+
+
+def _inputs_by_source(graph: OpGraph, in_map: dict[int, int], inputs: list[int]) -> tuple[list, list]:
+    """The inputs whose bytes count, summarised once per graph and input map (every evaluator reads them):
+    parameters and optimizer state by (role, the input standing for them, shape) as (role, source, shape,
+    total bytes, largest bytes) -- a 96-layer model's 4,600 inputs are a few dozen entries -- and the other
+    inputs (data, buffers, keys) one by one as (source, shape, bytes), in order."""
+    key = ("inputs by source", id(in_map), tuple(inputs))
+    hit = graph.cache.get(key)
+    if hit is not None and hit[0] is in_map:
+        return hit[1]
+    stored: dict[tuple, list] = {}
+    others = []
+    for v in inputs:
+        val = graph.values[v]
+        src, size = in_map.get(v, v), val.nbytes
+        if val.role in ("parameter", "state"):
+            entry = stored.setdefault((val.role, src, val.shape), [0, 0])
+            entry[0] += size
+            entry[1] = max(entry[1], size)
+        else:
+            others.append((src, val.shape, size))
+    out = ([(role, src, shape, float(total), float(big)) for (role, src, shape), (total, big) in stored.items()], others)
+    graph.cache[key] = (in_map, out)
+    return out
 
 
 def _mask_size(mesh: MeshSpec, mask: int) -> int:
@@ -172,7 +200,7 @@ class _Evaluator(MemoryModel, CollectiveMoves, CommRecords):
         # the inputs whose bytes count (parameters, state, data): all, or a pipeline stage's own
         self.inputs = list(graph.inputs) if inputs is None else list(inputs)
         # the step applies the optimizer itself (known to callers that build many evaluators)
-        self.fused_update = (any(op.phase == "optimizer" for op in graph.ops) if fused_update is None
+        self.fused_update = (bool((graph.table().phase == PHASE_CODES["optimizer"]).any()) if fused_update is None
                              else fused_update)
         # pipeline stages accumulate gradients over micro-batches: every gradient lives through the
         # step beside the activations in flight (the 3-D tables add those per micro-batch)
@@ -316,8 +344,7 @@ class _Evaluator(MemoryModel, CollectiveMoves, CommRecords):
         self.data: list[tuple[tuple[int, ...], float]] = []
         dims_of: dict[int, tuple[int, ...]] = {}      # per representative input (layers share one)
 
-        def dims_for(v: int) -> tuple[int, ...]:
-            src, shape = self.in_map.get(v, v), g.values[v].shape
+        def dims_for(src: int, shape: tuple[int, ...]) -> tuple[int, ...]:
             if g.values[src].shape != shape:
                 return (-1,) * len(shape)
             hit = dims_of.get(src)
@@ -329,19 +356,17 @@ class _Evaluator(MemoryModel, CollectiveMoves, CommRecords):
         # (planner._stored_reads), and XLA keeps that gathered copy for every forward use (a tied
         # embedding's lookup and head) and for the backward pass instead of gathering again
         gathered: dict[tuple, float] = defaultdict(float)
-        for v in self.inputs:
-            val = g.values[v]
-            if val.role in ("parameter", "state"):
-                dims, size = dims_for(v), val.nbytes
-                key = (val.role, dims, val.shape)
-                tensors[key] += size
-                largest[key] = max(largest[key], float(size))
-                if val.role == "parameter":
-                    gathered[(dims, val.shape)] += size
-            else:
-                src = self.in_map.get(v, v)
-                fs = fg.value_factors(src) if g.values[src].shape == val.shape else (None,) * len(val.shape)
-                self.data.append((self._cmask(fs), val.nbytes))
+        stored, others = _inputs_by_source(g, self.in_map, self.inputs)
+        for role, src, shape, total, big in stored:
+            dims = dims_for(src, shape)
+            key = (role, dims, shape)
+            tensors[key] += total
+            largest[key] = max(largest[key], big)
+            if role == "parameter":
+                gathered[(dims, shape)] += total
+        for src, shape, size in others:
+            fs = fg.value_factors(src) if g.values[src].shape == shape else (None,) * len(shape)
+            self.data.append((self._cmask(fs), size))
         self.params = [(dims, shape, b) for (role, dims, shape), b in sorted(tensors.items()) if role == "parameter"]
         self.param_largest = [largest[k] for k in sorted(tensors) if k[0] == "parameter"]
         # an update that reads a reduction over a gradient (a global norm to clip by) waits for every
