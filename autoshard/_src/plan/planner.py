@@ -242,26 +242,27 @@ def activation_constraints(graph: OpGraph, op_map: dict[int, int], fg: Any, axes
     codes = [PHASE_CODES[p] for p in phases]
     keep = np.isin(t.phase[idx], codes) & _has_factors(graph, fg)[src]
     idx, src = idx[keep], src[keep]
-    # corresponding ops get their representative's layouts: one evaluation per (source, phase, primitive)
-    combo = (src * len(PHASE_CODES) + t.phase[idx]) * max(len(t.primitives), 1) + t.primitive[idx]
-    uniq, first, inverse = np.unique(combo, return_index=True, return_inverse=True)
+    # corresponding ops get their representative's layouts, evaluated once per representative (an op and the
+    # one standing for it share phase and primitive: instances are matched on both)
+    present = np.zeros(len(graph.ops), dtype=bool)
+    present[src] = True
     ctx = (graph, fg, axes_of, cut_after, pinned, stream, backward_too)
-    specs = [_src_constraints(ctx, int(src[f]), graph.ops[int(idx[f])]) for f in first.tolist()]
-    has_specs = np.asarray([bool(sp) for sp in specs], dtype=bool)
+    specs = {s: sp for s in np.flatnonzero(present).tolist() if (sp := _src_constraints(ctx, s, graph.ops[s]))}
+    has_specs = np.zeros(len(graph.ops), dtype=bool)
+    has_specs[list(specs)] = True
     # a nested op is pinned in a remat call's body (emission re-binds the call), or where it leaves its call
-    chosen = has_specs[inverse.reshape(-1)] & (~t.nested[idx] | t.in_remat[idx])
+    with_specs = has_specs[src]
+    chosen = with_specs & (~t.nested[idx] | t.in_remat[idx])
     out = []
     outputs = frozenset(graph.outputs)      # a list of every gradient: membership once per op is O(n^2)
-    nested_free = has_specs[inverse.reshape(-1)] & ~chosen
+    nested_free = with_specs & ~chosen
     if cut_after and nested_free.any():
         for k in np.flatnonzero(nested_free).tolist():
             chosen[k] = _escapes(graph, graph.ops[int(idx[k])], outputs)
     sel = np.flatnonzero(chosen)
     order = sel[np.argsort(idx[sel], kind="stable")]     # program order (an op's own layout before its steps)
-    inv = inverse.reshape(-1)
-    for k in order.tolist():
-        i = int(idx[k])
-        out.extend((i, spec) for spec in specs[inv[k]])
+    for i, s in zip(idx[order].tolist(), src[order].tolist(), strict=True):
+        out.extend((i, spec) for spec in specs[s])
     # keys of the ops constrained only (an op's key does not depend on which others are asked)
     keys = keys if keys is not None else op_keys_of(graph, (i for i, _ in out))
     return [(keys[i], spec) for i, spec in out]

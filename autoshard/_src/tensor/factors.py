@@ -334,7 +334,7 @@ def _phase_signature(graph: OpGraph, ops: Sequence[int], phase: str) -> tuple[li
     """The ops of `phase` among `ops` and their (primitive, in shapes, out shapes) ids, in order (as bytes:
     compared and hashed at C speed; the ids stand for those tuples one to one)."""
     t = graph.table()
-    arr = np.asarray(ops, dtype=np.int64)
+    arr = np.fromiter(ops, dtype=np.int64, count=len(ops))
     mine = arr[t.phase[arr] == PHASE_CODES[phase]] if len(arr) else arr
     return mine.tolist(), t.kind[mine].tobytes()
 
