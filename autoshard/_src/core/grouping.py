@@ -225,7 +225,7 @@ class _ModuleTree:
     parameters per module, and the trip count of the loop bodies (nn.scan) among its nodes."""
 
     def __init__(self, graph: OpGraph, tolerance: float) -> None:
-        self.ops = graph.ops
+        self.graph, self.ops = graph, graph.ops
         # ops by module, in order of the modules' first ops (the table numbers modules so): one stable sort
         t = graph.table()
         order = np.argsort(t.module, kind="stable").tolist()
@@ -335,7 +335,8 @@ def _loop_bodies(tree: _ModuleTree, tolerance: float) -> dict[_Node, int]:
     loop_trip: dict[int, int] = {}
     loop_ops: Counter = Counter()
     mods: dict[str, _Node] = {}      # most steps have no loops: one quick filter over the ops
-    for op in [op for op in tree.ops if op.loops and op.phase == "forward"]:
+    t = tree.graph.table()
+    for op in map(tree.ops.__getitem__, np.flatnonzero(t.looped & (t.phase == PHASE_CODES["forward"])).tolist()):
         mod = mods.get(op.module)
         if mod is None:
             mod = mods[op.module] = tuple(op.module.split("/")) if op.module else ()

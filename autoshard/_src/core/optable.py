@@ -35,6 +35,7 @@ class OpTable:
     flops: np.ndarray            # float64: flops per step (the op's flops times its loops' trip counts)
     nested: np.ndarray           # bool: inside a nested jaxpr (op.nested)
     in_remat: np.ndarray         # bool: read from the body of a top-level remat call (op.remat_eqn >= 0)
+    looped: np.ndarray           # bool: inside a loop body (op.loops)
     _lists: dict = dataclasses.field(default_factory=dict, repr=False)
 
     def as_list(self, column: str) -> list:
@@ -55,7 +56,8 @@ def build_table(ops: Sequence[Any]) -> OpTable:
     module = [mod_ids.setdefault(op.module, len(mod_ids)) for op in ops]
     codes = PHASE_CODES
     phase = [codes[op.phase] for op in ops]
-    flops = [op.flops * op.repeat if op.loops else op.flops for op in ops]   # repeat is 1 outside loops
+    looped = [bool(op.loops) for op in ops]
+    flops = [op.flops * op.repeat if lp else op.flops for op, lp in zip(ops, looped, strict=True)]   # 1 outside loops
     # kinds and primitives from the distinct signatures (few), not per op
     kind_ids: dict[tuple, int] = {}
     prim_ids: dict[str, int] = {}
@@ -69,4 +71,4 @@ def build_table(ops: Sequence[Any]) -> OpTable:
         kinds=tuple(kind_ids), primitive=prim_of_sig[sig_arr] if len(sig_arr) else sig_arr,
         primitives=tuple(prim_ids), flops=np.asarray(flops, dtype=np.float64),
         nested=np.asarray([op.nested for op in ops], dtype=bool),
-        in_remat=np.asarray([op.remat_eqn >= 0 for op in ops], dtype=bool))
+        in_remat=np.asarray([op.remat_eqn >= 0 for op in ops], dtype=bool), looped=np.asarray(looped, dtype=bool))
