@@ -552,8 +552,8 @@ def _whole_mesh_stage(graph: OpGraph, mesh: MeshSpec, choice: PlanChoice, batch_
     t = graph.table()
     fwd_modules = t.module[t.phase == PHASE_CODES["forward"]]
     ids, first = np.unique(fwd_modules, return_index=True)
-    modules = tuple(dict.fromkeys("/".join(m.split("/")[:2]) for m in (t.modules[k] for k in ids[np.argsort(first)].tolist())
-                                  if m))
+    in_order = [t.modules[k] for k in ids[np.argsort(first)].tolist()]
+    modules = tuple(dict.fromkeys("/".join(m.split("/")[:2]) for m in in_order if m))
     return Stage(index=0, mesh=tuple(mesh.axes), replicas=replicas,
                  microbatch_size=max(1, traced_batch(graph) // replicas), predicted_forward=forward,
                  predicted_backward=max(choice.step_time - forward, 0.0), memory=choice.memory["total"],

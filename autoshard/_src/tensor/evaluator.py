@@ -144,7 +144,8 @@ def _inputs_by_source(graph: OpGraph, in_map: dict[int, int], inputs: list[int])
             entry[1] = max(entry[1], size)
         else:
             others.append((src, val.shape, size))
-    out = ([(role, src, shape, float(total), float(big)) for (role, src, shape), (total, big) in stored.items()], others)
+    out = ([(role, src, shape, float(total), float(big)) for (role, src, shape), (total, big) in stored.items()],
+           others)
     graph.cache[key] = (in_map, out)
     return out
 
