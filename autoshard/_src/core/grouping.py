@@ -237,21 +237,26 @@ class _ModuleTree:
             for d in range(1, len(mod) + 1):
                 self.node_modules[mod[:d]].append(mod)
         self.fwd_key, self.kinds = _forward_compositions(graph, self.by_module)
+        self.fwd_count = {mod: sum(c.values()) for mod, c in self.fwd_key.items()}
+        self.fwd_totals: dict[_Node, int] = {}
         self.params_of = _params_by_module(graph)
         self.trip_of = _loop_bodies(self, tolerance)
 
     def fwd_total(self, node: _Node) -> int:
         """Forward ops under the node."""
-        return sum(sum(self.fwd_key[m].values()) for m in self.node_modules[node])
+        hit = self.fwd_totals.get(node)
+        if hit is None:
+            hit = self.fwd_totals[node] = sum(self.fwd_count[m] for m in self.node_modules[node])
+        return hit
 
     def composition(self, node: _Node) -> Counter:
         """Forward op kinds under the node, by sub-module relative to it."""
-        c: Counter = Counter()
+        # each module has its own relative path: its (path, kind) keys are the node's once
+        out: dict[tuple[str, int], int] = {}
         for mod in self.node_modules[node]:
             rel = "/".join(mod[len(node):])
-            for k, n in self.fwd_key[mod].items():
-                c[(rel, k)] += n
-        return c
+            out.update({(rel, k): n for k, n in self.fwd_key[mod].items()})
+        return Counter(out)
 
     def param_sig(self, node: _Node) -> tuple:
         """Sorted (relative keypath, shape, dtype) of the parameters under the node."""
