@@ -230,8 +230,9 @@ class _ModuleTree:
         t = graph.table()
         order = np.argsort(t.module, kind="stable").tolist()
         ends = np.cumsum(np.bincount(t.module, minlength=len(t.modules))).tolist()
+        starts = [0, *ends[:-1]] if ends else []
         self.by_module: dict[_Node, list[int]] = {tuple(m.split("/")) if m else (): order[start:end] for m, start, end
-                                                  in zip(t.modules, [0, *ends[:-1]], ends, strict=True)}
+                                                  in zip(t.modules, starts, ends, strict=True)}
         self.node_modules: dict[_Node, list[_Node]] = defaultdict(list)
         for mod in self.by_module:
             for d in range(1, len(mod) + 1):
