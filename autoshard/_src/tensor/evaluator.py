@@ -321,20 +321,35 @@ class _Evaluator(MemoryModel, CollectiveMoves, CommRecords):
             # into the middle one from an instance standing for one, it crosses n times). A remat call's
             # body reads its own moved copy: the backward's recomputation of a user's nn.remat block moves
             # the value again (the forward's copy is not kept across the call)
-            by_call: dict[int, tuple[float, str]] = {}
-            for c in self.graph.values[v].consumers:
-                wc, op = weights.get(c, 0.0), self.graph.ops[c]
-                call = op.top_eqn if op.remat_eqn >= 0 else -1
-                if wc > by_call.get(call, (0.0, ""))[0]:
-                    by_call[call] = (wc, op.phase)
+            consumers = self.graph.values[v].consumers
+            by_call = self._reads_by_call(consumers, weights)
             if not by_call:
                 continue
             b_idx = tuple(self.cidx.get(f, -1) if f is not None else -1 for f in before)
             a_idx = tuple(self.cidx.get(f, -1) if f is not None else -1 for f in after)
-            if b_idx != a_idx:
-                for call, (w, phase) in by_call.items():
-                    self.reshards.append((b_idx, a_idx, float(self.graph.values[v].nbytes), w,
-                                          self.graph.ops[p].phase if call < 0 else phase))
+            if b_idx == a_idx:
+                continue
+            nb = float(self.graph.values[v].nbytes)
+            for call, (w, phase) in by_call.items():
+                self.reshards.append((b_idx, a_idx, nb, w, self.graph.ops[p].phase if call < 0 else phase))
+            # emission pins the value to its consumed layout (planner._src_constraints): the readers that read
+            # it as produced (a post-LN layer's query/key/value reading the embedding's output whole, beside
+            # the residual add reading it split) move it back, once per call (XLA reshards a value once per
+            # layout it is read in; a remat call's body reads its own copy)
+            cut = self.fg.cut_readers.get(v, frozenset())
+            for call, (w, phase) in self._reads_by_call([c for c in consumers if c not in cut], weights).items():
+                self.reshards.append((a_idx, b_idx, nb, w, phase))
+
+    def _reads_by_call(self, readers: list[int], weights: dict[int, float]) -> dict[int, tuple[float, str]]:
+        """The readers' largest weight and its reader's phase per call they sit in (-1: the top level; a
+        remat call's body: its top-level eqn)."""
+        by_call: dict[int, tuple[float, str]] = {}
+        for c in readers:
+            wc, op = weights.get(c, 0.0), self.graph.ops[c]
+            call = op.top_eqn if op.remat_eqn >= 0 else -1
+            if wc > by_call.get(call, (0.0, ""))[0]:
+                by_call[call] = (wc, op.phase)
+        return by_call
 
     def _build_tensors(self, weights: dict[int, float], grad_ops: frozenset[int]) -> None:
         g, fg = self.graph, self.fg

@@ -62,6 +62,8 @@ class FactorGraph:
     # region boundaries (expert parallelism): values whose consumers see them with their own factors,
     # (value, factors as produced, factors as consumed); the plan reshards them when the two differ
     cuts: tuple[tuple[int, tuple, tuple], ...] = ()
+    # per cut value, the ops reading it in its consumed layout (the others read it as produced)
+    cut_readers: dict[int, frozenset[int]] = dataclasses.field(default_factory=dict)
     # the residual stream's token dims cut from tensor-parallel regions (sequence parallelism splits them)
     sequence: frozenset[int] = frozenset()
     expert_cuts: frozenset[int] = frozenset()     # the values cut at MoE dispatch / combine

@@ -79,6 +79,11 @@ def analyze(graph: OpGraph, ops: Iterable[int], same_ops: Sequence[tuple[int, in
             sequence.update(stream[d] for d in cut_dims if stream[d] is not None)
             inside.update(region[d] for d in cut_dims)
     fg.cuts = tuple(cuts)
+    readers: dict[int, set[int]] = {}
+    for i, per_op in subs.items():
+        for v, _ in per_op.values():
+            readers.setdefault(v, set()).add(i)
+    fg.cut_readers = {v: frozenset(ops_) for v, ops_ in readers.items()}
     fg.sequence = frozenset(sequence - inside)
     fg.expert_cuts = expert_values
     fg.repeat_cuts = repeat_values
