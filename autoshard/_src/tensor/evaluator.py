@@ -337,7 +337,7 @@ class _Evaluator(MemoryModel, CollectiveMoves, CommRecords):
             # the residual add reading it split) move it back, once per call (XLA reshards a value once per
             # layout it is read in; a remat call's body reads its own copy)
             cut = self.fg.cut_readers.get(v, frozenset())
-            for call, (w, phase) in self._reads_by_call([c for c in consumers if c not in cut], weights).items():
+            for w, phase in self._reads_by_call([c for c in consumers if c not in cut], weights).values():
                 self.reshards.append((a_idx, b_idx, nb, w, phase))
 
     def _reads_by_call(self, readers: list[int], weights: dict[int, float]) -> dict[int, tuple[float, str]]:
