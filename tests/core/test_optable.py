@@ -33,7 +33,6 @@ def test_columns_match_the_ops():
         assert t.flops[i] == op.flops * op.repeat
         assert (t.nested[i], t.in_remat[i], t.looped[i]) == (op.nested, op.remat_eqn >= 0, bool(op.loops))
     assert list(PHASE_CODES) == list(PHASES)
-    assert t.as_list("kind") == t.kind.tolist()
 
 
 def test_op_keys_of_any_subset_agrees_with_op_keys():

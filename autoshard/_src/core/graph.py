@@ -157,7 +157,8 @@ class OpGraph:
 
     def flops_by_phase(self) -> dict[str, float]:
         # bincount adds the weights in index order: the same sums as a loop over the ops
-        sums = np.bincount(self.table().phase, weights=self.table().flops, minlength=len(PHASES))
+        t = self.table()
+        sums = np.bincount(t.phase, weights=t.flops, minlength=len(PHASES))
         return {p: float(sums[k]) for k, p in enumerate(PHASES)}
 
     def ops_by_phase(self) -> dict[str, int]:
