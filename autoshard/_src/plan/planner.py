@@ -18,7 +18,7 @@ from ..core.optable import PHASE_CODES
 from ..core.version import VERSION
 from ..pipeline.costs import traced_batch
 from ..tensor.experts import EXPERTS, expert_assignments
-from ..tensor.instances import input_maps, instance_maps
+from ..tensor.instances import input_maps, instance_map_arrays
 from ..tensor.regions import REDUCE_SCATTERED
 from ..tensor.search import (
     PlanChoice,
@@ -218,7 +218,8 @@ def _parameter_behind(graph: OpGraph, v: int) -> int | None:
     return None
 
 
-def activation_constraints(graph: OpGraph, op_map: dict[int, int], fg: Any, axes_of: dict[int, tuple[str, ...]],
+def activation_constraints(graph: OpGraph, op_map: dict[int, int] | tuple[np.ndarray, np.ndarray], fg: Any,
+                           axes_of: dict[int, tuple[str, ...]],
                            ops: set[int] | None = None, keys: list[str] | None = None,
                            storage: str = "replicated") -> list[tuple[str, Spec]]:
     """(op key, spec) of the forward matmul / gather / convolution outputs the plan splits (of `ops`
@@ -268,14 +269,21 @@ def activation_constraints(graph: OpGraph, op_map: dict[int, int], fg: Any, axes
     return [(keys[i], spec) for i, spec in out]
 
 
-def _asked(graph: OpGraph, op_map: dict[int, int], fg: Any, ops: set[int] | None) -> tuple[np.ndarray, np.ndarray]:
-    """(op indices, the analysed op each stands for): every analysed op and every op `op_map` maps, or `ops`."""
+def _asked(graph: OpGraph, op_map: dict[int, int] | tuple[np.ndarray, np.ndarray], fg: Any,
+           ops: set[int] | None) -> tuple[np.ndarray, np.ndarray]:
+    """(op indices, the analysed op each stands for): every analysed op and every op `op_map` maps, or `ops`.
+    `op_map`: `instance_maps`, or `instance_map_arrays` (the same pairs as two arrays)."""
     if ops is None:
         own = np.fromiter(fg.op_factors, dtype=np.int64, count=len(fg.op_factors))
-        b = np.fromiter(op_map.keys(), dtype=np.int64, count=len(op_map))
-        a = np.fromiter(op_map.values(), dtype=np.int64, count=len(op_map))
+        if isinstance(op_map, tuple):
+            b, a = op_map
+        else:
+            b = np.fromiter(op_map.keys(), dtype=np.int64, count=len(op_map))
+            a = np.fromiter(op_map.values(), dtype=np.int64, count=len(op_map))
         other = ~_has_factors(graph, fg)[b]
         return np.concatenate([own, b[other]]), np.concatenate([own, a[other]])
+    if isinstance(op_map, tuple):
+        op_map = dict(zip(op_map[0].tolist(), op_map[1].tolist(), strict=True))
     asked = sorted(ops)
     return (np.asarray(asked, dtype=np.int64).reshape(-1),
             np.asarray([i if i in fg.op_factors else op_map.get(i, i) for i in asked], dtype=np.int64).reshape(-1))
@@ -445,7 +453,7 @@ def build_plan(graph: OpGraph, grouping: Grouping, mesh: MeshSpec, hw: HardwareS
 
     # only the constrained phases' ops are mapped (ops correspond phase by phase)
     phases = tuple(p for p in PHASES if p in constrained_phases(graph, fg, axes_of, res.best.storage))
-    constraints = activation_constraints(graph, instance_maps(graph, grouping, res.periods, phases), fg, axes_of,
+    constraints = activation_constraints(graph, instance_map_arrays(graph, grouping, res.periods, phases), fg, axes_of,
                                          storage=res.best.storage)
 
     warnings = tuple(f"unknown primitive '{graph.ops[i].primitive}' in module "

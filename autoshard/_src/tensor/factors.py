@@ -305,15 +305,15 @@ def corresponding_ops(graph: OpGraph, a: Sequence[int], b: Sequence[int],
     backward has no input gradient) still pair up everywhere else. `phases`: those phases' pairs only
     (each phase is matched on its own). `a_cache`: a dict kept for one `a` (a representative matched
     against every other instance), holding its per-phase ops and signatures."""
-    side_a, side_b = corresponding_sides(graph, a, b, phases, a_cache)
-    return list(zip(side_a, side_b, strict=True))
+    side_a, side_b = corresponding_arrays(graph, a, b, phases, a_cache)
+    return list(zip(side_a.tolist(), side_b.tolist(), strict=True))
 
 
-def corresponding_sides(graph: OpGraph, a: Sequence[int], b: Sequence[int], phases: Sequence[str] = PHASES,
-                        a_cache: dict | None = None) -> tuple[list[int], list[int]]:
-    """`corresponding_ops` as two aligned lists (the ops of `a`, the ops of `b` they pair with)."""
-    side_a: list[int] = []
-    side_b: list[int] = []
+def corresponding_arrays(graph: OpGraph, a: Sequence[int], b: Sequence[int], phases: Sequence[str] = PHASES,
+                         a_cache: dict | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """`corresponding_ops` as two aligned int64 arrays (a deep step's instance maps: no per-op Python)."""
+    parts_a: list[np.ndarray] = []
+    parts_b: list[np.ndarray] = []
     for phase in phases:
         hit = a_cache.get(phase) if a_cache is not None else None
         if hit is None:
@@ -323,22 +323,23 @@ def corresponding_sides(graph: OpGraph, a: Sequence[int], b: Sequence[int], phas
         oa, sa = hit
         ob, sb = _phase_signature(graph, b, phase)
         if sa == sb:
-            side_a.extend(oa)
-            side_b.extend(ob)
+            parts_a.append(oa)
+            parts_b.append(ob)
             continue
         for ia, ib, size in _matching_blocks(sa, sb):
-            side_a.extend(oa[ia:ia + size])
-            side_b.extend(ob[ib:ib + size])
-    return side_a, side_b
+            parts_a.append(oa[ia:ia + size])
+            parts_b.append(ob[ib:ib + size])
+    empty = np.zeros(0, dtype=np.int64)
+    return (np.concatenate(parts_a) if parts_a else empty), (np.concatenate(parts_b) if parts_b else empty)
 
 
-def _phase_signature(graph: OpGraph, ops: Sequence[int], phase: str) -> tuple[list[int], bytes]:
+def _phase_signature(graph: OpGraph, ops: Sequence[int], phase: str) -> tuple[np.ndarray, bytes]:
     """The ops of `phase` among `ops` and their (primitive, in shapes, out shapes) ids, in order (as bytes:
     compared and hashed at C speed; the ids stand for those tuples one to one)."""
     t = graph.table()
     arr = np.fromiter(ops, dtype=np.int64, count=len(ops))
     mine = arr[t.phase[arr] == PHASE_CODES[phase]] if len(arr) else arr
-    return mine.tolist(), t.kind[mine].tobytes()
+    return mine, t.kind[mine].tobytes()
 
 
 @functools.lru_cache(maxsize=256)

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from ..core.graph import PHASES, OpGraph
 from ..core.grouping import Grouping
-from .factors import corresponding_sides
+from .factors import corresponding_arrays
 
 
 def instance_maps(graph: OpGraph, grouping: Grouping, periods: tuple[int, ...],
@@ -20,15 +22,28 @@ def instance_maps(graph: OpGraph, grouping: Grouping, periods: tuple[int, ...],
     """Op index → the corresponding op of its representative instance (an instance the search did not
     analyse: the one standing for it; another: instance k mod p of a type with period p), for the ops of
     `phases`. Computed once per grouping: do not modify."""
+    def build() -> dict[int, int]:
+        ops, reps = instance_map_arrays(graph, grouping, periods, phases)
+        return dict(zip(ops.tolist(), reps.tolist(), strict=True))
     if graph is not grouping.graph:
-        return _instance_maps(graph, grouping, periods, phases)
-    return grouping.memo(("instance_maps", tuple(periods), phases),
-                         lambda: _instance_maps(graph, grouping, periods, phases))
+        return build()
+    return grouping.memo(("instance_maps", tuple(periods), phases), build)
 
 
-def _instance_maps(graph: OpGraph, grouping: Grouping, periods: tuple[int, ...],
-                   phases: tuple[str, ...]) -> dict[int, int]:
-    out: dict[int, int] = {}
+def instance_map_arrays(graph: OpGraph, grouping: Grouping, periods: tuple[int, ...],
+                        phases: tuple[str, ...] = PHASES) -> tuple[np.ndarray, np.ndarray]:
+    """`instance_maps` as two aligned arrays (the ops, the representative op of each). Computed once per
+    grouping: do not modify."""
+    if graph is not grouping.graph:
+        return _instance_map_arrays(graph, grouping, periods, phases)
+    return grouping.memo(("instance_map_arrays", tuple(periods), phases),
+                         lambda: _instance_map_arrays(graph, grouping, periods, phases))
+
+
+def _instance_map_arrays(graph: OpGraph, grouping: Grouping, periods: tuple[int, ...],
+                         phases: tuple[str, ...]) -> tuple[np.ndarray, np.ndarray]:
+    ops: list[np.ndarray] = []
+    reps: list[np.ndarray] = []
     for bt, period in zip(grouping.block_types, periods, strict=True):
         rep_sigs: dict[int, dict] = {}        # each representative's signature, once
         stands = {} if bt.scanned else instance_roles(graph, grouping, bt, period)[1]
@@ -40,9 +55,11 @@ def _instance_maps(graph: OpGraph, grouping: Grouping, periods: tuple[int, ...],
             rep = bt.instances[r]
             if k < period or inst.ops == rep.ops:
                 continue
-            side_a, side_b = corresponding_sides(graph, rep.ops, inst.ops, phases, rep_sigs.setdefault(r, {}))
-            out.update(zip(side_b, side_a, strict=True))
-    return out
+            side_a, side_b = corresponding_arrays(graph, rep.ops, inst.ops, phases, rep_sigs.setdefault(r, {}))
+            ops.append(side_b)
+            reps.append(side_a)
+    empty = np.zeros(0, dtype=np.int64)
+    return (np.concatenate(ops) if ops else empty), (np.concatenate(reps) if reps else empty)
 
 
 def instance_roles(graph: OpGraph, grouping: Grouping, bt, period: int) -> tuple[set[int], dict[int, int]]:
