@@ -35,6 +35,7 @@ from .memory import MemoryModel
 from .moves import CollectiveMoves
 from .regions import REDUCE_SCATTERED
 from .shares import unlinked_batch_loops
+from .step_inputs import inputs_by_source, update_reads_all
 
 STORAGE_MODES = ("replicated", "zero1", "zero3")
 
@@ -102,52 +103,12 @@ _MATERIALISED = ("dot_general", "conv_general_dilated")     # results XLA writes
 # kernels of their own whose backward results are written whole too: a scatter-add (the gradient of a
 # gather: the loss's take_along_axis, whose [B, S, V] cotangent XLA:GPU updates in place)
 _SCATTERS = ("scatter-add", "scatter_add", "scatter")
-_GRADIENT_REDUCTIONS = ("reduce_sum", "reduce_max")      # a global norm (optax.clip_by_global_norm) reads these
 _BUCKET = {"forward": "fwd_comm", "backward": "bwd_comm", "grad": "grad_sync", "optimizer": "opt_comm",
            "other": "fwd_comm"}
 
 
 def _axis_masks(mesh: MeshSpec) -> list[int]:
     return list(range(1 << len(mesh.names)))
-
-
-def _update_reads_all(graph: OpGraph) -> bool:
-    """Does the optimizer reduce a gradient-sized tensor (a global norm)? Once per graph: every evaluator
-    the 3-D tables build asks."""
-    hit = graph.cache.get("update reads all")
-    if hit is None:
-        t = graph.table()
-        reductions = [k for k, p in enumerate(t.primitives) if p in _GRADIENT_REDUCTIONS]
-        candidates = np.flatnonzero(np.isin(t.primitive, reductions) & (t.phase == PHASE_CODES["optimizer"]))
-        hit = graph.cache["update reads all"] = any(
-            graph.ops[i].in_shapes and len(graph.ops[i].in_shapes[0]) > 0 for i in candidates.tolist())
-    return hit
-
-
-def _inputs_by_source(graph: OpGraph, in_map: dict[int, int], inputs: list[int]) -> tuple[list, list]:
-    """The inputs whose bytes count, summarised once per graph and input map (every evaluator reads them):
-    parameters and optimizer state by (role, the input standing for them, shape) as (role, source, shape,
-    total bytes, largest bytes) -- a 96-layer model's 4,600 inputs are a few dozen entries -- and the other
-    inputs (data, buffers, keys) one by one as (source, shape, bytes), in order."""
-    key = ("inputs by source", id(in_map), tuple(inputs))
-    hit = graph.cache.get(key)
-    if hit is not None and hit[0] is in_map:
-        return hit[1]
-    stored: dict[tuple, list] = {}
-    others = []
-    for v in inputs:
-        val = graph.values[v]
-        src, size = in_map.get(v, v), val.nbytes
-        if val.role in ("parameter", "state"):
-            entry = stored.setdefault((val.role, src, val.shape), [0, 0])
-            entry[0] += size
-            entry[1] = max(entry[1], size)
-        else:
-            others.append((src, val.shape, size))
-    out = ([(role, src, shape, float(total), float(big)) for (role, src, shape), (total, big) in stored.items()],
-           others)
-    graph.cache[key] = (in_map, out)
-    return out
 
 
 def _mask_size(mesh: MeshSpec, mask: int) -> int:
@@ -372,7 +333,7 @@ class _Evaluator(MemoryModel, CollectiveMoves, CommRecords):
         # (planner._stored_reads), and XLA keeps that gathered copy for every forward use (a tied
         # embedding's lookup and head) and for the backward pass instead of gathering again
         gathered: dict[tuple, float] = defaultdict(float)
-        stored, others = _inputs_by_source(g, self.in_map, self.inputs)
+        stored, others = inputs_by_source(g, self.in_map, self.inputs)
         for role, src, shape, total, big in stored:
             dims = dims_for(src, shape)
             key = (role, dims, shape)
@@ -387,7 +348,7 @@ class _Evaluator(MemoryModel, CollectiveMoves, CommRecords):
         self.param_largest = [largest[k] for k in sorted(tensors) if k[0] == "parameter"]
         # an update that reads a reduction over a gradient (a global norm to clip by) waits for every
         # gradient; otherwise each parameter's update reads its own gradient only (memory.py)
-        self.update_reads_all = _update_reads_all(g)
+        self.update_reads_all = update_reads_all(g)
         self.gathered = [(dims, shape, b) for (dims, shape), b in sorted(gathered.items())]
         self.state = [(dims, shape, b) for (role, dims, shape), b in sorted(tensors.items()) if role == "state"]
         self._build_activations(weights)

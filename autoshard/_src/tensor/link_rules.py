@@ -130,11 +130,18 @@ def _link_reshape(uf: _UnionFind, op: Op) -> None:
         uf.union(_key(i, da, len(si)), _key(o, db, len(so)))
 
 
-def _link_squeeze(uf: _UnionFind, op: Op) -> None:
-    (i, si), (o, so) = (op.inputs[0], op.in_shapes[0]), (op.outputs[0], op.out_shapes[0])
-    dims = set(op.params.get("dimensions", ()))
-    kept = [d for d in range(len(si)) if d not in dims]
-    _link_same(uf, i, si, o, so, kept, range(len(so)))
+def _link_dropping(param: str) -> Callable[[_UnionFind, Op], None]:
+    """The rule of an op dropping its operand's dims named by `param` (squeeze's "dimensions", a reduction's
+    "axes"): the operand's other dims link to the result's in order."""
+    def rule(uf: _UnionFind, op: Op) -> None:
+        (i, si), (o, so) = (op.inputs[0], op.in_shapes[0]), (op.outputs[0], op.out_shapes[0])
+        dropped = set(op.params.get(param, ()))
+        _link_same(uf, i, si, o, so, [d for d in range(len(si)) if d not in dropped], range(len(so)))
+    return rule
+
+
+_link_squeeze = _link_dropping("dimensions")
+_link_reduction = _link_dropping("axes")
 
 
 def _link_expand_dims(uf: _UnionFind, op: Op) -> None:
@@ -142,13 +149,6 @@ def _link_expand_dims(uf: _UnionFind, op: Op) -> None:
     dims = set(op.params.get("dimensions", ()))
     kept = [d for d in range(len(so)) if d not in dims]
     _link_same(uf, i, si, o, so, range(len(si)), kept)
-
-
-def _link_reduction(uf: _UnionFind, op: Op) -> None:
-    (i, si), (o, so) = (op.inputs[0], op.in_shapes[0]), (op.outputs[0], op.out_shapes[0])
-    axes = set(op.params.get("axes", ()))
-    kept = [d for d in range(len(si)) if d not in axes]
-    _link_same(uf, i, si, o, so, kept, range(len(so)))
 
 
 def _link_split(uf: _UnionFind, op: Op) -> None:
