@@ -17,6 +17,7 @@ from ..core.mesh import MeshSpec, candidate_meshes, mesh_spec
 from ..core.optable import PHASE_CODES
 from ..core.version import VERSION
 from ..pipeline.costs import traced_batch
+from ..tensor.evaluator import comm_bytes_of
 from ..tensor.experts import EXPERTS, expert_assignments
 from ..tensor.instances import input_maps, instance_map_arrays
 from ..tensor.regions import REDUCE_SCATTERED
@@ -461,11 +462,11 @@ def build_plan(graph: OpGraph, grouping: Grouping, mesh: MeshSpec, hw: HardwareS
                      for i in fg.unknown_ops) + tuple(res.notes) + idle_axes(mesh, res, specs)
     b = res.best
     ev = res._evaluator
-    row = ev.row(b.factor_axes)
+    records = ev.comm_records(ev.row(b.factor_axes), b.storage)
     collectives = tuple({"kind": k, "axes": tuple(axes), "phase": ph, "bytes": v[0], "count": v[1]}
-                        for (k, axes, ph), v in sorted(ev.comm_records(row, b.storage).items()))
+                        for (k, axes, ph), v in sorted(records.items()))
     predicted = {"step_time": b.step_time, "breakdown": dict(b.breakdown), "memory": dict(b.memory),
-                 "comm_bytes": dict(b.comm_bytes), "collectives": collectives,
+                 "comm_bytes": comm_bytes_of(records), "collectives": collectives,
                  "memory_budget": res.budget, "feasible": b.feasible,
                  # the factor graph the plan's factor ids index (plan.platform_memory re-prices in it)
                  "space": "sequence_parallel" if getattr(fg, "sequence", None) else "tensor",

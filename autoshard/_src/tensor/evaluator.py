@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -74,13 +74,48 @@ class PlanChoice:
     step_time: float
     breakdown: dict[str, float]           # compute / forward comm / backward comm / grad sync ...
     memory: dict[str, float]              # per device bytes: params, grads, optimizer, activations
-    comm_bytes: dict[str, float]          # per device collective buffer bytes by "kind@axes"
+    comm_bytes: Mapping[str, float]       # per device collective buffer bytes by "kind@axes" (CommBytes)
     plans_evaluated: int
     feasible: bool
     # mesh axis names matched (tensor.axis_hints.row_hints; set by the search) and, when the names decided
     # between plans of the same predicted step, what they decided (explain prints it)
     hint: int = 0
     hint_note: str = ""
+
+
+class CommBytes(Mapping):
+    """A plan's per-device collective buffer bytes by "kind@axes", listed when first read: the search makes
+    a choice per storage mode and space, and prices expert plans, but only the plan it returns is read."""
+
+    def __init__(self, evaluator: _Evaluator, row: np.ndarray, storage: str) -> None:
+        self._source: tuple | None = (evaluator, np.array(row), storage)
+        self._bytes: dict[str, float] = {}
+
+    def _listed(self) -> dict[str, float]:
+        if self._source is not None:
+            ev, row, storage = self._source
+            self._bytes, self._source = comm_bytes_of(ev.comm_records(row, storage)), None
+        return self._bytes
+
+    def __getitem__(self, key: str) -> float:
+        return self._listed()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._listed())
+
+    def __len__(self) -> int:
+        return len(self._listed())
+
+    def __repr__(self) -> str:
+        return repr(self._listed())
+
+
+def comm_bytes_of(records: dict[tuple[str, tuple[str, ...], str], list[float]]) -> dict[str, float]:
+    """Collective records (`comm_records`) summed by "kind@axes" over phases."""
+    comm: dict[str, float] = defaultdict(float)
+    for (k, axes, _), (b, _) in sorted(records.items()):
+        comm[f"{k}@{','.join(axes)}"] += b
+    return dict(comm)
 
 
 @dataclasses.dataclass
@@ -574,8 +609,5 @@ class _Evaluator(MemoryModel, CollectiveMoves, CommRecords):
         mem = {k: float(res[k][i]) for k in ("params", "grads", "optimizer", "activations", "data",
                                              "cpu_temp_extra")}
         mem["total"] = float(res["memory"][i])
-        comm: dict[str, float] = defaultdict(float)
-        for (k, axes, _), (b, _) in sorted(self.comm_records(row, storage).items()):
-            comm[f"{k}@{','.join(axes)}"] += b
-        return PlanChoice(fa, storage, float(res["step_time"][i]), bd, mem, dict(comm), n_plans,
+        return PlanChoice(fa, storage, float(res["step_time"][i]), bd, mem, CommBytes(self, row, storage), n_plans,
                           bool(res["memory"][i] <= self.budget))
