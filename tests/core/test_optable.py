@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
+
 from autoshard._src.core.graph import PHASES, Loop, fingerprint, op_keys, op_keys_of
 from autoshard._src.core.optable import PHASE_CODES, build_table
 
@@ -70,3 +72,48 @@ def test_fingerprint_sees_modules_shapes_and_outputs():
     fewer = _graph()
     fewer.outputs, fewer.output_keypaths = fewer.outputs[:-1], fewer.output_keypaths[:-1]
     assert fingerprint(fewer) != base
+
+
+def test_edges_are_what_the_ops_read():
+    g = _graph()
+    t = build_table(g.ops)
+    for op in g.ops:
+        i = op.index
+        entries = range(t.operand_ptr[i], t.operand_ptr[i + 1])
+        want = [g.values[v].producer for v in op.inputs]
+        assert [int(t.operand_src[e]) for e in entries] == [-1 if p is None else p for p in want]
+        for v in op.outputs:
+            assert t.producer[v] == i
+
+
+def test_traced_edges_equal_the_ops_edges():
+    """The trace records the edges as it adds ops; the table built from the ops alone agrees."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from autoshard._src.bridge.trace.trace import trace
+
+    def step(w, x):
+        return jax.grad(lambda w: jnp.sum(jnp.tanh(x @ w) ** 2))(w)
+
+    g = trace(step, jnp.ones((4, 4)), jnp.ones((2, 4)))
+    recorded, rebuilt = g.table(), build_table(g.ops)
+    for col in ("operand_ptr", "operand_src"):
+        assert np.array_equal(getattr(recorded, col), getattr(rebuilt, col)), col
+    assert np.array_equal(recorded.producer[g.outputs], rebuilt.producer[g.outputs])
+
+
+def test_feeding_is_a_walk_up_the_edges_within_the_mask():
+    g = _graph()
+    t = build_table(g.ops)
+    rng = random.Random(1)
+    for _ in range(20):
+        within = np.array([rng.random() < 0.7 for _ in g.ops])
+        targets = [i for i in range(len(g.ops)) if within[i] and rng.random() < 0.2]
+        want = set(targets)
+        for i in reversed(range(len(g.ops))):     # a reader comes after what it reads
+            if within[i] and any(c in want for v in g.ops[i].outputs for c in g.values[v].consumers):
+                want.add(i)
+        got = t.feeding(np.array(targets, dtype=np.int32), within)
+        assert set(np.flatnonzero(got).tolist()) == want

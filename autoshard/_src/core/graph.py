@@ -136,13 +136,19 @@ class OpGraph:
     # of the loops that carry it into their next iteration (a scan's carry-out, a while body's
     # results and its condition); liveness.live_ops keeps them while their loop runs
     carried: dict[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)
+    # what the trace recorded as it added the ops: (value ids each op reads, their count per op, value ids
+    # each op writes, their count per op), flat; the table's edges come from it (or from the ops without it)
+    recorded_edges: tuple[list[int], list[int], list[int], list[int]] | None = dataclasses.field(
+        default=None, repr=False, compare=False)
     _table: OpTable | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
     def table(self) -> OpTable:
         """The ops as columns (`core.optable`): built when the trace finishes, or on first use for a
         graph made otherwise."""
         if self._table is None or len(self._table.phase) != len(self.ops):
-            self._table = build_table(self.ops)
+            edges = self.recorded_edges
+            self._table = build_table(self.ops, edges if edges is not None and len(edges[1]) == len(self.ops) else None)
+            self.recorded_edges = None      # the table holds them now
         return self._table
 
     def __len__(self) -> int:

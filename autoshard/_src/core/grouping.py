@@ -289,31 +289,30 @@ class _ModuleTree:
 
 
 def _forward_compositions(graph: OpGraph, by_module: dict[_Node, list[int]]
-                          ) -> tuple[dict[_Node, Counter], list[tuple]]:
+                          ) -> tuple[dict[_Node, dict[int, int]], list[tuple]]:
     """Per module, the count of each forward op kind (primitive, shapes) by interned id; and the
     kinds, indexed by id. Forward ops that only feed the backward pass (the residuals of an input
     gradient, which the first block of a network fed by data does not compute) are left out: they
     are what legitimately differs between the first instance and the others."""
-    ops, values = graph.ops, graph.values
-    outputs = set(graph.outputs)
     t = graph.table()
     fwd = t.phase == PHASE_CODES["forward"]
-    feeds_forward = [False] * len(ops)       # reaches a step output through forward ops only
-    for i in np.flatnonzero(fwd)[::-1].tolist():                   # only set on forward ops
-        for v in ops[i].outputs:
-            if v in outputs or any(map(feeds_forward.__getitem__, values[v].consumers)):
-                feeds_forward[i] = True
-                break
-    if sum(feeds_forward) * 2 < fwd.sum():  # the step returns no loss: nothing to tell residuals by
+    # reaches a step output through forward ops only: one walk up the forward edges from the ops writing one
+    writers = t.producer[np.asarray(graph.outputs, dtype=np.int64)]
+    writers = writers[writers >= 0]
+    feeds_forward = t.feeding(np.unique(writers[fwd[writers]]), fwd)
+    if feeds_forward.sum() * 2 < fwd.sum():  # the step returns no loss: nothing to tell residuals by
         feeds_forward = fwd
     # count each (module, kind) pair among them: one sort of pair ids, not a dict update per op
     counted = np.flatnonzero(feeds_forward)
     n_kinds = max(len(t.kinds), 1)
     pairs, counts = np.unique(t.module[counted].astype(np.int64) * n_kinds + t.kind[counted], return_counts=True)
     nodes = [tuple(m.split("/")) if m else () for m in t.modules]      # by module id
-    fwd_key: dict[_Node, Counter] = {node: Counter() for node in by_module}
-    for pair, n in zip(pairs.tolist(), counts.tolist(), strict=True):
-        fwd_key[nodes[pair // n_kinds]][pair % n_kinds] = n
+    fwd_key: dict[_Node, dict[int, int]] = {node: {} for node in by_module}
+    mods, kinds = (pairs // n_kinds).tolist(), (pairs % n_kinds).tolist()
+    starts = np.flatnonzero(np.diff(pairs // n_kinds, prepend=-1)).tolist()      # pairs sort by module first
+    counts_l = counts.tolist()
+    for a, b in zip(starts, [*starts[1:], len(mods)], strict=True):
+        fwd_key[nodes[mods[a]]] = dict(zip(kinds[a:b], counts_l[a:b], strict=True))
     return fwd_key, list(t.kinds)  # kind id -> (primitive, in_shapes, out_shapes)
 
 

@@ -15,6 +15,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+from scipy.sparse import csr_matrix
+from scipy.sparse.csgraph import breadth_first_order
 
 PHASE_CODES = {"forward": 0, "backward": 1, "optimizer": 2, "other": 3}   # index into graph.PHASES
 
@@ -36,10 +38,34 @@ class OpTable:
     nested: np.ndarray           # bool: inside a nested jaxpr (op.nested)
     in_remat: np.ndarray         # bool: read from the body of a top-level remat call (op.remat_eqn >= 0)
     looped: np.ndarray           # bool: inside a loop body (op.loops)
+    # the edges, op by op in CSR form: op i reads the values of operand entries operand_ptr[i]:operand_ptr[i + 1],
+    # produced by ops operand_src[entry] (-1: a program input, constant or literal)
+    operand_ptr: np.ndarray      # int64, one more than ops
+    operand_src: np.ndarray      # int32
+    producer: np.ndarray         # int32 by value id: the op writing it (-1: a program input, constant or literal)
+
+    def feeding(self, targets: np.ndarray, within: np.ndarray) -> np.ndarray:
+        """Bool per op: it is one of `within` (bool per op) from which one of the `targets` (op indices, all
+        within) is reached through ops within only. One breadth-first walk from the targets up the edges."""
+        n = len(self.phase)
+        readers = np.repeat(np.arange(n, dtype=np.int32), np.diff(self.operand_ptr))
+        src = self.operand_src
+        known = src >= 0
+        keep = known & within[np.where(known, src, 0)] & within[readers]
+        targets = np.asarray(targets, dtype=np.int32)
+        # reader -> producer, and a root (row n) -> every target
+        rows = np.concatenate([readers[keep], np.full(len(targets), n, dtype=np.int32)])
+        cols = np.concatenate([src[keep], targets])
+        walk = csr_matrix((np.ones(len(rows), dtype=np.int8), (rows, cols)), shape=(n + 1, n + 1))
+        reached = breadth_first_order(walk, n, directed=True, return_predecessors=False)
+        out = np.zeros(n + 1, dtype=bool)
+        out[reached] = True
+        return out[:n]
 
 
-def build_table(ops: Sequence[Any]) -> OpTable:
-    """The columns of `ops` (graph.Op objects in index order)."""
+def build_table(ops: Sequence[Any], edges: tuple[list[int], list[int], list[int], list[int]] | None = None) -> OpTable:
+    """The columns of `ops` (graph.Op objects in index order). `edges`: the trace's record of them
+    (OpGraph.recorded_edges); read from the ops when None."""
     sig_ids: dict[tuple, int] = {}
     sig = [sig_ids.setdefault((op.primitive, op.in_shapes, op.in_dtypes, op.out_shapes, op.out_dtypes),
                               len(sig_ids)) for op in ops]
@@ -56,10 +82,26 @@ def build_table(ops: Sequence[Any]) -> OpTable:
                              dtype=np.int32)
     prim_of_sig = np.asarray([prim_ids.setdefault(s[0], len(prim_ids)) for s in sig_ids], dtype=np.int32)
     sig_arr = np.asarray(sig, dtype=np.int32)
+    operand_ptr, operand_src, producer = _edges(ops, edges)
     return OpTable(
         phase=np.asarray(phase, dtype=np.int8), module=np.asarray(module, dtype=np.int32), modules=tuple(mod_ids),
         sig=sig_arr, sigs=tuple(sig_ids), kind=kind_of_sig[sig_arr] if len(sig_arr) else sig_arr,
         kinds=tuple(kind_ids), primitive=prim_of_sig[sig_arr] if len(sig_arr) else sig_arr,
         primitives=tuple(prim_ids), flops=np.asarray(flops, dtype=np.float64),
         nested=np.asarray([op.nested for op in ops], dtype=bool),
-        in_remat=np.asarray([op.remat_eqn >= 0 for op in ops], dtype=bool), looped=np.asarray(looped, dtype=bool))
+        in_remat=np.asarray([op.remat_eqn >= 0 for op in ops], dtype=bool), looped=np.asarray(looped, dtype=bool),
+        operand_ptr=operand_ptr, operand_src=operand_src, producer=producer)
+
+
+def _edges(ops: Sequence[Any], edges: tuple | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(operand_ptr, operand_src, producer) from the flat record (read ids and count per op, written ids and count)."""
+    if edges is None:
+        edges = ([v for op in ops for v in op.inputs], [len(op.inputs) for op in ops],
+                 [v for op in ops for v in op.outputs], [len(op.outputs) for op in ops])
+    read, n_read, written, n_written = (np.asarray(x, dtype=np.int64) for x in edges)
+    by_op = np.arange(len(ops), dtype=np.int32)
+    producer = np.full(int(max(read.max(initial=-1), written.max(initial=-1))) + 1, -1, dtype=np.int32)
+    producer[written] = np.repeat(by_op, n_written)
+    ptr = np.zeros(len(ops) + 1, dtype=np.int64)
+    np.cumsum(n_read, out=ptr[1:])
+    return ptr, producer[read], producer

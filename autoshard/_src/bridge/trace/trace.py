@@ -133,6 +133,8 @@ class _Builder:
         self._loop_ids = itertools.count()
         self.eqns: dict[int, Any] = {}      # op index -> the jaxpr eqn it stands for (leaf ops)
         self._avals: dict[Any, tuple[tuple[int, ...], str, int]] = {}
+        # the graph's edges as the ops are added (OpGraph.recorded_edges): four flat lists, not a pass over the ops
+        self.edges: tuple[list[int], list[int], list[int], list[int]] = ([], [], [], [])
         self.carried: dict[int, tuple[int, ...]] = {}
 
     def shape_dtype(self, atom: Any) -> tuple[tuple[int, ...], str, int]:
@@ -187,6 +189,11 @@ class _Builder:
         ))
         for v in inputs:
             values[v].consumers.append(index)
+        read, n_read, written, n_written = self.edges
+        read.extend(inputs)
+        n_read.append(len(inputs))
+        written.extend(outs)
+        n_written.append(len(outs))
         return outs
 
     def carry(self, loop: Loop, outs: list[int]) -> None:
@@ -316,7 +323,7 @@ def flat_graph(prog: jc.FlatProgram) -> tuple[OpGraph, list[int]]:
         env.update(zip(fe.outputs, outs, strict=True))
     outputs = [env[k] for k in prog.outputs if not jc.is_literal(k) and k in env]
     graph = OpGraph(ops=b.ops, values=b.values, inputs=inputs, outputs=outputs, output_keypaths=[""] * len(outputs),
-                    output_keypath_parts=[()] * len(outputs), carried=b.carried)
+                    output_keypath_parts=[()] * len(outputs), carried=b.carried, recorded_edges=b.edges)
     infer_phases(graph, ())
     return graph, owner
 
@@ -419,6 +426,7 @@ def _build_graph(closed: Any, out_shape: Any, args: tuple, fn_name: str, keep_eq
         ops=b.ops, values=b.values, inputs=inputs, outputs=outputs,
         output_keypaths=[jc.keystr(p) for p in out_paths],
         output_keypath_parts=[jc.keypath_parts(p) for p in out_paths], name=fn_name, carried=b.carried,
+        recorded_edges=b.edges,
     )
     if keep_eqns:
         graph.eqns = b.eqns
