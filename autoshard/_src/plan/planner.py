@@ -422,35 +422,28 @@ def build_plan(graph: OpGraph, grouping: Grouping, mesh: MeshSpec, hw: HardwareS
     axes_of = dict(res.best.factor_axes)
     storage = res.best.storage
     in_map = input_maps(graph, grouping, res.periods)
-    specs: list[Spec] = []
-    reports: list[ParamReport] = []
+    vals = [graph.values[v] for v in graph.inputs]
     # gradients are summed over the axes that split the batch (the data inputs' factors)
-    batch_axes = {a for v in graph.inputs if graph.values[v].role == "data"
-                  for f in fg.value_factors(v) if f is not None for a in axes_of.get(f, ())}
+    batch_axes = {a for val in vals if val.role == "data"
+                  for f in fg.value_factors(val.id) if f is not None for a in axes_of.get(f, ())}
     # a weight's gradient sums what the batch and a split sequence (the stream's weights) spread
     grad_axes = batch_axes | {a for f in getattr(fg, "sequence", ()) for a in axes_of.get(f, ())}
     # an input's layout follows from its representative's, its shape and role: the layers share them
+    keys = [(in_map.get(v, v), val.shape, val.role) for v, val in zip(graph.inputs, vals, strict=True)]
     layouts: dict[tuple, tuple[Spec, int, str]] = {}
-    for v in graph.inputs:
-        val = graph.values[v]
-        src = in_map.get(v, v)
-        key = (src, val.shape, val.role)
-        hit = layouts.get(key)
-        if hit is None:
-            hit = layouts[key] = _input_layout(graph, fg, src, val, axes_of, storage, mesh, grad_axes)
-        spec_t, shards, sync = hit
-        specs.append(spec_t)
-        if val.role == "parameter":
-            reports.append(ParamReport(val.keypath or "", val.shape, val.dtype, spec_t, val.nbytes // shards, sync))
-    by_kp = dict(zip((graph.values[v].keypath for v in graph.inputs), zip(specs, graph.inputs, strict=True),
-                     strict=True))
+    for key, val in zip(keys, vals, strict=True):
+        if key not in layouts:
+            layouts[key] = _input_layout(graph, fg, key[0], val, axes_of, storage, mesh, grad_axes)
+    laid = [layouts[key] for key in keys]
+    specs: list[Spec] = [hit[0] for hit in laid]
+    reports = [ParamReport(val.keypath or "", val.shape, val.dtype, spec_t, val.nbytes // shards, sync)
+               for val, (spec_t, shards, sync) in zip(vals, laid, strict=True) if val.role == "parameter"]
+    by_kp = {val.keypath: (spec_t, val.shape) for val, spec_t in zip(vals, specs, strict=True)}
     out_specs: list[Spec] = []
     for vid, kp in zip(graph.outputs, graph.output_keypaths, strict=True):
         hit = by_kp.get(kp)
-        if hit is not None and graph.values[hit[1]].shape == graph.values[vid].shape:
-            out_specs.append(hit[0])
-        else:
-            out_specs.append(tuple(() for _ in graph.values[vid].shape))
+        shape = graph.values[vid].shape
+        out_specs.append(hit[0] if hit is not None and hit[1] == shape else tuple(() for _ in shape))
 
     # only the constrained phases' ops are mapped (ops correspond phase by phase)
     phases = tuple(p for p in PHASES if p in constrained_phases(graph, fg, axes_of, res.best.storage))
@@ -484,7 +477,7 @@ def build_plan(graph: OpGraph, grouping: Grouping, mesh: MeshSpec, hw: HardwareS
     stage = _whole_mesh_stage(graph, mesh, b, batch_axes, factors, tuple(constraints))
     return Plan(
         mesh=tuple(mesh.axes), hardware=hw.name,
-        input_keypaths=tuple(graph.values[v].keypath or "" for v in graph.inputs),
+        input_keypaths=tuple([val.keypath or "" for val in vals]),
         input_specs_flat=tuple(specs), output_keypaths=tuple(graph.output_keypaths),
         output_specs_flat=tuple(out_specs), stages=(stage,), predicted=predicted, params=tuple(reports),
         warnings=warnings, provenance=provenance)

@@ -127,17 +127,45 @@ def _input_maps(graph: OpGraph, grouping: Grouping, periods: tuple[int, ...]) ->
 
     out: dict[int, int] = {}
     for bt, period in zip(grouping.block_types, periods, strict=True):
-        reps = [{key(v, inst.path): v for v in inputs_under(inst.path)}
-                for inst in bt.instances[:period]]
+        reps: list[dict | None] = [None] * period      # by stripped key: only for instances not matched in order
         for k, inst in enumerate(bt.instances):
             if k < period:
                 continue
-            rep = reps[k % period]
-            for v in inputs_under(inst.path):
-                hit = rep.get(key(v, inst.path))
+            rep, mine = bt.instances[k % period], inputs_under(inst.path)
+            theirs = inputs_under(rep.path)
+            if _same_but_instance(graph, mine, theirs, inst.path, rep.path):
+                out.update(zip(mine, theirs, strict=True))        # the common case: the same leaves in the same order
+                continue
+            if reps[k % period] is None:
+                reps[k % period] = {key(v, rep.path): v for v in theirs}
+            by_key = reps[k % period]
+            for v in mine:
+                hit = by_key.get(key(v, inst.path))
                 if hit is not None:
                     out[v] = hit
     return out
+
+
+def _same_but_instance(graph: OpGraph, mine: list[int], theirs: list[int], path: str, rep_path: str) -> bool:
+    """Are `mine` (an instance's inputs) `theirs` (its representative's) one by one: the same role, shape and
+    dtype, and keypaths that differ only where the two instances' own path components do ("block_3" against
+    "block_0", or 3 against 0 in nnx)? What stripping those components and matching by key would find."""
+    comps, rep_comps = path.split("/"), rep_path.split("/")
+    if len(mine) != len(theirs) or len(comps) != len(rep_comps):
+        return False
+    subs = set()
+    for a, b in zip(comps, rep_comps, strict=True):
+        if a != b:
+            subs |= {(a, b), ("." + a, "." + b)} | ({(int(a), int(b))} if a.isdigit() and b.isdigit() else set())
+    values = graph.values
+    for v, w in zip(mine, theirs, strict=True):
+        x, y = values[v], values[w]
+        if x.role != y.role or x.shape != y.shape or x.dtype != y.dtype:
+            return False
+        px, py = x.keypath_parts, y.keypath_parts
+        if len(px) != len(py) or any(a != b and (a, b) not in subs for a, b in zip(px, py, strict=True)):
+            return False
+    return True
 
 
 def bordering_remainder(graph: OpGraph, grouping: Grouping, bt) -> set[int]:
