@@ -239,6 +239,7 @@ class _ModuleTree:
                 self.node_modules[mod[:d]].append(mod)
         self.fwd_key, self.kinds = _forward_compositions(graph, self.by_module)
         self.fwd_count = {mod: sum(c.values()) for mod, c in self.fwd_key.items()}
+        self.fwd_ids: dict[_Node, int] | None = None
         self.fwd_totals: dict[_Node, int] = {}
         self.params_of = _params_by_module(graph)
         self.trip_of = _loop_bodies(self, tolerance)
@@ -249,6 +250,16 @@ class _ModuleTree:
         if hit is None:
             hit = self.fwd_totals[node] = sum(self.fwd_count[m] for m in self.node_modules[node])
         return hit
+
+    def composition_id(self, node: _Node) -> frozenset:
+        """A key equal for two nodes exactly when their `composition`s are: (relative path, interned forward
+        composition) of each module under the node with forward ops (each module's relative path is its own)."""
+        ids = self.fwd_ids
+        if ids is None:
+            interned: dict[frozenset, int] = {}
+            ids = self.fwd_ids = {mod: interned.setdefault(frozenset(c.items()), len(interned))
+                                  for mod, c in self.fwd_key.items() if c}
+        return frozenset(("/".join(mod[len(node):]), ids[mod]) for mod in self.node_modules[node] if mod in ids)
 
     def composition(self, node: _Node) -> Counter:
         """Forward op kinds under the node, by sub-module relative to it."""
@@ -381,18 +392,22 @@ def _cluster_by_composition(buckets: dict[tuple, list[_Node]], tree: _ModuleTree
     forward composition among the nodes not yet clustered."""
     clusters: list[_Cluster] = []
     for (depth, _, _), nodes in buckets.items():
-        comps = {n: tree.composition(n) for n in nodes}
+        # compositions compared by key: most nodes have the most common one (no differences to count)
+        keys = {n: tree.composition_id(n) for n in nodes}
+        comps: dict[_Node, Counter] = {}
         remaining = sorted(nodes, key=_natural)
         while remaining:
-            exact = Counter(frozenset(comps[n].items()) for n in remaining)
-            ref_items = exact.most_common(1)[0][0]
-            ref = Counter(dict(ref_items))
+            exact = Counter(keys[n] for n in remaining)
+            ref_key = exact.most_common(1)[0][0]
+            ref = tree.composition(next(n for n in remaining if keys[n] == ref_key))
             size = max(sum(ref.values()), 1)
             members, diffs, rest = [], {}, []
             for n in remaining:
-                same = dict.__eq__(comps[n], ref)     # most members: no differences to count (no zero counts)
-                missing = 0 if same else sum((ref - comps[n]).values())
-                extra = 0 if same else sum((comps[n] - ref).values())
+                missing = extra = 0
+                if keys[n] != ref_key:
+                    if n not in comps:
+                        comps[n] = tree.composition(n)
+                    missing, extra = sum((ref - comps[n]).values()), sum((comps[n] - ref).values())
                 if (missing + extra) <= tolerance * size:
                     members.append(n)
                     diffs[n] = (missing, extra)

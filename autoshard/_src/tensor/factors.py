@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable, Sequence
 import numpy as np
 
 from ..core.graph import PHASES, Op, OpGraph, nbytes
-from ..core.optable import PHASE_CODES
+from ..core.optable import PHASE_CODES, OpTable
 from .link_rules import _KNOWN, _LOOKUPS, REDUCTIONS, _dn5, _key, _link_op, _reshape_groups, _UnionFind
 
 
@@ -314,14 +314,18 @@ def corresponding_arrays(graph: OpGraph, a: Sequence[int], b: Sequence[int], pha
     """`corresponding_ops` as two aligned int64 arrays (a deep step's instance maps: no per-op Python)."""
     parts_a: list[np.ndarray] = []
     parts_b: list[np.ndarray] = []
+    t = graph.table()
+    arr_a = None
+    arr_b = np.fromiter(b, dtype=np.int64, count=len(b))
     for phase in phases:
         hit = a_cache.get(phase) if a_cache is not None else None
         if hit is None:
-            hit = _phase_signature(graph, a, phase)
+            arr_a = np.fromiter(a, dtype=np.int64, count=len(a)) if arr_a is None else arr_a
+            hit = _phase_signature(t, arr_a, phase)
             if a_cache is not None:
                 a_cache[phase] = hit
         oa, sa = hit
-        ob, sb = _phase_signature(graph, b, phase)
+        ob, sb = _phase_signature(t, arr_b, phase)
         if sa == sb:
             parts_a.append(oa)
             parts_b.append(ob)
@@ -333,11 +337,10 @@ def corresponding_arrays(graph: OpGraph, a: Sequence[int], b: Sequence[int], pha
     return (np.concatenate(parts_a) if parts_a else empty), (np.concatenate(parts_b) if parts_b else empty)
 
 
-def _phase_signature(graph: OpGraph, ops: Sequence[int], phase: str) -> tuple[np.ndarray, bytes]:
-    """The ops of `phase` among `ops` and their (primitive, in shapes, out shapes) ids, in order (as bytes:
-    compared and hashed at C speed; the ids stand for those tuples one to one)."""
-    t = graph.table()
-    arr = np.fromiter(ops, dtype=np.int64, count=len(ops))
+def _phase_signature(t: OpTable, arr: np.ndarray, phase: str) -> tuple[np.ndarray, bytes]:
+    """The ops of `phase` among the ops `arr` (of the graph whose table is `t`) and their (primitive, in shapes,
+    out shapes) ids, in order (as bytes: compared and hashed at C speed; the ids stand for those tuples one to
+    one)."""
     mine = arr[t.phase[arr] == PHASE_CODES[phase]] if len(arr) else arr
     return mine, t.kind[mine].tobytes()
 
