@@ -213,8 +213,8 @@ def group(graph: OpGraph, min_duplicate: int = 2, tolerance: float = 0.1,
     block_types, levels = _select_block_types(repeated, tree, descend_fraction)
     in_block = np.zeros(len(graph.ops), dtype=bool)
     for bt in block_types:
-        for inst in bt.instances:
-            in_block[list(inst.ops)] = True
+        for path in dict.fromkeys(inst.path for inst in bt.instances):      # a scanned body's instances share ops
+            in_block[tree.node_ops(tuple(path.split("/")))] = True
     remainder = tuple(np.flatnonzero(~in_block).tolist())
     levels.sort(key=lambda c: (c.depth, c.name))
     return Grouping(graph, tuple(block_types), remainder, tuple(levels), min_duplicate)
@@ -228,11 +228,11 @@ class _ModuleTree:
         self.graph, self.ops = graph, graph.ops
         # ops by module, in order of the modules' first ops (the table numbers modules so): one stable sort
         t = graph.table()
-        order = np.argsort(t.module, kind="stable").tolist()
+        order = np.argsort(t.module, kind="stable")
         ends = np.cumsum(np.bincount(t.module, minlength=len(t.modules))).tolist()
         starts = [0, *ends[:-1]] if ends else []
-        self.by_module: dict[_Node, list[int]] = {tuple(m.split("/")) if m else (): order[start:end] for m, start, end
-                                                  in zip(t.modules, starts, ends, strict=True)}
+        self.by_module: dict[_Node, np.ndarray] = {tuple(m.split("/")) if m else (): order[start:end] for m, start, end
+                                                   in zip(t.modules, starts, ends, strict=True)}
         self.node_modules: dict[_Node, list[_Node]] = defaultdict(list)
         for mod in self.by_module:
             for d in range(1, len(mod) + 1):
@@ -240,6 +240,7 @@ class _ModuleTree:
         self.fwd_key, self.kinds = _forward_compositions(graph, self.by_module)
         self.fwd_count = {mod: sum(c.values()) for mod, c in self.fwd_key.items()}
         self.fwd_ids: dict[_Node, int] | None = None
+        self.node_op_arrays: dict[_Node, np.ndarray] = {}
         self.fwd_totals: dict[_Node, int] = {}
         self.params_of = _params_by_module(graph)
         self.trip_of = _loop_bodies(self, tolerance)
@@ -279,13 +280,13 @@ class _ModuleTree:
                 out.append((f"{rel}/{leaf}" if rel else leaf, shape, dtype))
         return tuple(sorted(out))
 
-    def node_ops(self, node: _Node) -> list[int]:
-        """Indices of all ops under the node, in program order."""
-        out: list[int] = []
-        for mod in self.node_modules[node]:
-            out.extend(self.by_module[mod])
-        out.sort()
-        return out
+    def node_ops(self, node: _Node) -> np.ndarray:
+        """Indices of all ops under the node, in program order (int64; do not modify)."""
+        hit = self.node_op_arrays.get(node)
+        if hit is None:
+            parts = [self.by_module[mod] for mod in self.node_modules[node]]
+            hit = self.node_op_arrays[node] = np.sort(np.concatenate(parts)) if parts else np.zeros(0, dtype=np.int64)
+        return hit
 
     def multiplicity(self, node: _Node) -> int:
         """How many times the node's body runs per step: product of enclosing layer loops."""
@@ -299,7 +300,7 @@ class _ModuleTree:
         return sum(self.multiplicity(n) for n in members)
 
 
-def _forward_compositions(graph: OpGraph, by_module: dict[_Node, list[int]]
+def _forward_compositions(graph: OpGraph, by_module: dict[_Node, np.ndarray]
                           ) -> tuple[dict[_Node, dict[int, int]], list[tuple]]:
     """Per module, the count of each forward op kind (primitive, shapes) by interned id; and the
     kinds, indexed by id. Forward ops that only feed the backward pass (the residuals of an input
@@ -471,7 +472,7 @@ def _block_type(name: str, depth: int, members: list[_Node], ref: Counter,
     members), and ops per phase, FLOPs and signature of a reference member."""
     instances: list[BlockInstance] = []
     for m in members:
-        o = tuple(tree.node_ops(m))
+        o = tuple(tree.node_ops(m).tolist())
         miss, extra = diffs[m]
         mult = tree.multiplicity(m)
         for it in range(mult) if mult > 1 else [None]:
@@ -481,7 +482,7 @@ def _block_type(name: str, depth: int, members: list[_Node], ref: Counter,
     per_phase = dict.fromkeys(PHASE_ORDER, 0)
     flops = 0.0
     ops = tree.ops
-    for i in tree.node_ops(ref_node):
+    for i in tree.node_ops(ref_node).tolist():
         per_phase[ops[i].phase] += 1
         flops += ops[i].flops * ops[i].repeat
     flops /= tree.multiplicity(ref_node)
