@@ -35,6 +35,7 @@ class OpTable:
     primitive: np.ndarray        # int32: index into `primitives`
     primitives: tuple[str, ...]
     flops: np.ndarray            # float64: flops per step (the op's flops times its loops' trip counts)
+    repeat: np.ndarray           # float64: runs per step (op.repeat: the product of its loops' known trip counts)
     nested: np.ndarray           # bool: inside a nested jaxpr (op.nested)
     in_remat: np.ndarray         # bool: read from the body of a top-level remat call (op.remat_eqn >= 0)
     looped: np.ndarray           # bool: inside a loop body (op.loops)
@@ -74,7 +75,8 @@ def build_table(ops: Sequence[Any], edges: tuple[list[int], list[int], list[int]
     codes = PHASE_CODES
     phase = [codes[op.phase] for op in ops]
     looped = [bool(op.loops) for op in ops]
-    flops = [op.flops * op.repeat if lp else op.flops for op, lp in zip(ops, looped, strict=True)]   # 1 outside loops
+    repeat = [op.repeat if lp else 1 for op, lp in zip(ops, looped, strict=True)]     # 1 outside loops
+    flops = [op.flops * r for op, r in zip(ops, repeat, strict=True)]
     # kinds and primitives from the distinct signatures (few), not per op
     kind_ids: dict[tuple, int] = {}
     prim_ids: dict[str, int] = {}
@@ -88,6 +90,7 @@ def build_table(ops: Sequence[Any], edges: tuple[list[int], list[int], list[int]
         sig=sig_arr, sigs=tuple(sig_ids), kind=kind_of_sig[sig_arr] if len(sig_arr) else sig_arr,
         kinds=tuple(kind_ids), primitive=prim_of_sig[sig_arr] if len(sig_arr) else sig_arr,
         primitives=tuple(prim_ids), flops=np.asarray(flops, dtype=np.float64),
+        repeat=np.asarray(repeat, dtype=np.float64),
         nested=np.asarray([op.nested for op in ops], dtype=bool),
         in_remat=np.asarray([op.remat_eqn >= 0 for op in ops], dtype=bool), looped=np.asarray(looped, dtype=bool),
         operand_ptr=operand_ptr, operand_src=operand_src, producer=producer)

@@ -69,7 +69,12 @@ def instance_roles(graph: OpGraph, grouping: Grouping, bt, period: int) -> tuple
     middle ones (the first layer computes no input gradient when its input is the data; the last feeds
     the remainder). The first other instance of each residue class stands for its class (itself too)."""
     n = bt.count
-    exact = set(range(min(period, n))) | {n - 1} | bordering_remainder(graph, grouping, bt)
+    if graph is grouping.graph:       # asked by the analysis and by every instance map: once per type
+        t = next(j for j, b in enumerate(grouping.block_types) if b is bt)
+        border = grouping.memo(("bordering remainder", t), lambda: bordering_remainder(graph, grouping, bt))
+    else:
+        border = bordering_remainder(graph, grouping, bt)
+    exact = set(range(min(period, n))) | {n - 1} | border
     first: dict[int, int] = {}
     stands = {}
     for j in range(period, n):

@@ -319,18 +319,19 @@ def _analysed_ops(graph: OpGraph, grouping: Grouping
 
 def _find_analysed_ops(graph: OpGraph, grouping: Grouping, periods_given: list[int] | None = None
                        ) -> tuple[dict[int, float], list[int], list[tuple[int, int]], list[int]]:
-    weights: dict[int, float] = {}
-    ops: list[int] = []
+    repeat = graph.table().repeat
+
+    def runs(ops: Sequence[int], times: int = 1) -> list[float]:
+        return (repeat[np.fromiter(ops, dtype=np.int64, count=len(ops))] * times).tolist()
+
+    weights: dict[int, float] = dict(zip(grouping.remainder, runs(grouping.remainder), strict=True))
+    ops: list[int] = list(grouping.remainder)
     pairs: list[tuple[int, int]] = []
-    for i in grouping.remainder:
-        weights[i] = float(graph.ops[i].repeat)
-        ops.append(i)
     periods: list[int] = []
     for bt in grouping.block_types:
         insts = bt.instances
         if bt.scanned:  # one body; its ops repeat via op.repeat
-            for i in insts[0].ops:
-                weights[i] = float(graph.ops[i].repeat)
+            weights.update(zip(insts[0].ops, runs(insts[0].ops), strict=True))
             ops.extend(insts[0].ops)
             periods.append(1)
             continue
@@ -342,9 +343,7 @@ def _find_analysed_ops(graph: OpGraph, grouping: Grouping, periods_given: list[i
         exact, stands = instance_roles(graph, grouping, bt, period)
         middle = Counter(stands.values())
         for k in sorted(exact | set(middle)):
-            w = 1 if k in exact else middle[k]
-            for i in insts[k].ops:
-                weights[i] = float(w * graph.ops[i].repeat)
+            weights.update(zip(insts[k].ops, runs(insts[k].ops, 1 if k in exact else middle[k]), strict=True))
             ops.extend(insts[k].ops)
             if k >= period:
                 pairs.extend(corresponding_ops(graph, insts[k % period].ops, insts[k].ops))
