@@ -51,6 +51,7 @@ from .graph import Op, OpGraph
 from .liveness import is_live, live_ops
 
 ALIAS_OPS = frozenset({"reshape", "squeeze", "expand_dims", "stop_gradient", "bitcast"})
+_MAY_ALIAS = (ALIAS_OPS | {"transpose"}).__contains__      # find_inline takes a transpose into a matmul for a view
 KERNEL_OPS = frozenset({
     "dot_general", "conv_general_dilated", "gather", "scatter", "scatter-add", "scatter_add",
     "scatter-mul", "scatter-min", "scatter-max", "sort", "argsort", "top_k", "cumsum", "cumprod",
@@ -234,12 +235,15 @@ class _Fuser(_Rules):
     def returned(self, v: int) -> bool:
         """Is `v` (or a view of it) a program output?"""
         stack = [v]
+        ops = self.g.ops
         while stack:
             w = stack.pop()
             if w in self.outputs:
                 return True
-            stack.extend(o for c in self.g.values[w].consumers if self.cls[c] == "alias"
-                         for o in self.g.ops[c].outputs)
+            # a view is an alias op or a transpose read as one: the others' kinds are not asked (a value read by
+            # every layer would classify each reader)
+            stack.extend(o for c in self.g.values[w].consumers
+                         if _MAY_ALIAS(ops[c].primitive) and self.cls[c] == "alias" for o in ops[c].outputs)
         return False
 
     def find_inline(self) -> list[bool]:
