@@ -242,10 +242,23 @@ def collector_paused():
             gc.enable()
 
 
+def inputs_with_role(graph: OpGraph, role: str) -> list[int]:
+    """The program inputs with `role` ("parameter", "state", "buffer", "rng" or "data"), in input order (do
+    not modify).
+    The inputs are sorted by role once per graph: a deep step has thousands of parameters and optimizer
+    moments, and the passes asking for its data inputs or its parameters should not visit them all."""
+    hit = graph.cache.get("inputs by role")
+    if hit is None or hit[0] != len(graph.inputs):
+        by_role: dict[str, list[int]] = {}
+        for v in graph.inputs:
+            by_role.setdefault(graph.values[v].role, []).append(v)
+        hit = graph.cache["inputs by role"] = (len(graph.inputs), by_role)
+    return hit[1].get(role, [])
+
+
 def traced_batch(graph: OpGraph) -> int:
     """The batch the step was traced with: the most common leading dim of its data inputs (1 without any)."""
-    dims = Counter(graph.values[v].shape[0] for v in graph.inputs
-                   if graph.values[v].role == "data" and graph.values[v].shape)
+    dims = Counter(graph.values[v].shape[0] for v in inputs_with_role(graph, "data") if graph.values[v].shape)
     return int(dims.most_common(1)[0][0]) if dims else 1
 
 

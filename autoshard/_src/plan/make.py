@@ -7,7 +7,7 @@ import math
 import time
 
 from ..core.errors import ConfigError, InfeasiblePlanError, PipelineError
-from ..core.graph import OpGraph, collector_paused
+from ..core.graph import OpGraph, collector_paused, inputs_with_role
 from ..core.grouping import group
 from ..core.hardware import HardwareSpec
 from ..core.mesh import MeshSpec
@@ -100,7 +100,7 @@ def _check_batch_split(graph: OpGraph, config: Config) -> None:
     mesh = config.mesh
     if config.pipeline is None or not isinstance(mesh, MeshSpec) or "pipe" not in mesh.names:
         return
-    if not any(graph.values[v].role == "data" and graph.values[v].shape for v in graph.inputs):
+    if not any(graph.values[v].shape for v in inputs_with_role(graph, "data")):
         return          # no batch argument: nothing to cut
     if config.pipeline == "auto":       # 3-D: the stages split the batch over 'data' (at least)
         axes = [n for n in mesh.names if n == "data"]

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from ..core.errors import InfeasiblePlanError, PlanError
-from ..core.graph import PHASES, OpGraph, collector_paused, fingerprint, op_keys_of
+from ..core.graph import PHASES, OpGraph, collector_paused, fingerprint, inputs_with_role, op_keys_of
 from ..core.grouping import Grouping, group
 from ..core.hardware import HardwareSpec, hardware_dict
 from ..core.mesh import MeshSpec, candidate_meshes, mesh_spec
@@ -352,8 +352,7 @@ def _stored_reads(graph: OpGraph) -> set[int]:
         op = graph.ops[i]
         return op.phase == "forward" and bool(op.outputs) and op.primitive not in _CONSTRAINED and not op.nested
 
-    reads = {i for v in graph.inputs if graph.values[v].role == "parameter"
-             for i in graph.values[v].consumers if free_forward(i)}
+    reads = {i for v in inputs_with_role(graph, "parameter") for i in graph.values[v].consumers if free_forward(i)}
     users = {c for i in reads for c in graph.values[graph.ops[i].outputs[0]].consumers if free_forward(c)}
     # and the gradients computed outside the matmuls (a bias's sum over the batch): whole as computed, so
     # XLA slices the stored shard off the result rather than splitting the cotangent the sum reads
@@ -424,8 +423,8 @@ def build_plan(graph: OpGraph, grouping: Grouping, mesh: MeshSpec, hw: HardwareS
     in_map = input_maps(graph, grouping, res.periods)
     vals = [graph.values[v] for v in graph.inputs]
     # gradients are summed over the axes that split the batch (the data inputs' factors)
-    batch_axes = {a for val in vals if val.role == "data"
-                  for f in fg.value_factors(val.id) if f is not None for a in axes_of.get(f, ())}
+    batch_axes = {a for v in inputs_with_role(graph, "data") for f in fg.value_factors(v) if f is not None
+                  for a in axes_of.get(f, ())}
     # a weight's gradient sums what the batch and a split sequence (the stream's weights) spread
     grad_axes = batch_axes | {a for f in getattr(fg, "sequence", ()) for a in axes_of.get(f, ())}
     # an input's layout follows from its representative's, its shape and role: the layers share them

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ..core.graph import OpGraph
+from ..core.graph import OpGraph, inputs_with_role
 from ..core.mesh import MeshSpec
 from .factors import FactorGraph, weight_values
 from .regions import region_twins
@@ -38,9 +38,9 @@ EXPERTS = ("data-parallel", "fsdp", "megatron", "data-megatron", "megatron-sp")
 def batch_factors(graph: OpGraph, fg: FactorGraph) -> list[int]:
     """The leading dim of every data input: the batch."""
     out: list[int] = []
-    for v in graph.inputs:
+    for v in inputs_with_role(graph, "data"):
         val = graph.values[v]
-        if val.role == "data" and val.shape:
+        if val.shape:
             f = fg.value_factors(v)[0]
             if f is not None and f not in out:
                 out.append(f)
@@ -75,7 +75,7 @@ def _tensor_parallel_factors(graph: OpGraph, fg: FactorGraph, in_map: dict[int, 
     is left whole (column, row, column, ...). Works on Flax default names (`Dense_0`), on
     `nn.MultiHeadDotProductAttention` (heads, not head_dim), nnx modules and flat dicts of weights."""
     weights = weight_values(graph, sorted(fg.op_factors))
-    data = {f for v in graph.inputs if graph.values[v].role == "data" for f in fg.value_factors(v) if f is not None}
+    data = {f for v in inputs_with_role(graph, "data") for f in fg.value_factors(v) if f is not None}
     produced: dict[int, int] = {}          # factor -> first op producing it (program order)
     contracted: set[int] = set()
     reduced_elsewhere: set[int] = set()
@@ -89,10 +89,8 @@ def _tensor_parallel_factors(graph: OpGraph, fg: FactorGraph, in_map: dict[int, 
         else:
             reduced_elsewhere |= of.reduced
     param_factors = set()
-    for v in graph.inputs:
-        val = graph.values[v]
-        if val.role == "parameter" and len(val.shape) >= 2:
-            param_factors |= {f for f in fg.value_factors(in_map.get(v, v)) if f is not None}
+    for src in {in_map.get(v, v) for v in inputs_with_role(graph, "parameter") if len(graph.values[v].shape) >= 2}:
+        param_factors |= {f for f in fg.value_factors(src) if f is not None}
     # a weight's reshape counts too: a fused q/k/v kernel's heads are a dim of its exposed view only
     # (bridge/trace/fused.py)
     for i in fg.op_factors:
@@ -277,17 +275,16 @@ def factor_site(graph: OpGraph, fg: FactorGraph, f: int, in_map: dict[int, int] 
     in_map = in_map or {}
     sites: dict[str, list[tuple[str, int]]] = {"parameter": [], "data": []}
     factors_of: dict[int, tuple] = {}      # the layers' parameters share their representatives'
-    for v in graph.inputs:
-        val = graph.values[v]
-        if val.role in sites:
-            src = in_map.get(v, v) if val.role == "parameter" else v
+    for role, site in sites.items():
+        for v in inputs_with_role(graph, role):
+            val = graph.values[v]
+            src = in_map.get(v, v) if role == "parameter" else v
             fs = factors_of.get(src)
             if fs is None:
                 fs = factors_of[src] = fg.value_factors(src)
-            if f not in fs:
-                continue
-            sites[val.role].extend((f"{val.keypath} dim {d}", val.shape[d], len(val.shape) < 2)
-                                   for d, g in enumerate(fs) if g == f)
+            if f in fs:
+                site.extend((f"{val.keypath} dim {d}", val.shape[d], len(val.shape) < 2)
+                            for d, g in enumerate(fs) if g == f)
     params = sorted(sites["parameter"], key=lambda s: (s[2], s[1] not in sizes))
     if params:
         more = len({p.rsplit(" dim ", 1)[0] for p, *_ in params}) - 1

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Sequence
 
-from ..core.graph import OpGraph
+from ..core.graph import OpGraph, inputs_with_role
 from .factors import FactorGraph, link_factors, weight_values
 from .link_rules import _key
 
@@ -134,8 +134,7 @@ def _sequence_cuts(graph: OpGraph, ops: list[int], fg: FactorGraph, tensor_paral
     tp = set(tensor_parallel)
     weights = weight_values(graph, ops)
     const = constant_values(graph, ops)
-    batch = {fg.value_factors(v)[0] for v in graph.inputs
-             if graph.values[v].role == "data" and graph.values[v].shape}
+    batch = {fg.value_factors(v)[0] for v in inputs_with_role(graph, "data") if graph.values[v].shape}
     matmul_dims: set[int] = set()
     for i in ops:
         op = graph.ops[i]
