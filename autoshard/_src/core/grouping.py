@@ -28,7 +28,7 @@ from collections.abc import Iterable
 import numpy as np
 
 from .errors import GroupingError
-from .graph import OpGraph
+from .graph import OpGraph, inputs_with_role
 from .optable import PHASE_CODES
 
 _NUMBERED = re.compile(r"^(.*?)(\d+)$")
@@ -241,6 +241,7 @@ class _ModuleTree:
         self.fwd_count = {mod: sum(c.values()) for mod, c in self.fwd_key.items()}
         self.fwd_ids: dict[_Node, int] | None = None
         self.node_op_arrays: dict[_Node, np.ndarray] = {}
+        self.param_ids: dict[_Node, int] | None = None
         self.fwd_totals: dict[_Node, int] = {}
         self.params_of = _params_by_module(graph)
         self.trip_of = _loop_bodies(self, tolerance)
@@ -279,6 +280,16 @@ class _ModuleTree:
             for leaf, shape, dtype in self.params_of.get(mod, ()):
                 out.append((f"{rel}/{leaf}" if rel else leaf, shape, dtype))
         return tuple(sorted(out))
+
+    def param_sig_id(self, node: _Node) -> frozenset:
+        """A key equal for two nodes exactly when their `param_sig`s are: (relative path, interned parameter
+        list) of each module under the node holding parameters."""
+        ids = self.param_ids
+        if ids is None:
+            interned: dict[tuple, int] = {}
+            ids = self.param_ids = {mod: interned.setdefault(tuple(sorted(ps)), len(interned))
+                                    for mod, ps in self.params_of.items()}
+        return frozenset(("/".join(mod[len(node):]), ids[mod]) for mod in self.node_modules[node] if mod in ids)
 
     def node_ops(self, node: _Node) -> np.ndarray:
         """Indices of all ops under the node, in program order (int64; do not modify)."""
@@ -331,10 +342,8 @@ def _forward_compositions(graph: OpGraph, by_module: dict[_Node, np.ndarray]
 def _params_by_module(graph: OpGraph) -> dict[_Node, list[tuple[str, tuple[int, ...], str]]]:
     """(leaf name, shape, dtype) of the parameters of each module."""
     params_of: dict[_Node, list[tuple[str, tuple[int, ...], str]]] = defaultdict(list)
-    for vid in graph.inputs:
+    for vid in inputs_with_role(graph, "parameter"):
         v = graph.values[vid]
-        if v.role != "parameter":
-            continue
         m = v.module
         leaf = str(v.keypath_parts[-1]) if v.keypath_parts else ""
         if leaf in (".value", ".raw_value") and len(v.keypath_parts) > 1:
@@ -381,9 +390,9 @@ def _candidate_buckets(tree: _ModuleTree) -> dict[tuple, list[_Node]]:
             continue  # no forward ops: nothing to search over
         stem = _stem(node[-1])
         if node in tree.trip_of:
-            buckets[(len(node), "scan:" + node[-1], tree.param_sig(node))].append(node)
+            buckets[(len(node), "scan:" + node[-1], tree.param_sig_id(node))].append(node)
         elif stem is not None:
-            buckets[(len(node), stem, tree.param_sig(node))].append(node)
+            buckets[(len(node), stem, tree.param_sig_id(node))].append(node)
     return buckets
 
 
