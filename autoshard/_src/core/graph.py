@@ -304,7 +304,7 @@ def op_keys(graph: OpGraph) -> list[str]:
 def op_keys_of(graph: OpGraph, ops: Iterable[int]) -> dict[int, str]:
     """`op_keys(graph)[i]` for the ops `ops` only: each op's rank among the earlier ops of its (module,
     primitive) pair, from the table's columns (a stable sort by pair)."""
-    mine = np.unique(np.fromiter(ops, dtype=np.int64))
+    mine = np.unique(ops if isinstance(ops, np.ndarray) else np.fromiter(ops, dtype=np.int64))
     if not len(mine):
         return {}
     t = graph.table()
@@ -316,8 +316,10 @@ def op_keys_of(graph: OpGraph, ops: Iterable[int]) -> dict[int, str]:
     rank = np.empty(n, dtype=np.int64)
     rank[order] = np.arange(n) - np.repeat(starts, np.diff(np.r_[starts, n]))
     names = [m or "<root>" for m in t.modules]
-    mod, prim, rk = t.module[mine].tolist(), t.primitive[mine].tolist(), rank[mine].tolist()
-    return {i: f"{names[a]}/{t.primitives[b]}:{k}" for i, a, b, k in zip(mine.tolist(), mod, prim, rk, strict=True)}
+    pairs = pair[mine].tolist()
+    n_prims = len(t.primitives)
+    pre = {p: f"{names[p // n_prims]}/{t.primitives[p % n_prims]}:" for p in set(pairs)}   # once per pair
+    return {i: pre[p] + str(k) for i, p, k in zip(mine.tolist(), pairs, rank[mine].tolist(), strict=True)}
 
 
 def keys_in_order(ops: Iterable[tuple[str, str]]) -> list[str]:

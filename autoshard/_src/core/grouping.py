@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
 import re
 from collections import Counter, defaultdict
 from collections.abc import Iterable
@@ -102,6 +103,12 @@ class Grouping:
                     cache.update(dict.fromkeys(inst.ops, (t, i)))
             object.__setattr__(self, "_op_block_cache", cache)
         return cache
+
+    def op_rows(self, t: int) -> tuple[np.ndarray, np.ndarray]:
+        """The ops of the instances of block type `t` that have its most common op count, as one int64 matrix
+        (row x op, program order), and per instance its row (-1: another count). Set by `group` from its own
+        arrays, or built here."""
+        return self.memo(("op rows", t), lambda: _op_rows([inst.ops for inst in self.block_types[t].instances]))
 
     def memo(self, key: tuple, make):
         """`make()`, computed once per grouping and `key`: the analyses of its blocks (representative
@@ -217,7 +224,26 @@ def group(graph: OpGraph, min_duplicate: int = 2, tolerance: float = 0.1,
             in_block[tree.node_ops(tuple(path.split("/")))] = True
     remainder = tuple(np.flatnonzero(~in_block).tolist())
     levels.sort(key=lambda c: (c.depth, c.name))
-    return Grouping(graph, tuple(block_types), remainder, tuple(levels), min_duplicate)
+    out = Grouping(graph, tuple(block_types), remainder, tuple(levels), min_duplicate)
+    for t, bt in enumerate(block_types):     # the instances' ops as a matrix, from the arrays they were made of
+        arrays = [tree.node_ops(tuple(inst.path.split("/"))) for inst in bt.instances]
+        out.memo(("op rows", t), lambda arrays=arrays: _op_rows(arrays))
+    return out
+
+
+def _op_rows(ops: list) -> tuple[np.ndarray, np.ndarray]:
+    """(matrix of the op sequences of the most common length, row per sequence or -1): Grouping.op_rows."""
+    counts = Counter(len(o) for o in ops)
+    n = counts.most_common(1)[0][0] if counts else 0
+    row_of = np.full(len(ops), -1, dtype=np.int64)
+    chosen = [k for k, o in enumerate(ops) if len(o) == n]
+    row_of[chosen] = np.arange(len(chosen))
+    if not chosen or isinstance(ops[chosen[0]], np.ndarray):
+        matrix = np.stack([ops[k] for k in chosen]) if chosen else np.zeros((0, 0), dtype=np.int64)
+    else:
+        flat = np.fromiter(itertools.chain.from_iterable(ops[k] for k in chosen), dtype=np.int64)
+        matrix = flat.reshape(len(chosen), n)
+    return matrix, row_of
 
 
 class _ModuleTree:

@@ -255,7 +255,6 @@ def activation_constraints(graph: OpGraph, op_map: dict[int, int] | tuple[np.nda
     # a nested op is pinned in a remat call's body (emission re-binds the call), or where it leaves its call
     with_specs = has_specs[src]
     chosen = with_specs & (~t.nested[idx] | t.in_remat[idx])
-    out = []
     outputs = frozenset(graph.outputs)      # a list of every gradient: membership once per op is O(n^2)
     nested_free = with_specs & ~chosen
     if cut_after and nested_free.any():
@@ -263,11 +262,11 @@ def activation_constraints(graph: OpGraph, op_map: dict[int, int] | tuple[np.nda
             chosen[k] = _escapes(graph, graph.ops[int(idx[k])], outputs)
     sel = np.flatnonzero(chosen)
     order = sel[np.argsort(idx[sel], kind="stable")]     # program order (an op's own layout before its steps)
-    for i, s in zip(idx[order].tolist(), src[order].tolist(), strict=True):
-        out.extend((i, spec) for spec in specs[s])
+    constrained = idx[order]
     # keys of the ops constrained only (an op's key does not depend on which others are asked)
-    keys = keys if keys is not None else op_keys_of(graph, (i for i, _ in out))
-    return [(keys[i], spec) for i, spec in out]
+    keys = keys if keys is not None else op_keys_of(graph, constrained)
+    return [(keys[i], spec) for i, s in zip(constrained.tolist(), src[order].tolist(), strict=True)
+            for spec in specs[s]]
 
 
 def _asked(graph: OpGraph, op_map: dict[int, int] | tuple[np.ndarray, np.ndarray], fg: Any,

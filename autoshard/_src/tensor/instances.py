@@ -14,6 +14,7 @@ import numpy as np
 
 from ..core.graph import PHASES, OpGraph
 from ..core.grouping import Grouping
+from ..core.optable import PHASE_CODES
 from .factors import corresponding_arrays
 
 
@@ -47,19 +48,51 @@ def _instance_map_arrays(graph: OpGraph, grouping: Grouping, periods: tuple[int,
     for bt, period in zip(grouping.block_types, periods, strict=True):
         rep_sigs: dict[int, dict] = {}        # each representative's signature, once
         stands = {} if bt.scanned else instance_roles(graph, grouping, bt, period)[1]
+        mapped = []
         for k, inst in enumerate(bt.instances):
             # an instance the search did not analyse takes the factors of the one standing for it (not of
             # the first, which differs at its edge: its input comes from the remainder)
             r = stands.get(k)
             r = k % period if r is None or r == k else r
-            rep = bt.instances[r]
-            if k < period or inst.ops == rep.ops:
-                continue
-            side_a, side_b = corresponding_arrays(graph, rep.ops, inst.ops, phases, rep_sigs.setdefault(r, {}))
-            ops.append(side_b)
-            reps.append(side_a)
+            if k >= period and inst.ops != bt.instances[r].ops:
+                mapped.append((k, r))
+        same = _same_sequences(graph, grouping, bt, mapped, phases)
+        for (k, r), pair in zip(mapped, same, strict=True):
+            if pair is None:
+                pair = corresponding_arrays(graph, bt.instances[r].ops, bt.instances[k].ops, phases,
+                                            rep_sigs.setdefault(r, {}))
+            reps.append(pair[0])
+            ops.append(pair[1])
     empty = np.zeros(0, dtype=np.int64)
     return (np.concatenate(ops) if ops else empty), (np.concatenate(reps) if reps else empty)
+
+
+def _same_sequences(graph: OpGraph, grouping: Grouping, bt, mapped: list[tuple[int, int]], phases: tuple[str, ...]
+                    ) -> list[tuple[np.ndarray, np.ndarray] | None]:
+    """For each (instance, representative) of `mapped`: the pairs `corresponding_arrays` gives when the two run
+    the same op kinds in the same phases in the same order (most layers of a deep step: one array operation
+    for all of them), else None. Pairs phase by phase, as it does."""
+    if not mapped:
+        return []
+    rows, row_of = grouping.op_rows(next(j for j, b in enumerate(grouping.block_types) if b is bt))
+    t = graph.table()
+    kinds, phase = t.kind[rows], t.phase[rows]
+    ks = row_of[np.fromiter((k for k, _ in mapped), dtype=np.int64, count=len(mapped))]
+    rs = row_of[np.fromiter((r for _, r in mapped), dtype=np.int64, count=len(mapped))]
+    both = (ks >= 0) & (rs >= 0)             # instances of the common op count: compared as rows
+    ks, rs = np.where(both, ks, 0), np.where(both, rs, 0)
+    same = both & (kinds[ks] == kinds[rs]).all(axis=1) & (phase[ks] == phase[rs]).all(axis=1)
+    out: list[tuple[np.ndarray, np.ndarray] | None] = []
+    columns: dict[int, np.ndarray] = {}      # per representative: its ops' positions, phase by phase
+    for k, r, ok in zip(ks.tolist(), rs.tolist(), same.tolist(), strict=True):
+        if not ok:
+            out.append(None)
+            continue
+        cols = columns.get(r)
+        if cols is None:
+            cols = columns[r] = np.concatenate([np.flatnonzero(phase[r] == PHASE_CODES[p]) for p in phases])
+        out.append((rows[r, cols], rows[k, cols]))
+    return out
 
 
 def instance_roles(graph: OpGraph, grouping: Grouping, bt, period: int) -> tuple[set[int], dict[int, int]]:
