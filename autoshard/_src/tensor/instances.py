@@ -201,8 +201,11 @@ def _same_but_instance(graph: OpGraph, mine: list[int], theirs: list[int], path:
         if x.role != y.role or x.shape != y.shape or x.dtype != y.dtype:
             return False
         px, py = x.keypath_parts, y.keypath_parts
-        if len(px) != len(py) or any(a != b and (a, b) not in subs for a, b in zip(px, py, strict=True)):
+        if len(px) != len(py):
             return False
+        for a, b in zip(px, py, strict=True):
+            if a != b and (a, b) not in subs:
+                return False
     return True
 
 
