@@ -10,6 +10,7 @@ import numpy as np
 
 from ..core.graph import OpGraph
 from ..core.mesh import MeshSpec
+from ..core.quantities import fmt_bytes
 from .evaluator import SearchOptions, _axis_masks, _mask_size
 from .factors import FactorGraph
 
@@ -83,17 +84,13 @@ def _cap_note(graph: OpGraph, fg: FactorGraph, f: int, splits: list[int], cap: i
         where = next((f"{op.module or '(root)'}/{op.primitive} result dim {fs.index(f)}" for op in graph.ops
                       for v in op.outputs if f in (fs := fg.value_factors(v))), "")
     n = max(splits)
-    cost = (f"; whole, it keeps up to {_fmt_bytes(carried * (1 - 1 / n))} per device of the "
-            f"{_fmt_bytes(carried)} of parameters and inputs carrying it that splitting it {n} ways would free"
+    cost = (f"; whole, it keeps up to {fmt_bytes(carried * (1 - 1 / n))} per device of the "
+            f"{fmt_bytes(carried)} of parameters and inputs carrying it that splitting it {n} ways would free"
             if carried and n > 1 else "")
     return (f"{where or f'factor {f}'} (a logical dim of size {fg.factor_size(f)}) left unsplit: splitting it too "
             f"would make {needed:,} plans, beyond the plan space cap of {cap:,}{cost}. Fix: raise the cap, "
             f"search={{\"max_plans\": {needed}}} (autoshard.plan / @autoshard.autoshard, or [search] max_plans "
             "in a config file).")
-
-
-def _fmt_bytes(b: float) -> str:
-    return f"{b / 2**20:,.1f} MiB" if b >= 2**20 else f"{b:,.0f} B"
 
 
 def _ranked_factors(graph: OpGraph, fg: FactorGraph, weights: dict[int, float]) -> tuple[int, ...]:
