@@ -93,15 +93,19 @@ def test_traced_edges_equal_the_ops_edges():
     import numpy as np
 
     from autoshard._src.bridge.trace.trace import trace
+    from autoshard._src.core.grouping import group
 
-    def step(w, x):
-        return jax.grad(lambda w: jnp.sum(jnp.tanh(x @ w) ** 2))(w)
+    def step(w, x):       # also returns a literal: a value made after every op
+        return w - 0.1 * jax.grad(lambda w: jnp.sum(jnp.tanh(x @ w) ** 2))(w), 3.0
 
     g = trace(step, jnp.ones((4, 4)), jnp.ones((2, 4)))
     recorded, rebuilt = g.table(), build_table(g.ops)
     for col in ("operand_ptr", "operand_src"):
         assert np.array_equal(getattr(recorded, col), getattr(rebuilt, col)), col
-    assert np.array_equal(recorded.producer[g.outputs], rebuilt.producer[g.outputs])
+    want = [-1 if (p := g.values[v].producer) is None else p for v in g.outputs]
+    assert recorded.producers_of(g.outputs).tolist() == want == rebuilt.producers_of(g.outputs).tolist()
+    assert want[-1] == -1
+    assert group(g).remainder         # grouping's walk from the outputs' writers takes the literal too
 
 
 def test_feeding_is_a_walk_up_the_edges_within_the_mask():

@@ -346,7 +346,7 @@ def _forward_compositions(graph: OpGraph, by_module: dict[_Node, np.ndarray]
     t = graph.table()
     fwd = t.phase == PHASE_CODES["forward"]
     # reaches a step output through forward ops only: one walk up the forward edges from the ops writing one
-    writers = t.producer[np.asarray(graph.outputs, dtype=np.int64)]
+    writers = t.producers_of(graph.outputs)
     writers = writers[writers >= 0]
     feeds_forward = t.feeding(np.unique(writers[fwd[writers]]), fwd)
     if feeds_forward.sum() * 2 < fwd.sum():  # the step returns no loss: nothing to tell residuals by

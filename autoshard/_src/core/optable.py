@@ -5,7 +5,9 @@ a 96-layer GPT has 53,891 ops, 966 modules and 207 signatures. Each op's phase, 
 small integers and floats in numpy arrays let the planner's whole-graph passes (fingerprint, grouping's
 module compositions, matching an instance's ops to its representative's, op keys, flops by phase) run
 as array operations instead of visiting 50k Python objects each. Built once per graph, when the trace
-finishes (`OpGraph.table`), from the ops' fields; a traced graph is not changed after that.
+finishes (`OpGraph.table`), from the ops' fields; a traced graph is not changed after that. The graph's edges
+are columns too (which ops produce what each op reads, in CSR form), recorded by the trace as it adds the ops:
+the walks a deep step needs (which forward ops reach the loss) are one breadth-first search.
 """
 
 from __future__ import annotations
@@ -44,6 +46,13 @@ class OpTable:
     operand_ptr: np.ndarray      # int64, one more than ops
     operand_src: np.ndarray      # int32
     producer: np.ndarray         # int32 by value id: the op writing it (-1: a program input, constant or literal)
+
+    def producers_of(self, values: Sequence[int]) -> np.ndarray:
+        """The op writing each of `values` (value ids), -1 for a program input, constant or literal (a literal
+        the step returns is made after every op: past the end of `producer`)."""
+        ids = np.asarray(values, dtype=np.int64)
+        inside = ids < len(self.producer)
+        return np.where(inside, self.producer[np.where(inside, ids, 0)], -1) if len(ids) else ids
 
     def feeding(self, targets: np.ndarray, within: np.ndarray) -> np.ndarray:
         """Bool per op: it is one of `within` (bool per op) from which one of the `targets` (op indices, all
