@@ -360,7 +360,7 @@ def _forward_compositions(graph: OpGraph, by_module: dict[_Node, np.ndarray]
     mods, kinds = (pairs // n_kinds).tolist(), (pairs % n_kinds).tolist()
     starts = np.flatnonzero(np.diff(pairs // n_kinds, prepend=-1)).tolist()      # pairs sort by module first
     counts_l = counts.tolist()
-    for a, b in zip(starts, [*starts[1:], len(mods)], strict=True):
+    for a, b in zip(starts, [*starts[1:], len(mods)][:len(starts)], strict=True):
         fwd_key[nodes[mods[a]]] = dict(zip(kinds[a:b], counts_l[a:b], strict=True))
     return fwd_key, list(t.kinds)  # kind id -> (primitive, in_shapes, out_shapes)
 

@@ -51,8 +51,10 @@ class OpTable:
         """The op writing each of `values` (value ids), -1 for a program input, constant or literal (a literal
         the step returns is made after every op: past the end of `producer`)."""
         ids = np.asarray(values, dtype=np.int64)
+        out = np.full(len(ids), -1, dtype=np.int64)
         inside = ids < len(self.producer)
-        return np.where(inside, self.producer[np.where(inside, ids, 0)], -1) if len(ids) else ids
+        out[inside] = self.producer[ids[inside]]
+        return out
 
     def feeding(self, targets: np.ndarray, within: np.ndarray) -> np.ndarray:
         """Bool per op: it is one of `within` (bool per op) from which one of the `targets` (op indices, all
