@@ -49,18 +49,33 @@ def test_loop_carried_value_is_live_while_its_loop_runs():
 
 
 
-def test_the_walk_to_a_root_agrees_with_the_whole_graph_marking():
-    # a traced step (dead cotangent broadcasts of jnp.where, a loss, parameter updates): asked op by
-    # op in a scattered order, `is_live` answers as `live_ops`
+def test_the_table_walk_agrees_with_marking_from_the_roots():
+    # a traced step (dead cotangent broadcasts of jnp.where, a loss, parameter updates, a callback): the
+    # breadth-first walk over the op table's edges marks what a walk from the roots over the ops marks
+    import jax
+
     import models
     from autoshard._src.bridge.trace.trace import trace
-    from autoshard._src.core.liveness import is_live
+    from autoshard._src.core.liveness import EFFECTFUL, is_live
 
     m = models.get("gpt", "debug", num_layers=3)
-    g = trace(m.train_step, *m.abstract_state())
+
+    def step(*args):
+        jax.debug.callback(lambda: None)              # effects, no results
+        return m.train_step(*args)
+
+    g = trace(step, *m.abstract_state())
+    outputs = set(g.outputs)
+    want = [False] * len(g.ops)
+    stack = [op.index for op in g.ops if not op.outputs or op.params.get("effectful") or op.primitive in EFFECTFUL
+             or not outputs.isdisjoint(op.outputs)]
+    while stack:
+        i = stack.pop()
+        if not want[i]:
+            want[i] = True
+            stack.extend(p for v in g.ops[i].inputs if (p := g.values[v].producer) is not None)
+    assert live_ops(g).tolist() == want
+    assert not all(want) and any(want)
+    assert any(op.params.get("effectful") for op in g.ops)
     live = is_live(g)
-    order = sorted(range(len(g.ops)), key=lambda i: (i * 7919) % len(g.ops))
-    got = {i: live(i) for i in order}
-    want = live_ops(g)
-    assert [got[i] for i in range(len(g.ops))] == want.tolist()
-    assert not want.all() and want.any()
+    assert [live(i) for i in range(len(g.ops))] == want

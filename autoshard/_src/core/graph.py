@@ -137,9 +137,9 @@ class OpGraph:
     # results and its condition); liveness.live_ops keeps them while their loop runs
     carried: dict[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)
     # what the trace recorded as it added the ops: (value ids each op reads, their count per op, value ids
-    # each op writes, their count per op), flat; the table's edges come from it (or from the ops without it)
-    recorded_edges: tuple[list[int], list[int], list[int], list[int]] | None = dataclasses.field(
-        default=None, repr=False, compare=False)
+    # each op writes, their count per op, the ops it marked effectful), flat; the table's edges come from it
+    # (or from the ops without it)
+    recorded_edges: tuple[list[int], ...] | None = dataclasses.field(default=None, repr=False, compare=False)
     _table: OpTable | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
     def table(self) -> OpTable:

@@ -46,6 +46,7 @@ class OpTable:
     operand_ptr: np.ndarray      # int64, one more than ops
     operand_src: np.ndarray      # int32
     producer: np.ndarray         # int32 by value id: the op writing it (-1: a program input, constant or literal)
+    effectful: np.ndarray        # bool: marked by the trace as having effects (a callback, I/O: op.params["effectful"])
 
     def producers_of(self, values: Sequence[int]) -> np.ndarray:
         """The op writing each of `values` (value ids), -1 for a program input, constant or literal (a literal
@@ -75,9 +76,9 @@ class OpTable:
         return out[:n]
 
 
-def build_table(ops: Sequence[Any], edges: tuple[list[int], list[int], list[int], list[int]] | None = None) -> OpTable:
-    """The columns of `ops` (graph.Op objects in index order). `edges`: the trace's record of them
-    (OpGraph.recorded_edges); read from the ops when None."""
+def build_table(ops: Sequence[Any], edges: tuple[list[int], ...] | None = None) -> OpTable:
+    """The columns of `ops` (graph.Op objects in index order). `edges`: the trace's record of the edges and
+    effectful ops (OpGraph.recorded_edges); read from the ops when None."""
     sig_ids: dict[tuple, int] = {}
     sig = [sig_ids.setdefault((op.primitive, op.in_shapes, op.in_dtypes, op.out_shapes, op.out_dtypes),
                               len(sig_ids)) for op in ops]
@@ -104,7 +105,15 @@ def build_table(ops: Sequence[Any], edges: tuple[list[int], list[int], list[int]
         repeat=np.asarray(repeat, dtype=np.float64),
         nested=np.asarray([op.nested for op in ops], dtype=bool),
         in_remat=np.asarray([op.remat_eqn >= 0 for op in ops], dtype=bool), looped=np.asarray(looped, dtype=bool),
-        operand_ptr=operand_ptr, operand_src=operand_src, producer=producer)
+        operand_ptr=operand_ptr, operand_src=operand_src, producer=producer, effectful=_effectful(ops, edges))
+
+
+def _effectful(ops: Sequence[Any], edges: tuple | None) -> np.ndarray:
+    """Bool per op: op.params["effectful"] (the trace lists those ops as it marks them)."""
+    out = np.zeros(len(ops), dtype=bool)
+    marked = edges[4] if edges is not None else [i for i, op in enumerate(ops) if op.params.get("effectful")]
+    out[np.asarray(marked, dtype=np.int64)] = True
+    return out
 
 
 def _edges(ops: Sequence[Any], edges: tuple | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -112,7 +121,7 @@ def _edges(ops: Sequence[Any], edges: tuple | None) -> tuple[np.ndarray, np.ndar
     if edges is None:
         edges = ([v for op in ops for v in op.inputs], [len(op.inputs) for op in ops],
                  [v for op in ops for v in op.outputs], [len(op.outputs) for op in ops])
-    read, n_read, written, n_written = (np.asarray(x, dtype=np.int64) for x in edges)
+    read, n_read, written, n_written = (np.asarray(x, dtype=np.int64) for x in edges[:4])
     by_op = np.arange(len(ops), dtype=np.int32)
     producer = np.full(int(max(read.max(initial=-1), written.max(initial=-1))) + 1, -1, dtype=np.int32)
     producer[written] = np.repeat(by_op, n_written)

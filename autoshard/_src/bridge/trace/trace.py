@@ -133,8 +133,9 @@ class _Builder:
         self._loop_ids = itertools.count()
         self.eqns: dict[int, Any] = {}      # op index -> the jaxpr eqn it stands for (leaf ops)
         self._avals: dict[Any, tuple[tuple[int, ...], str, int]] = {}
-        # the graph's edges as the ops are added (OpGraph.recorded_edges): four flat lists, not a pass over the ops
-        self.edges: tuple[list[int], list[int], list[int], list[int]] = ([], [], [], [])
+        # the graph's edges as the ops are added, and the ops marked effectful (OpGraph.recorded_edges): flat
+        # lists, not a pass over the ops
+        self.edges: tuple[list[int], ...] = ([], [], [], [], [])
         self.carried: dict[int, tuple[int, ...]] = {}
 
     def shape_dtype(self, atom: Any) -> tuple[tuple[int, ...], str, int]:
@@ -189,7 +190,7 @@ class _Builder:
         ))
         for v in inputs:
             values[v].consumers.append(index)
-        read, n_read, written, n_written = self.edges
+        read, n_read, written, n_written, _ = self.edges
         read.extend(inputs)
         n_read.append(len(inputs))
         written.extend(outs)
@@ -235,6 +236,8 @@ class _Builder:
                     params["effectful"] = True
                 outs = self.add_op(name, in_ids, list(eqn.outvars), full, loops, params,
                                    in_atoms=list(eqn.invars))
+                if params.get("effectful"):
+                    self.edges[4].append(len(self.ops) - 1)
                 self.eqns[len(self.ops) - 1] = eqn
             for var, vid in zip(eqn.outvars, outs, strict=True):
                 env[var] = vid
