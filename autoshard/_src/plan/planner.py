@@ -28,6 +28,7 @@ from ..tensor.search import (
     _grad_ops,
     analysis,
     evaluate_assignment,
+    evaluate_assignments,
     search,
     sequence_parallel_analysis,
     with_sequence_parallel,
@@ -105,16 +106,19 @@ def compare_experts(graph: OpGraph, grouping: Grouping, mesh: MeshSpec, res: Sea
     sp = with_sequence_parallel(res, grouping)   # Megatron-SP is priced where the stream is cut
     if sp is not None and sp is not res:
         assignments["megatron-sp"] = expert_assignments(graph, sp.factors, in_map, mesh)["megatron-sp"]
+    by_space: dict[int, tuple[SearchResult, list[str]]] = {}      # the experts priced in each space, together
     for name, a in assignments.items():
         if isinstance(a, str):
             out[name] = {"reason": str(a)}      # a plain str in the plan (NotApplicable's fix is for errors)
             continue
-        fa, storage = a
         priced = sp if name == "megatron-sp" and sp is not None else res
-        c, _ = evaluate_assignment(priced, fa, storage)      # as autoshard.expert_plan prices it
-        out[name] = {"step_time": c.step_time, "memory": c.memory["total"], "feasible": c.feasible,
-                     "breakdown": dict(c.breakdown)}
-    return out
+        by_space.setdefault(id(priced), (priced, []))[1].append(name)
+    for priced, names in by_space.values():
+        choices = evaluate_assignments(priced, [assignments[n] for n in names])   # as autoshard.expert_plan prices
+        for name, (c, _) in zip(names, choices, strict=True):
+            out[name] = {"step_time": c.step_time, "memory": c.memory["total"], "feasible": c.feasible,
+                         "breakdown": dict(c.breakdown)}
+    return {name: out[name] for name in assignments}
 
 
 def expert_tensor_plan(name: str, graph: OpGraph, *, mesh: Any, hw: HardwareSpec, options: SearchOptions,

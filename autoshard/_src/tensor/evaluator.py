@@ -598,9 +598,16 @@ class _Evaluator(MemoryModel, CollectiveMoves, CommRecords):
         return row
 
     def evaluate_one(self, factor_axes: dict[int, tuple[str, ...]], storage: str) -> PlanChoice:
-        row = self.row(factor_axes).reshape(1, -1)
-        res = self.evaluate(row, storage)
-        return self._choice(row[0], res, 0, storage, 1)
+        return self.evaluate_many([(factor_axes, storage)])[0]
+
+    def evaluate_many(self, assignments: Sequence[tuple[dict[int, tuple[str, ...]], str]]) -> list[PlanChoice]:
+        """`evaluate_one` of each (factor axes, storage), priced together: one pass over the summaries for all
+        (each plan's numbers are its own: every term is per plan)."""
+        if not assignments:
+            return []
+        rows = np.stack([self.row(fa) for fa, _ in assignments])
+        by_mode = self.evaluate_modes(rows, tuple(dict.fromkeys(storage for _, storage in assignments)))
+        return [self._choice(rows[i], by_mode[storage], i, storage, 1) for i, (_, storage) in enumerate(assignments)]
 
     def _choice(self, row: np.ndarray, res: dict, i: int, storage: str, n_plans: int) -> PlanChoice:
         fa = {f: _mask_axes(self.mesh, int(row[k])) for k, f in enumerate(self.cands) if row[k]}

@@ -141,6 +141,19 @@ def evaluate_assignment(result: SearchResult, factor_axes: dict[int, tuple[str, 
     return ev.evaluate_one(factor_axes, storage), ev
 
 
+def evaluate_assignments(result: SearchResult, assignments: Sequence[tuple[dict[int, tuple[str, ...]], str]]
+                         ) -> list[tuple[PlanChoice, _Evaluator]]:
+    """`evaluate_assignment` of each (factor axes, storage): those within `result`'s candidates priced together."""
+    inside = [k for k, (fa, _) in enumerate(assignments) if all(f in result.candidates for f in fa)]
+    out: list = [None] * len(assignments)
+    for k, choice in zip(inside, result._evaluator.evaluate_many([assignments[k] for k in inside]), strict=True):
+        out[k] = (choice, result._evaluator)
+    for k, (fa, storage) in enumerate(assignments):
+        if out[k] is None:
+            out[k] = evaluate_assignment(result, fa, storage)
+    return out
+
+
 def with_sequence_parallel(result: SearchResult, grouping: Grouping) -> SearchResult | None:
     """`result`'s space with the residual stream cut from the tensor-parallel regions, for pricing
     given plans (the Megatron-SP expert) without enumerating it; None when it has no such regions."""
