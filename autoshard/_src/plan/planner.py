@@ -17,7 +17,7 @@ from ..core.mesh import MeshSpec, candidate_meshes, mesh_spec
 from ..core.optable import PHASE_CODES
 from ..core.version import VERSION
 from ..pipeline.costs import traced_batch
-from ..tensor.evaluator import comm_bytes_of
+from ..tensor.comm_records import comm_bytes_of
 from ..tensor.experts import EXPERTS, expert_assignments
 from ..tensor.instances import input_maps, instance_map_arrays
 from ..tensor.regions import REDUCE_SCATTERED

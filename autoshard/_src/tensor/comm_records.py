@@ -8,6 +8,7 @@ reading the summaries the evaluator built (`groups`, `gathers`, `params`, `gathe
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Iterator, Mapping
 
 import numpy as np
 
@@ -94,3 +95,38 @@ class CommRecords:
                     m, free = self._storage_masks(plans, dims, shape, full)
                     add("all-gather", int(free[0]), "forward", b / self.msize[int(m[0])], 1.0)
         return dict(out)
+
+
+class CommBytes(Mapping):
+    """A plan's per-device collective buffer bytes by "kind@axes", listed when first read: the search makes
+    a choice per storage mode and space, and prices expert plans, but only the plan it returns is read."""
+
+    def __init__(self, evaluator: CommRecords, row: np.ndarray, storage: str) -> None:
+        self._source: tuple | None = (evaluator, np.array(row), storage)
+        self._bytes: dict[str, float] = {}
+
+    def _listed(self) -> dict[str, float]:
+        if self._source is not None:
+            ev, row, storage = self._source
+            self._bytes, self._source = comm_bytes_of(ev.comm_records(row, storage)), None
+        return self._bytes
+
+    def __getitem__(self, key: str) -> float:
+        return self._listed()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._listed())
+
+    def __len__(self) -> int:
+        return len(self._listed())
+
+    def __repr__(self) -> str:
+        return repr(self._listed())
+
+
+def comm_bytes_of(records: dict[tuple[str, tuple[str, ...], str], list[float]]) -> dict[str, float]:
+    """Collective records (`comm_records`) summed by "kind@axes" over phases."""
+    comm: dict[str, float] = defaultdict(float)
+    for (k, axes, _), (b, _) in sorted(records.items()):
+        comm[f"{k}@{','.join(axes)}"] += b
+    return dict(comm)

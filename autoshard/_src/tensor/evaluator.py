@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections import defaultdict
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
@@ -28,7 +28,7 @@ from ..core.kernels import compute_dtype
 from ..core.mesh import MeshSpec
 from ..core.optable import PHASE_CODES
 from ..core.residuals import saved_values
-from .comm_records import CommRecords, _mask_axes
+from .comm_records import CommBytes, CommRecords, _mask_axes
 from .factors import FactorGraph
 from .kernel_costs import GemmCosts
 from .memory import MemoryModel
@@ -81,41 +81,6 @@ class PlanChoice:
     # between plans of the same predicted step, what they decided (explain prints it)
     hint: int = 0
     hint_note: str = ""
-
-
-class CommBytes(Mapping):
-    """A plan's per-device collective buffer bytes by "kind@axes", listed when first read: the search makes
-    a choice per storage mode and space, and prices expert plans, but only the plan it returns is read."""
-
-    def __init__(self, evaluator: _Evaluator, row: np.ndarray, storage: str) -> None:
-        self._source: tuple | None = (evaluator, np.array(row), storage)
-        self._bytes: dict[str, float] = {}
-
-    def _listed(self) -> dict[str, float]:
-        if self._source is not None:
-            ev, row, storage = self._source
-            self._bytes, self._source = comm_bytes_of(ev.comm_records(row, storage)), None
-        return self._bytes
-
-    def __getitem__(self, key: str) -> float:
-        return self._listed()[key]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._listed())
-
-    def __len__(self) -> int:
-        return len(self._listed())
-
-    def __repr__(self) -> str:
-        return repr(self._listed())
-
-
-def comm_bytes_of(records: dict[tuple[str, tuple[str, ...], str], list[float]]) -> dict[str, float]:
-    """Collective records (`comm_records`) summed by "kind@axes" over phases."""
-    comm: dict[str, float] = defaultdict(float)
-    for (k, axes, _), (b, _) in sorted(records.items()):
-        comm[f"{k}@{','.join(axes)}"] += b
-    return dict(comm)
 
 
 @dataclasses.dataclass
