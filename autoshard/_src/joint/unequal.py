@@ -414,12 +414,19 @@ class _Prepared:
         starts = np.flatnonzero(np.r_[True, (a[1:] != a[:-1]) | (qb[1:] != qb[:-1])])
         ga, gb = a[starts], qb[starts]
         t, back = e["t"][qe, qb], self.bwd[:, a, x]                            # [Q], [p, Q]
-        for nxt in range(self.K):
-            rows = windows[y, nxt, a, qb, self.pad - e["n"][qe]]                # [Q, nn]
-            v = (t + self.fwd[a, nxt, y])[None] + back                          # [p, Q]
-            cand = np.where(v <= T, v, np.inf)[..., None] + rows[None]
-            red = np.minimum.reduceat(cand, starts, axis=1)                     # [p, groups, nn]
-            best[ga, :, gb] = np.minimum(best[ga, :, gb], red.transpose(1, 0, 2))
+        rows = windows[y, :, a, qb, self.pad - e["n"][qe]]                      # [Q, next, nn]
+        # most (devices left, successor) states cannot finish the chain: only the columns some
+        # successor can finish from are reduced (the others stay inf whatever the stage)
+        cols = np.flatnonzero(np.isfinite(rows).any(axis=(0, 1)))
+        if not cols.size:
+            return
+        rows = rows[:, :, cols].transpose(1, 0, 2)                              # [next, Q, cols]
+        v = (t[None] + self.fwd[a, :, y].T)[:, None] + back[None]              # [next, p, Q]
+        # min over the next class, then per (class, bucket): both are minima, so either order
+        cand = (np.where(v <= T, v, np.inf)[..., None] + rows[:, None]).min(axis=0)     # [p, Q, cols]
+        red = np.minimum.reduceat(cand, starts, axis=1)                         # [p, groups, cols]
+        at = (ga[:, None], slice(None), gb[:, None], cols[None, :])            # best[at]: [groups, cols, p]
+        best[at] = np.minimum(best[at], red.transpose(1, 2, 0))
 
     def _top(self) -> tuple[float, int, int]:
         """(value, class, bucket) of the best whole split: position 0, every device (the class
