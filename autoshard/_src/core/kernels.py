@@ -26,9 +26,12 @@ channels x window), as cuDNN's tensor-core kernels do.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
+
+import numpy as np
 
 from .errors import HardwareError
 
@@ -144,16 +147,25 @@ def tile_feed(km: KernelModel, tile: tuple[int, int]) -> float:
     over the largest tile's, at most 1. An SM's operand feed (shared-memory and L2 bandwidth) is built to
     keep the largest tile's tensor cores busy, so a tile reusing each operand over fewer outputs waits
     on its loads (NVIDIA's matrix multiplication guide: smaller tiles have lower data reuse)."""
-    def reuse(t: tuple[int, int]) -> float:
+    def reuse(t: tuple[Any, Any]) -> Any:
         return t[0] * t[1] / (t[0] + t[1])
-    return min(1.0, reuse(tile) / reuse(km.tile))
+    return np.minimum(1.0, reuse(tile) / reuse(km.tile))    # elementwise: tiles may be arrays
 
-def _tile_choices(km: KernelModel) -> list[KernelModel]:
+@functools.lru_cache(maxsize=64)
+def _tile_choices(km: KernelModel) -> tuple[KernelModel, ...]:
+    """The largest tile, then halves of its larger side down to 64 (the tiles a library picks from)."""
     out, (tm, tn) = [km], km.tile
     while tm > 64 or tn > 64:
         tm, tn = (tm // 2, tn) if tm >= tn else (tm, tn // 2)
         out.append(dataclasses.replace(km, tile=(max(tm, 1), max(tn, 1))))
-    return out
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=64)
+def tile_columns(km: KernelModel) -> tuple[np.ndarray, np.ndarray]:
+    """(rows [T, 1], columns [T, 1]) of `_tile_choices`: every tile priced in one array operation."""
+    tiles = np.array([t.tile for t in _tile_choices(km)], dtype=np.int64)
+    return tiles[:, :1], tiles[:, 1:]
 
 
 def memory_seconds(km: KernelModel, nbytes: float, bandwidth: float) -> float:

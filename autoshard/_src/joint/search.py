@@ -50,7 +50,7 @@ from .space import (
     shapes,
     simulated,
 )
-from .stage_choice import ChoiceTable, choice_table, restrict, split_choice
+from .stage_choice import ChoiceTable, choice_table, keep_heap_warm, split_choice
 from .tables import ShapeTables
 from .unequal_points import unequal_points
 from .units import Units
@@ -175,7 +175,6 @@ def _equal_points(srch: SearchState, counts: list[int], max_model: int) -> tuple
     for c in sorted(cands):         # one choice table per (d, t, M, v): its candidates together
         groups.setdefault((c.d, c.t, c.M, c.virtual), []).append(c)
     bounds, floor, found, n_points = _Bounds(), _MemoryFloor(), [], 0
-    restricted: dict[tuple, dict[str, np.ndarray]] = {}     # the combos over each valid mask's plans
     for (d, t, M, v), group in groups.items():      # in order of each group's least bound
         tables = srch.tables[(d, t)]
         valid = (srch.batch // M) % tables.batch_split.astype(np.int64) == 0
@@ -188,13 +187,10 @@ def _equal_points(srch: SearchState, counts: list[int], max_model: int) -> tuple
             fits.update((c, _splittable(srch, most, c)) for c in live)
             return any(fits.values())
 
-        key = (d, t, valid.tobytes())
-        if key not in restricted and not valid.all():
-            restricted[key] = restrict(srch.combos[(d, t)], np.flatnonzero(valid))
         # a rank holds its v stages: each stage's choice fits 1/v of the budget. Unsorted: a table
         # answers a few in-flight counts, and scanning for each is cheaper than sorting its choices
         ct = choice_table(srch.combos[(d, t)], M, srch.budget / v, joint.remat, valid, options.overlap,
-                          fits=any_fits, sort=False, restricted=restricted.get(key))
+                          fits=any_fits, sort=False, restricted=srch.restricted(d, t, valid))
         for c in live:
             if bounds.prunes(c):
                 continue
@@ -242,6 +238,7 @@ def joint_search(graph: OpGraph, grouping: Grouping, devices: int, hw: HardwareS
                  cost: Callable[[MeshSpec], CostModel] | None = None) -> JointResult:
     """The best 3-D point for `graph` on `devices` devices of `hw` (see the module docstring)."""
     t0 = time.perf_counter()
+    keep_heap_warm()
     options, joint = options or SearchOptions(), joint or JointOptions()
     default_cost = cost is None
     cost = cost or (lambda m: AnalyticalCostModel(m, hw))

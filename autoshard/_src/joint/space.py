@@ -17,7 +17,7 @@ from ..core.mesh import MeshSpec, mesh_spec
 from ..pipeline.costs import traced_batch
 from ..tensor.search import SearchOptions, analysis, plan_space, sequence_parallel_analysis
 from .chain_sim import chain_makespan, interleaved_inflight
-from .stage_choice import REMAT, cheapest_fitting, compositions
+from .stage_choice import REMAT, cheapest_fitting, compositions, restrict
 from .tables import ShapeTables, shape_tables
 from .units import build_units, kinds_per_range
 
@@ -179,6 +179,7 @@ class SearchState:
         self.kind_inputs = np.zeros(K)
         for u, k in enumerate(self.units.kind_of):
             self.kind_inputs[k] = max(self.kind_inputs[k], self.units.cut_dep[u])
+        self._restricted: dict[tuple, dict[str, np.ndarray]] = {}
         self._sp_analysed: list = []          # [the sequence-parallel analysis or None], computed once
         self.cost_key = (repr(hw), repr(dataclasses.replace(options, memory_budget=None)), self.units.labels,
                          tuple(self.units.kind_of)) if default_cost else None
@@ -209,6 +210,17 @@ class SearchState:
             K = len(self.units.kinds)
             self.kind_combos[id(tables)] = compositions(tables, np.eye(K), self.kind_inputs)
         return tables
+
+    def restricted(self, d: int, t: int, valid: np.ndarray) -> dict[str, np.ndarray] | None:
+        """The compositions of submesh d x t over the plans `valid` marks (`stage_choice.restrict`), once
+        per mask; None when every plan is valid (the compositions themselves)."""
+        if valid.all():
+            return None
+        key = (d, t, valid.tobytes())
+        hit = self._restricted.get(key)
+        if hit is None:
+            hit = self._restricted[key] = restrict(self.combos[(d, t)], np.flatnonzero(valid))
+        return hit
 
     def sp_analysed(self):
         """The step's sequence-parallel analysis (None: off, or no regions to cut the stream from)."""

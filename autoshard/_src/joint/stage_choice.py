@@ -148,16 +148,54 @@ def compositions(tables: ShapeTables, comps: np.ndarray, kind_inputs: np.ndarray
     and the units' input bytes per device. Plan-major, as `choice_table` orders the choices (it
     runs once per micro-batch count on contiguous arrays)."""
     v = tables.values
-    out = {name: np.einsum("uk,kzp->uzp", comps, v[name]) for name in v}
+    out = {name: _summed(comps, v[name]) for name in v}
     present = comps > 0
     # the largest unit's activations: recomputed one unit at a time under remat
-    out["unit_acts"] = np.where(present[:, :, None, None], v["acts"][None], 0.0).max(axis=1)
-    out["unit_rest"] = np.where(present[:, :, None, None], (v["acts"] - v["acts_dots"])[None], 0.0).max(axis=1)
-    out["unit_attn"] = np.where(present[:, :, None, None], v["acts_attn"][None], 0.0).max(axis=1)
+    out["unit_acts"] = _largest(present, v["acts"])
+    out["unit_rest"] = _largest(present, v["acts"] - v["acts_dots"])
+    out["unit_attn"] = _largest(present, v["acts_attn"])
     out = {name: np.ascontiguousarray(np.transpose(a, (0, 2, 1))) for name, a in out.items()}
     split = tables.batch_split * (tables.sequence_split if tables.sequence_split is not None else 1.0)
     out["inputs"] = np.broadcast_to((comps @ kind_inputs)[:, None, None] / split[None, :, None],
                                     out["fwd"].shape)
+    return out
+
+
+_HEAP_READY: list[bool] = []
+
+
+def keep_heap_warm() -> None:
+    """Let the allocator keep the search's freed tables for the next one (once per process).
+
+    A 3-D search builds a few hundred choice tables of a few MB each (GPT-39B on 64 devices: 141
+    compositions x 235 plans x 3 storage modes x 4 remat policies, 3.2 MB per array) and drops each
+    before the next. glibc returns the top of its heap to the kernel whenever more than twice the
+    largest freed mmap'ed block is free (M_TRIM_THRESHOLD, raised dynamically: glibc malloc.c,
+    `free`'s "dynamic threshold"), so every table was page-faulted in afresh: 0.31M minor faults and
+    0.6 s of kernel time in that search. Freeing one block of 30 MB (below glibc's 32 MB cap on the
+    dynamic threshold) raises the threshold as any numpy program freeing a large array does; the
+    block is never touched, so it costs no faults. Other allocators ignore it."""
+    if not _HEAP_READY:
+        block = np.empty(30 * 2**20 // 8)
+        del block
+        _HEAP_READY.append(True)
+
+
+def _summed(comps: np.ndarray, kinds: np.ndarray) -> np.ndarray:
+    """comps [U, K] @ kinds [K, Z, P] -> [U, Z, P], one kind at a time (few kinds, large tables:
+    cheaper than einsum's generic loop)."""
+    out = np.zeros((comps.shape[0], *kinds.shape[1:]))
+    for k in range(comps.shape[1]):
+        out += comps[:, k, None, None] * kinds[k][None]
+    return out
+
+
+def _largest(present: np.ndarray, kinds: np.ndarray) -> np.ndarray:
+    """Per composition (`present` [U, K]), the largest of `kinds` [K, Z, P] over the kinds it holds
+    (0 where it holds none)."""
+    out = np.where(present[:, 0, None, None], kinds[0][None], 0.0)
+    for k in range(1, present.shape[1]):
+        np.maximum(out, np.where(present[:, k, None, None], kinds[k][None], 0.0), out=out)
     return out
 
 

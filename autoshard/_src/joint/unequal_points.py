@@ -82,7 +82,8 @@ def best_unequal(srch: SearchState, shapes: list[tuple[int, int]], M: int, sched
         ct = None
         if srch.batch % M == 0 and valid.any():
             ct = choice_table(srch.combos[(d, t)], M, srch.budget, srch.joint.remat, valid, srch.options.overlap,
-                              sort=False)     # unsorted: cheaper than sorting for the levels `best` reads
+                              sort=False,     # unsorted: cheaper than sorting for the levels `best` reads
+                              restricted=srch.restricted(d, t, valid))
             values[k] = ct.best(np.array(levels))[0]
         tables.append(ct)
     node = srch.hw.devices_per_node

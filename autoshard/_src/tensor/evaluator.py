@@ -493,7 +493,13 @@ class _Evaluator(MemoryModel, CollectiveMoves, CommRecords):
         for fs, b in self.data:
             base["data"] += b / self.msize[self._or(plans, fs)]
         results = {}
+        # no parameters, optimizer state or gathered copies among the priced bytes (an evaluator of
+        # some ops alone): every storage mode prices the same, so one is priced and copied
+        same = not (self.params or self.state or self.gathered)
         for storage in modes:
+            if same and results:
+                results[storage] = {k: v.copy() for k, v in next(iter(results.values())).items()}
+                continue
             out = {k: v.copy() for k, v in base.items()}
             self._storage_memory(out, plans, storage, shared)
             # the sync hides behind the backward (one micro-batch here; SearchOptions.overlap)

@@ -14,7 +14,7 @@ import dataclasses
 import numpy as np
 
 from ..core.graph import Op
-from ..core.kernels import SPLIT_K_OPS, KernelModel, _tile_choices, gemm_roles, split_k_seconds, tile_seconds
+from ..core.kernels import SPLIT_K_OPS, KernelModel, gemm_roles, split_k_seconds, tile_columns, tile_seconds
 from .factors import FactorGraph, OpFactors
 
 
@@ -74,18 +74,15 @@ class GemmCosts:
         """Per plan: the matmuls' and convolutions' time on their shards, plus every launch."""
         out = np.full(plans.shape[0], self.launches)
         km = self.km
-        tiles = _tile_choices(km)
+        tm, tn = tile_columns(km)                                  # every tile at once: [T, 1]
         for g in self.gemms:
             b, m, n, k = (self._shard(plans, msize, part) for part in g.dims)
-            compute = None
-            for t in tiles:
-                tm, tn = t.tile
-                n_tiles = b * np.ceil(m / tm) * np.ceil(n / tn)
-                secs = np.ceil(n_tiles / km.sms) * tile_seconds(km, t.tile, k, g.peak)
-                if g.split_bandwidth is not None:
-                    secs = np.minimum(secs, split_k_seconds(km, t.tile, n_tiles, b * m * n, k, g.peak,
-                                                            g.split_bandwidth))
-                compute = secs if compute is None else np.minimum(compute, secs)
+            n_tiles = b * np.ceil(m / tm) * np.ceil(n / tn)        # [T, C]
+            secs = np.ceil(n_tiles / km.sms) * tile_seconds(km, (tm, tn), k, g.peak)
+            if g.split_bandwidth is not None:
+                secs = np.minimum(secs, split_k_seconds(km, (tm, tn), n_tiles, b * m * n, k, g.peak,
+                                                        g.split_bandwidth))
+            compute = secs.min(axis=0)
             memory = g.memory / msize[or_masks(plans, g.loop)]
             out += g.weight * np.maximum(g.scale * compute, memory)
         return out
