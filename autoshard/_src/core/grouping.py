@@ -89,18 +89,26 @@ class Grouping:
     def block_of(self, op_index: int) -> tuple[int, int] | None:
         """(block type index, instance index) of an op; None for remainder ops. For ops of a
         scanned block, the first instance."""
-        return self._op_block.get(op_index)
+        types, insts = self._op_block
+        t = int(types[op_index])
+        return None if t < 0 else (t, int(insts[op_index]))
 
     @property
-    def _op_block(self) -> dict[int, tuple[int, int]]:
+    def _op_block(self) -> tuple[np.ndarray, np.ndarray]:
+        """Per op, its block type and instance (-1: the remainder), as two columns: built once, from each
+        instance's op array (a dict over every op of a deep step cost more than the passes asking it)."""
         cache = self.__dict__.get("_op_block_cache")
         if cache is None:
-            cache = {}
+            n = len(self.graph.ops)
+            types, insts = np.full(n, -1, dtype=np.int32), np.full(n, -1, dtype=np.int32)
             # the first instance holding an op wins (a scanned block's instances share their ops):
-            # filled last instance first, each overwriting, in C rather than per op
-            for t, bt in reversed(list(enumerate(self.block_types))):
-                for i, inst in reversed(list(enumerate(bt.instances))):
-                    cache.update(dict.fromkeys(inst.ops, (t, i)))
+            # filled last instance first, each overwriting
+            for t in reversed(range(len(self.block_types))):
+                matrix, row_of = self.op_rows(t)
+                for i, inst in reversed(list(enumerate(self.block_types[t].instances))):
+                    ops = matrix[row_of[i]] if row_of[i] >= 0 else np.asarray(inst.ops, dtype=np.int64)
+                    types[ops], insts[ops] = t, i
+            cache = (types, insts)
             object.__setattr__(self, "_op_block_cache", cache)
         return cache
 

@@ -229,13 +229,24 @@ def bordering_remainder(graph: OpGraph, grouping: Grouping, bt) -> set[int]:
                     and _not_scalar(values[v].shape):       # not a layer's auxiliary loss (MoE load balancing)
                 out.add(b[1])
         for v in op.outputs:            # one the remainder hands to one instance alone (not a shared mask)
-            if not _not_scalar(values[v].shape):
-                continue
-            readers = {b[1] for c in values[v].consumers if (b := block_of(c)) is not None and b[0] == t}
-            if len(readers) == 1 and any(ops[c].phase == "forward" and block_of(c) == (t, k)
-                                         for k in readers for c in values[v].consumers):
-                out |= readers
+            if _not_scalar(values[v].shape) and (k := _sole_reader(values[v].consumers, ops, block_of, t)) >= 0:
+                out.add(k)
     return out
+
+
+def _sole_reader(consumers: list[int], ops, block_of, t: int) -> int:
+    """The instance of type t reading a value in its forward pass when it is the only instance of the type
+    reading it (-1 otherwise). Stops at a second instance: a value every layer reads (a mask, positions)
+    has consumers in all of them."""
+    only, forward = -1, False
+    for c in consumers:
+        b = block_of(c)
+        if b is None or b[0] != t:
+            continue
+        if only >= 0 and b[1] != only:
+            return -1
+        only, forward = b[1], forward or ops[c].phase == "forward"
+    return only if forward else -1
 
 
 def _not_scalar(shape: tuple[int, ...]) -> bool:
