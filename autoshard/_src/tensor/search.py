@@ -131,27 +131,32 @@ def evaluate_assignment(result: SearchResult, factor_axes: dict[int, tuple[str, 
     """(choice, evaluator) of an assignment that may split factors outside `result`'s candidates (an
     expert plan's): those join the candidates of a wider evaluator, so the price is that of the layout
     the plan runs, and the plan's verdict and `autoshard.expert_plan` agree."""
-    outside = sorted(f for f in factor_axes if f not in result.candidates)
-    if not outside:
-        return result.evaluate(factor_axes, storage), result._evaluator
-    graph, space, hw, cost, options = result._context
-    wider = dataclasses.replace(space, candidates=tuple(sorted({*space.candidates, *outside})))
-    ev = wider.evaluator(hw, cost, options, space.weights)
-    ev.budget = result.budget
-    return ev.evaluate_one(factor_axes, storage), ev
+    return evaluate_assignments(result, [(factor_axes, storage)])[0]
 
 
 def evaluate_assignments(result: SearchResult, assignments: Sequence[tuple[dict[int, tuple[str, ...]], str]]
                          ) -> list[tuple[PlanChoice, _Evaluator]]:
-    """`evaluate_assignment` of each (factor axes, storage): those within `result`'s candidates priced together."""
+    """`evaluate_assignment` of each (factor axes, storage): those within `result`'s candidates priced together
+    by its evaluator, each of the others by a wider one."""
     inside = [k for k, (fa, _) in enumerate(assignments) if all(f in result.candidates for f in fa)]
     out: list = [None] * len(assignments)
     for k, choice in zip(inside, result._evaluator.evaluate_many([assignments[k] for k in inside]), strict=True):
         out[k] = (choice, result._evaluator)
     for k, (fa, storage) in enumerate(assignments):
         if out[k] is None:
-            out[k] = evaluate_assignment(result, fa, storage)
+            out[k] = _evaluate_wider(result, fa, storage)
     return out
+
+
+def _evaluate_wider(result: SearchResult, factor_axes: dict[int, tuple[str, ...]], storage: str):
+    """(choice, evaluator) of an assignment splitting factors outside `result`'s candidates, on an evaluator
+    whose candidates include them."""
+    outside = sorted(f for f in factor_axes if f not in result.candidates)
+    graph, space, hw, cost, options = result._context
+    wider = dataclasses.replace(space, candidates=tuple(sorted({*space.candidates, *outside})))
+    ev = wider.evaluator(hw, cost, options, space.weights)
+    ev.budget = result.budget
+    return ev.evaluate_one(factor_axes, storage), ev
 
 
 def with_sequence_parallel(result: SearchResult, grouping: Grouping) -> SearchResult | None:
