@@ -25,6 +25,7 @@ from ..core.hardware import get_hardware
 from ..core.mesh import mesh_spec
 from ..tensor.evaluator import SearchOptions
 from ..tensor.search import PlanSpace, analysis, sequence_parallel_analysis
+from .cpu_buffers import cpu_backward_start
 
 
 def memory_terms_on(plan: Any, graph: OpGraph, platform: str) -> dict[str, float]:
@@ -47,6 +48,14 @@ def memory_terms_on(plan: Any, graph: OpGraph, platform: str) -> dict[str, float
     # the plan's own numbers moved by what the other fusion changes (a wrong number stays wrong)
     for term in ("activations", "grads", "cpu_temp_extra"):
         own[term] = own.get(term, 0.0) + on_cpu.get(term, 0.0) - as_planned.get(term, 0.0)
+    # what XLA:CPU holds beside the saved activations when the backward starts; the live set then peaks
+    # there or at the backward's end (the gradients and their reductions), whichever is larger; a copied
+    # parameter's gradient lives in the buffer its copy vacated (`plan.cpu_buffers`)
+    held = cpu_backward_start(plan, graph)
+    acts, end = own["activations"], on_cpu["grads_end_cpu"]
+    own["cpu_temp_extra"] += max(0.0, acts + held.bytes - max(acts, end))
+    if held.largest_gradient is not None:
+        own["cpu_temp_extra"] -= max(0.0, on_cpu["grads_alone"] - held.largest_gradient)
     own["total"] = sum(own[k] for k in ("params", "grads", "optimizer", "activations", "data"))
     return own
 
@@ -75,7 +84,12 @@ def _priced_memory(plan: Any, space: PlanSpace, hw: Any) -> dict[str, float]:
     opts = _options(plan.provenance.get("options", {}))
     ev = space.evaluator(hw, AnalyticalCostModel(space.mesh, hw), opts, space.weights)
     factor_axes = {f: tuple(axes) for f, _, _, axes in plan.factors if axes}
-    return dict(ev.evaluate_one(factor_axes, plan.storage).memory)
+    res = ev.evaluate_modes(ev.row(factor_axes)[None, :], (plan.storage,))[plan.storage]
+    return {k: float(res[k][0]) for k in _TERMS}
+
+
+_TERMS = ("params", "grads", "optimizer", "activations", "data", "cpu_temp_extra", "grads_end_cpu",
+          "grads_alone")
 
 
 def _options(given: dict) -> SearchOptions:

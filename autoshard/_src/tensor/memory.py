@@ -118,6 +118,9 @@ class MemoryModel:
         (a global norm), which holds them all to the end. Without the optimizer the gradients are the
         step's outputs (`kept`), alive beside everything else; so are a pipeline stage's accumulated
         gradients."""
+        # the CPU live set at the backward's end, beside nothing saved (plan.platform_memory weighs it
+        # against what XLA:CPU holds at the backward's start); 0 where the gradients are a sum term
+        out["grads_end_cpu"] = out["grads_alone"] = np.zeros(plans.shape[0])
         if not self.fused_update:
             return kept, np.zeros(plans.shape[0])
         if self.accumulate:
@@ -131,6 +134,7 @@ class MemoryModel:
         alone = np.where(before > waiting * (1 + 1e-9), np.minimum(out["grads_largest"], before - waiting), 0.0)
         gpu = np.maximum(0.0, waiting + scattered - acts) + alone
         cpu = np.maximum(0.0, waiting + reduced - acts) + alone
+        out["grads_end_cpu"], out["grads_alone"] = waiting + reduced, alone
         return gpu, cpu - gpu
 
     def _reduced_gradient_bytes(self, plans: np.ndarray) -> np.ndarray:
