@@ -29,31 +29,32 @@ from .cpu_buffers import cpu_backward_start
 
 
 def memory_terms_on(plan: Any, graph: OpGraph, platform: str) -> dict[str, float]:
-    """The plan's memory terms (params, grads, optimizer, activations, data, cpu_temp_extra, total), the
-    activation terms priced under `platform`'s fusion: XLA:CPU's for "cpu" when the plan was made for a GPU
-    kernel model (`hardware.kernels`), otherwise the plan's own. `graph`: the step the plan was made for
-    (same fingerprint). Pipeline, 3-D and remat plans, and plans saved without their space, keep their
-    numbers."""
+    """The plan's memory terms (params, grads, optimizer, activations, data, cpu_temp_extra, total) as
+    `platform` lays the step out. For "cpu": the activation terms priced under XLA:CPU's fusion when the
+    plan was made for a GPU kernel model (`hardware.kernels`), and XLA:CPU's own buffers at the backward's
+    start (parameter copies, reversed kernels: `plan.cpu_buffers`) for any plan. `graph`: the step the
+    plan was made for (same fingerprint). Pipeline, 3-D and remat plans, and plans saved without their
+    space, keep their numbers."""
     own = dict(plan.predicted["memory"])
     hw_given = plan.provenance.get("hardware")
-    if (platform != "cpu" or plan.is_pipeline or plan.stages[0].remat != "none" or not hw_given
-            or hw_given.get("kernels") is None):
+    if platform != "cpu" or plan.is_pipeline or plan.stages[0].remat != "none" or not hw_given:
         return own          # (a remat plan's activations are the 3-D tables', not the tensor evaluator's)
     space = _plan_space(plan, graph, plan.predicted.get("space"))
     if space is None:
         return own
     hw = get_hardware(hw_given)
-    as_planned = _priced_memory(plan, space, hw)
     on_cpu = _priced_memory(plan, space, dataclasses.replace(hw, kernels=None))
-    # the plan's own numbers moved by what the other fusion changes (a wrong number stays wrong)
-    for term in ("activations", "grads", "cpu_temp_extra"):
-        own[term] = own.get(term, 0.0) + on_cpu.get(term, 0.0) - as_planned.get(term, 0.0)
+    if hw.kernels is not None:
+        as_planned = _priced_memory(plan, space, hw)
+        # the plan's own numbers moved by what the other fusion changes (a wrong number stays wrong)
+        for term in ("activations", "grads", "cpu_temp_extra"):
+            own[term] = own.get(term, 0.0) + on_cpu.get(term, 0.0) - as_planned.get(term, 0.0)
     # what XLA:CPU holds beside the saved activations when the backward starts; the live set then peaks
     # there or at the backward's end (the gradients and their reductions), whichever is larger; a copied
     # parameter's gradient lives in the buffer its copy vacated (`plan.cpu_buffers`)
     held = cpu_backward_start(plan, graph)
     acts, end = own["activations"], on_cpu["grads_end_cpu"]
-    own["cpu_temp_extra"] += max(0.0, acts + held.bytes - max(acts, end))
+    own["cpu_temp_extra"] = own.get("cpu_temp_extra", 0.0) + max(0.0, acts + held.bytes - max(acts, end))
     if held.largest_gradient is not None:
         own["cpu_temp_extra"] -= max(0.0, on_cpu["grads_alone"] - held.largest_gradient)
     own["total"] = sum(own[k] for k in ("params", "grads", "optimizer", "activations", "data"))
