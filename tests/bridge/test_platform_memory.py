@@ -11,6 +11,7 @@ import pytest
 import autoshard
 import models
 from autoshard._src.bridge.trace.trace import trace
+from autoshard._src.plan.cpu_buffers import BackwardStart, cpu_backward_start
 from autoshard._src.plan.plan import buffers
 from autoshard._src.plan.platform_memory import memory_terms_on
 
@@ -42,12 +43,39 @@ def test_cpu_fusion_keeps_more_activations_than_gpu_fusion(encoder, gpu_plan):
     assert memory_terms_on(gpu_plan, graph, "gpu") == own
 
 
-def test_a_roofline_plan_and_a_plan_saved_without_its_space_keep_their_numbers(encoder, gpu_plan):
+def test_a_roofline_plan_keeps_its_fusion_and_gains_only_xla_cpus_own_buffers(encoder, gpu_plan):
     m, args, graph = encoder
     roofline = autoshard.plan(m.train_step, *args, mesh=MESH, hardware={"base": "h100-sxm", "kernels": None})
-    assert memory_terms_on(roofline, graph, "cpu") == roofline.predicted["memory"]     # planned with CPU-like fusion
+    own, cpu = roofline.predicted["memory"], memory_terms_on(roofline, graph, "cpu")
+    # planned with CPU-like fusion: the saved activations and gradients stay
+    assert {k: cpu[k] for k in ("params", "grads", "optimizer", "activations", "data")} == \
+        {k: own[k] for k in ("params", "grads", "optimizer", "activations", "data")}
+    held = cpu_backward_start(roofline, graph)
+    unreduced = [p for p in roofline.params if p.grad_sync == "none"]
+    if unreduced:       # parameters copied for updates nothing orders after their backward reads
+        assert held.largest_gradient is not None and cpu["cpu_temp_extra"] > own["cpu_temp_extra"]
+    else:
+        assert held == BackwardStart(0.0, None) and cpu == own
     older = dataclasses.replace(gpu_plan, predicted={k: v for k, v in gpu_plan.predicted.items() if k != "space"})
     assert memory_terms_on(older, graph, "cpu") == gpu_plan.predicted["memory"]
+
+
+def test_parameters_are_copied_only_where_no_gradient_reduction_orders_their_updates(encoder):
+    m, args, graph = encoder
+    dp = autoshard.expert_plan("data-parallel", m.train_step, *args, mesh=MESH)
+    assert cpu_backward_start(dp, graph) == BackwardStart(0.0, None)      # every update waits for the all-reduce
+    replicated = autoshard.expert_plan("megatron", m.train_step, *args, mesh={"data": 1, "model": 4})
+    held = cpu_backward_start(replicated, graph)
+    assert all(p.grad_sync == "none" for p in replicated.params)
+    # two equal layers: the later copies live in the buffers the earlier ones vacated, so the temporaries
+    # hold far less than every copied parameter
+    copied = sum(p.bytes_per_device for p in replicated.params if "kernel" in p.keypath)
+    assert 0 < held.bytes < copied / 2
+    # a copied parameter's gradient lives in the buffer its copy vacated; the word embedding is read by the
+    # forward gather alone (its gradient is a scatter-add that never reads the table), so it is not copied
+    # and its gradient, the largest, takes a temporary of its own
+    emb = next(p for p in replicated.params if p.keypath.endswith("['word_emb']['embedding']"))
+    assert held.largest_gradient == emb.bytes_per_device == max(p.bytes_per_device for p in replicated.params)
 
 
 @pytest.mark.slow

@@ -1,0 +1,33 @@
+"""XLA:CPU's own buffers at the backward's start (plan/cpu_buffers.py), on synthetic inputs: which copies
+the donated parameter buffers absorb, and which gradient syncs order an update."""
+
+from __future__ import annotations
+
+from autoshard._src.plan.cpu_buffers import _copies_beyond_vacated, _reduced
+
+
+def test_equal_layers_hold_one_copy():
+    # copy k+1 lives in the buffer copy k's parameter vacated (the Megatron MLP's compiled buffers)
+    assert _copies_beyond_vacated([524288.0] * 6) == 524288.0
+
+
+def test_growing_kernels_hold_every_copy():
+    # a convolutional net's kernels grow layer by layer: no vacated buffer is large enough
+    sizes = [864.0, 4608.0, 18432.0, 73728.0]
+    assert _copies_beyond_vacated(sizes) == sum(sizes)
+
+
+def test_a_copy_takes_the_smallest_vacated_buffer_it_fits():
+    # 100 held; 10 goes into 100's buffer; 50 finds none left that fits (10's is too small): held;
+    # 8 goes into the smallest that fits (10's), leaving 50's for 40
+    assert _copies_beyond_vacated([100.0, 10.0, 50.0, 8.0, 40.0]) == 150.0
+    assert _copies_beyond_vacated([]) == 0.0
+
+
+def test_a_sync_over_single_device_axes_orders_nothing():
+    sizes = {"data": 1, "model": 8, "pod": 2}
+    assert not _reduced("none", sizes)
+    assert not _reduced("all-reduce over data", sizes)          # no collective on an axis of one device
+    assert _reduced("all-reduce over data,pod", sizes)
+    assert _reduced("reduce-scatter over pod + all-reduce over data", sizes)
+    assert not _reduced("reduce-scatter over data + all-reduce over data", sizes)
