@@ -11,16 +11,17 @@ def test_equal_layers_hold_one_copy():
     assert _copies_beyond_vacated([524288.0] * 6) == 524288.0
 
 
-def test_growing_kernels_hold_every_copy():
-    # a convolutional net's kernels grow layer by layer: no vacated buffer is large enough
-    sizes = [864.0, 4608.0, 18432.0, 73728.0]
+def test_kernels_of_different_sizes_hold_every_copy():
+    # a convolutional net's kernels grow layer by layer: every copy stays in temporaries (the compiled
+    # ResNet and CNN steps), also one smaller than an earlier kernel (its buffer went to a larger value)
+    sizes = [864.0, 4608.0, 18432.0, 73728.0, 16384.0]
     assert _copies_beyond_vacated(sizes) == sum(sizes)
 
 
-def test_a_copy_takes_the_smallest_vacated_buffer_it_fits():
-    # 100 held; 10 goes into 100's buffer; 50 finds none left that fits (10's is too small): held;
-    # 8 goes into the smallest that fits (10's), leaving 50's for 40
-    assert _copies_beyond_vacated([100.0, 10.0, 50.0, 8.0, 40.0]) == 150.0
+def test_one_copy_of_each_size():
+    # a transformer layer's four [d, d] projections and two [d, 4d] / [4d, d] kernels, three layers
+    layer = [4096.0] * 4 + [16384.0] * 2 + [64.0] * 2
+    assert _copies_beyond_vacated(layer * 3) == 4096.0 + 16384.0 + 64.0
     assert _copies_beyond_vacated([]) == 0.0
 
 

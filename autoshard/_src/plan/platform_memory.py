@@ -23,6 +23,7 @@ from ..core.graph import OpGraph
 from ..core.grouping import group
 from ..core.hardware import get_hardware
 from ..core.mesh import mesh_spec
+from ..core.recompute import without_recomputation
 from ..tensor.evaluator import SearchOptions
 from ..tensor.search import PlanSpace, analysis, sequence_parallel_analysis
 from .cpu_buffers import cpu_backward_start
@@ -43,10 +44,12 @@ def memory_terms_on(plan: Any, graph: OpGraph, platform: str) -> dict[str, float
     if space is None:
         return own
     hw = get_hardware(hw_given)
-    on_cpu = _priced_memory(plan, space, dataclasses.replace(hw, kernels=None))
-    if hw.kernels is not None:
+    cpu_space = _space_without_recomputation(plan, graph, space)
+    on_cpu = _priced_memory(plan, cpu_space, dataclasses.replace(hw, kernels=None))
+    if hw.kernels is not None or cpu_space is not space:
         as_planned = _priced_memory(plan, space, hw)
-        # the plan's own numbers moved by what the other fusion changes (a wrong number stays wrong)
+        # the plan's own numbers moved by what the other fusion (and XLA:CPU's ignoring a user's remat)
+        # changes: a wrong number stays wrong
         for term in ("activations", "grads", "cpu_temp_extra"):
             own[term] = own.get(term, 0.0) + on_cpu.get(term, 0.0) - as_planned.get(term, 0.0)
     # what XLA:CPU holds beside the saved activations when the backward starts; the live set then peaks
@@ -77,6 +80,19 @@ def _plan_space(plan: Any, graph: OpGraph, space_kind: str | None) -> PlanSpace 
         return None
     return PlanSpace(graph, mesh_spec(dict(plan.mesh)), a.weights, a.fg, a.grad_ops, split,
                      np.zeros((0, len(split)), np.int64), a.periods, a.in_map, [], a.fused_update, a.window)
+
+
+def _space_without_recomputation(plan: Any, graph: OpGraph, space: PlanSpace) -> PlanSpace:
+    """The plan's space on the step with no user remat block recomputed (`core.recompute`: XLA:CPU keeps
+    the forward values anyway), or `space` itself when nothing is recomputed or the dims are not numbered
+    as in the plan's (then the plan's factors would name other dims)."""
+    plain = without_recomputation(graph)
+    if plain is None:
+        return space
+    other = _plan_space(plan, plain, plan.predicted.get("space"))
+    if other is None or any(other.fg.value_factors(v) != space.fg.value_factors(v) for v in graph.inputs):
+        return space
+    return other
 
 
 def _priced_memory(plan: Any, space: PlanSpace, hw: Any) -> dict[str, float]:
