@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable, Collection
 
 from .fusion import Fusion
-from .graph import OpGraph
+from .graph import Op, OpGraph
 
 
 def saved_values(graph: OpGraph, fused: Fusion, core: Collection[int] | None = None) -> Callable[[int], bool]:
@@ -78,3 +78,22 @@ def saved_values(graph: OpGraph, fused: Fusion, core: Collection[int] | None = N
             return int(group[c]) != home and fused_in_backward(c)
         return any(read_by_backward(w, home) for w in op.outputs)
     return saved
+
+
+# layout-only ops between a parameter and a backward-data convolution's kernel operand
+_KERNEL_VIEWS = frozenset({"rev", "transpose", "reshape", "copy", "copy_p"})
+
+
+def reversed_parameter(graph: OpGraph, op: Op) -> bool:
+    """Is `op` the reversal of a parameter (a convolution kernel, read by its backward-data convolution)?
+    No working buffer on either backend: cuDNN's backward-data convolution reads the kernel in place, and
+    XLA:CPU materialises every spatially reversed one early, which `plan.cpu_buffers` counts."""
+    if op.primitive != "rev":
+        return False
+    v = op.inputs[0]
+    while graph.values[v].producer is not None:
+        producer = graph.ops[graph.values[v].producer]
+        if producer.primitive not in _KERNEL_VIEWS:
+            return False
+        v = producer.inputs[0]
+    return graph.values[v].role == "parameter"

@@ -12,11 +12,11 @@ dump), both alive from the end of the forward to the backward op that last reads
   the backward pass, and every update waits for them). So a parameter whose gradient no collective
   reduces (a replicated batch: Megatron on one data replica) is copied, per device, from its first
   forward read to its last backward read. Buffer assignment then reuses what the copies vacate: a copy
-  made after another and no larger than that one's parameter lives in its donated buffer, and each
-  copied parameter's gradient in its own (the update overwrites it in place). A stack of equal layers so
-  holds one copy in temporaries (Megatron MLP, 6 x [128, 1024] kernels per device: 524,288 B); a
-  convolutional net whose kernels grow layer by layer nearly all (wide_classifier, Megatron on 8: 595 KB
-  of copies in a 962 KB peak, its gradients in no temporary).
+  lives in the donated buffer an earlier copy of its size vacated, and each copied parameter's gradient
+  in its own (the update overwrites it in place). A stack of equal layers so holds one copy in
+  temporaries (Megatron MLP, 6 x [128, 1024] kernels per device: 524,288 B); a convolutional net whose
+  kernels all differ holds every one (wide_classifier, Megatron on 8: 595 KB of copies in a 962 KB
+  peak, its gradients in no temporary).
 - **Reversed convolution kernels.** The backward-data convolution reads its kernel spatially reversed
   (jax's transpose rule: `rev` + swapped dimension numbers); XLA:CPU materialises that kernel
   (`copy_reverse_fusion`), and since it depends on the parameter alone the scheduler computes it early:
@@ -55,7 +55,8 @@ class BackwardStart:
 def cpu_backward_start(plan: Any, graph: OpGraph) -> BackwardStart:
     """The copies of parameters whose update is not ordered after their backward reads, less those living
     in buffers earlier copies vacated, and the materialised reversed kernels of backward-data convolutions
-    (module docstring). `plan`: a one-stage tensor plan of `graph`."""
+    (module docstring). `plan`: a one-stage tensor plan of `graph` (its parameters' per-device bytes and
+    gradient syncs)."""
     per_device = {p.keypath: float(p.bytes_per_device) for p in plan.params}
     sizes = dict(plan.mesh)
     reduced = {p.keypath for p in plan.params if _reduced(p.grad_sync, sizes)}

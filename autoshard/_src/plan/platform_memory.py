@@ -9,6 +9,11 @@ XLA:CPU's fusion of the same program. `memory_terms_on` prices the plan's own as
 storage) under both fusions and moves the plan's numbers by the difference, so the audit compares the
 compiled program with the memory the model predicts for that compiler, and a wrong number in the plan
 still shows as a gap.
+
+XLA:CPU also lays out buffers a GPU backend does not have and keeps what a GPU frees: copies of parameters
+whose update nothing orders after their backward reads and convolution kernels reversed ahead of time
+(`plan.cpu_buffers`, for a plan made for any hardware), and the forward values of a user's remat blocks,
+which its compiled programs keep anyway (`core.recompute`: the step is priced unrecomputed).
 """
 
 from __future__ import annotations
@@ -32,10 +37,10 @@ from .cpu_buffers import cpu_backward_start
 def memory_terms_on(plan: Any, graph: OpGraph, platform: str) -> dict[str, float]:
     """The plan's memory terms (params, grads, optimizer, activations, data, cpu_temp_extra, total) as
     `platform` lays the step out. For "cpu": the activation terms priced under XLA:CPU's fusion when the
-    plan was made for a GPU kernel model (`hardware.kernels`), and XLA:CPU's own buffers at the backward's
-    start (parameter copies, reversed kernels: `plan.cpu_buffers`) for any plan. `graph`: the step the
-    plan was made for (same fingerprint). Pipeline, 3-D and remat plans, and plans saved without their
-    space, keep their numbers."""
+    plan was made for a GPU kernel model (`hardware.kernels`) or the step has user remat blocks (priced
+    unrecomputed), and XLA:CPU's own buffers at the backward's start (parameter copies, reversed kernels:
+    `plan.cpu_buffers`) for any plan. `graph`: the step the plan was made for (same fingerprint).
+    Pipeline, 3-D and planner-remat plans, and plans saved without their space, keep their numbers."""
     own = dict(plan.predicted["memory"])
     hw_given = plan.provenance.get("hardware")
     if platform != "cpu" or plan.is_pipeline or plan.stages[0].remat != "none" or not hw_given:

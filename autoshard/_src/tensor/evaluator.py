@@ -27,7 +27,7 @@ from ..core.hardware import HardwareSpec
 from ..core.kernels import compute_dtype
 from ..core.mesh import MeshSpec
 from ..core.optable import PHASE_CODES
-from ..core.residuals import saved_values
+from ..core.residuals import reversed_parameter, saved_values
 from .comm_records import CommBytes, CommRecords, _mask_axes
 from .factors import FactorGraph
 from .kernel_costs import GemmCosts
@@ -103,23 +103,6 @@ _MATERIALISED = ("dot_general", "conv_general_dilated")     # results XLA writes
 # kernels of their own whose backward results are written whole too: a scatter-add (the gradient of a
 # gather: the loss's take_along_axis, whose [B, S, V] cotangent XLA:GPU updates in place)
 _SCATTERS = ("scatter-add", "scatter_add", "scatter")
-# layout-only ops between a parameter and a backward-data convolution's kernel operand
-_KERNEL_VIEWS = frozenset({"rev", "transpose", "reshape", "copy", "copy_p"})
-
-
-def _reversed_kernel(graph: OpGraph, op) -> bool:
-    """Is `op` the reversal of a parameter (a convolution kernel, read by its backward-data convolution)?
-    No working buffer on either backend: cuDNN's backward-data convolution reads the kernel in place, and
-    XLA:CPU materialises every such kernel early, which `plan.cpu_buffers` counts."""
-    if op.primitive != "rev":
-        return False
-    v = op.inputs[0]
-    while graph.values[v].producer is not None:
-        producer = graph.ops[graph.values[v].producer]
-        if producer.primitive not in _KERNEL_VIEWS:
-            return False
-        v = producer.inputs[0]
-    return graph.values[v].role == "parameter"
 _BUCKET = {"forward": "fwd_comm", "backward": "bwd_comm", "grad": "grad_sync", "optimizer": "opt_comm",
            "other": "fwd_comm"}
 
@@ -382,7 +365,7 @@ class _Evaluator(MemoryModel, CollectiveMoves, CommRecords):
         group = self.fused.group
         for i, w in weights.items():
             op = g.ops[i]
-            if w <= 0 or op.phase != "backward" or i in grad_ops or _reversed_kernel(g, op):
+            if w <= 0 or op.phase != "backward" or i in grad_ops or reversed_parameter(g, op):
                 continue
             library = op.primitive in _MATERIALISED or op.primitive in _SCATTERS
             if not library and group[i] < 0:
