@@ -37,11 +37,12 @@ def recomputed_values(graph: OpGraph) -> tuple[dict[int, int], set[int]]:
             calls[op.top_eqn].append(op.index)
     alias: dict[int, int] = {}
     recomputing: set[int] = set()
+    by_module: dict[str, list[int]] = {}        # forward ops per module, for ops of literals alone
     for members in calls.values():
         used: set[int] = set()
         for i in members:
             mapped = _forward_inputs(graph, ops[i].inputs, alias)
-            twin = None if mapped is None else _forward_twin(graph, i, mapped, used)
+            twin = None if mapped is None else _forward_twin(graph, i, mapped, used, by_module)
             if twin is None:
                 continue
             used.add(twin)
@@ -69,15 +70,19 @@ def _forward_inputs(graph: OpGraph, inputs: tuple[int, ...], alias: dict[int, in
     return out
 
 
-def _forward_twin(graph: OpGraph, i: int, inputs: list[int | None], used: set[int]) -> int | None:
+def _forward_twin(graph: OpGraph, i: int, inputs: list[int | None], used: set[int],
+                  by_module: dict[str, list[int]]) -> int | None:
     """A forward op computing what op `i` computes from `inputs` (None: a literal of the same shape); for an
-    op of literals alone, the first unmatched forward op of its module doing the same."""
+    op of literals alone, the first unmatched forward op of its module doing the same (`by_module`: the
+    forward ops per module, filled on first use)."""
     op = graph.ops[i]
     anchor = next((x for x in inputs if x is not None), None)
     if anchor is None:
-        module = parse_scope(op.scope)[0]
-        candidates = (c for c in range(len(graph.ops)) if graph.ops[c].phase == "forward"
-                      and c not in used and parse_scope(graph.ops[c].scope)[0] == module)
+        if not by_module:
+            for c, other in enumerate(graph.ops):
+                if other.phase == "forward":
+                    by_module.setdefault(parse_scope(other.scope)[0], []).append(c)
+        candidates = (c for c in by_module.get(parse_scope(op.scope)[0], ()) if c not in used)
     else:
         candidates = iter(graph.values[anchor].consumers)
     for c in candidates:
