@@ -2,10 +2,11 @@
 
 `jax.checkpoint` / `nn.remat` blocks reach the traced step twice: their forward ops, and inside the
 backward a recomputation of them (the ops of the block's backward call that read no cotangent) beside
-their transposes. XLA:GPU runs the recomputation and frees the forward values; XLA:CPU's compiled
-programs keep the same buffers with and without the user's remat (a 6-block Dense/GELU MLP at batch 256:
-temp 23,856,128 B with, 23,859,200 B without; a 2-layer post-LN encoder at batch 8: 3,344,452 B both),
-so a step compiled there is priced as if no block were recomputed. `without_recomputation(graph)` is
+their transposes. A GPU backend runs the recomputation and frees the forward values; XLA:CPU drops the
+optimization barriers that keep the recomputation late before it schedules (docs/memory.md), and its
+compiled programs hold the same buffers with and without the user's remat (a 6-block Dense/GELU MLP at
+batch 256: temp 23,856,128 B with, 23,859,200 B without; a 2-layer post-LN encoder at batch 8:
+3,344,452 B both), so a step compiled there is priced as if no block were recomputed. `without_recomputation(graph)` is
 that step: every backward read of a recomputed value reads the forward value it recomputes, and the
 recomputation itself moves to the forward phase, where nothing reads it (the op and value ids stay, so
 the factor analysis numbers the dims as before).

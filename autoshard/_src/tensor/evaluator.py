@@ -365,7 +365,9 @@ class _Evaluator(MemoryModel, CollectiveMoves, CommRecords):
         group = self.fused.group
         for i, w in weights.items():
             op = g.ops[i]
-            if w <= 0 or op.phase != "backward" or i in grad_ops or reversed_parameter(g, op):
+            if w <= 0 or op.phase != "backward" or i in grad_ops:
+                continue
+            if op.primitive == "rev" and reversed_parameter(g, op):
                 continue
             library = op.primitive in _MATERIALISED or op.primitive in _SCATTERS
             if not library and group[i] < 0:
