@@ -326,6 +326,36 @@ def test_conv_links_batch_features_and_same_size_spatial_dims():
     assert {fx[0], fx[1], fw[0]} <= of.loop
 
 
+def test_a_window_wider_than_one_keeps_its_spatial_dims_whole():
+    # splitting a 3 x 3 convolution's rows needs halo rows from the neighbouring devices (XLA's SPMD
+    # partitioner adds collective-permutes no cost here prices): never split; a 1 x 1 one is elementwise
+    # over positions, and a pooling window's dims are like a convolution's
+    N, C, H, W, Co = 2, 3, 16, 12, 8
+    g = GraphBuilder()
+    x, w3, w1 = g.input((N, C, H, W)), g.input((Co, C, 3, 3)), g.input((Co, Co, 1, 1))
+    y = g.op("conv_general_dilated", [x, w3], [(N, Co, H, W)], params={**CONV_NCHW, "padding": ((1, 1), (1, 1))})
+    z = g.op("conv_general_dilated", [y, w1], [(N, Co, H, W)], params={**CONV_NCHW, "padding": ((0, 0), (0, 0))})
+    v = g.input((N, C, H, W))
+    p = g.op("reduce_window_max", [v], [(N, C, H // 2, W)],
+             params={"window_dimensions": (1, 1, 2, 1), "window_strides": (1, 1, 2, 1), "padding": ((0, 0),) * 4})
+    _, fg = analyze_all(g)
+    fy, fz, fv = fg.value_factors(y), fg.value_factors(z), fg.value_factors(v)
+    assert fy[2] in fg.repeated and fy[3] in fg.repeated          # the 3 x 3 window's rows and columns
+    assert fz[2:] == fy[2:]                                       # the 1 x 1 conv keeps them (still whole)
+    assert fy[0] not in fg.repeated and fy[1] not in fg.repeated  # batch and features split as before
+    assert fv[2] in fg.repeated and fv[3] not in fg.repeated      # pooled along H only
+    assert p is not None
+
+
+def test_a_one_by_one_conv_alone_may_split_positions():
+    N, C, H, W, Co = 2, 3, 16, 12, 8
+    g = GraphBuilder()
+    x, w = g.input((N, C, H, W)), g.input((Co, C, 1, 1))
+    y = g.op("conv_general_dilated", [x, w], [(N, Co, H, W)], params={**CONV_NCHW, "padding": ((0, 0), (0, 0))})
+    _, fg = analyze_all(g)
+    assert not set(fg.value_factors(y)[2:]) & fg.repeated
+
+
 def test_conv_valid_padding_does_not_link_resized_spatial_dims():
     N, C, H, W, Co = 2, 3, 16, 12, 8
     g = GraphBuilder()

@@ -26,7 +26,7 @@ import numpy as np
 
 from ..core.graph import PHASES, Op, OpGraph, nbytes
 from ..core.optable import PHASE_CODES, OpTable
-from .link_rules import _KNOWN, _LOOKUPS, REDUCTIONS, _dn5, _key, _link_op, _reshape_groups, _UnionFind
+from .link_rules import _KNOWN, _LOOKUPS, _WINDOWED, REDUCTIONS, _dn5, _key, _link_op, _reshape_groups, _UnionFind
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -47,6 +47,19 @@ class OpFactors:
     regathered: tuple = ()
 
 
+def _windowed_factors(op: Op, ins: list[tuple]) -> list[int]:
+    """The factors of `op`'s input dims a window wider than one element slides over (see FactorGraph.repeated)."""
+    if op.primitive == "conv_general_dilated" and "lhs_spec" in op.params and len(ins) > 1:
+        lhs, rhs = op.params["lhs_spec"], op.params["rhs_spec"]
+        kernel = op.in_shapes[1]
+        return [ins[0][d] for d, k in zip(lhs[2:], rhs[2:], strict=False)
+                if kernel[k] > 1 and ins[0][d] is not None]
+    window = op.params.get("window_dimensions")
+    if op.primitive in _WINDOWED and window and ins:
+        return [f for f, w in zip(ins[0], window, strict=False) if w > 1 and f is not None]
+    return []
+
+
 @dataclasses.dataclass
 class FactorGraph:
     """Factors of a subgraph: per value dim, the factor id (None for size-1 dims), and per op its
@@ -56,7 +69,10 @@ class FactorGraph:
     op_factors: dict[int, OpFactors]
     factor_of: dict[tuple[int, int], int]
     factor_sizes: dict[int, list[int]]
-    repeated: frozenset[int]      # factors appearing twice in one tensor: never split
+    # never split: factors appearing twice in one tensor, and a window's dims (a convolution's or a
+    # pooling's spatial dims under a window wider than one: a split needs halo exchanges between
+    # neighbouring devices, which XLA's SPMD partitioner adds as collective-permutes and no cost here prices)
+    repeated: frozenset[int]
     cooccur: dict[int, frozenset[int]]
     unknown_ops: list[int]
     # region boundaries (expert parallelism): values whose consumers see them with their own factors,
@@ -129,6 +145,7 @@ def link_factors(graph: OpGraph, ops: list[int], same_ops: Sequence[tuple[int, i
         op_factors[i] = _op_factors(op, ins, outs, ids.cooccur)
         if not op_factors[i].known:
             unknown.append(i)
+        ids.repeated.update(_windowed_factors(op, ins))
     return FactorGraph(graph, op_factors, ids.factor_of, ids.sizes, frozenset(ids.repeated),
                        {f: frozenset(c) for f, c in ids.cooccur.items()}, unknown)
 
