@@ -114,13 +114,14 @@ def _unordered_parameters(graph: OpGraph, params: dict[int, str], readers: dict[
     parameter whose gradient is reduced, of any reduced gradient's update: the combined reduction orders
     them all)."""
     out_value = {kp: o for o, kp in zip(graph.outputs, graph.output_keypaths, strict=True)}
+    donated = _donated_arguments(graph, set(out_value))
     bit: dict[int, int] = {}             # producing op of an update -> its parameters' bits
     index = {}
     for k, (v, kp) in enumerate(params.items()):
         o = out_value.get(kp)
         producer = graph.values[o].producer if o is not None else None
-        if producer is None or o == v:
-            continue                     # returned unchanged or not returned: no update overwrites it
+        if producer is None or o == v or _argument(kp) not in donated:
+            continue                     # not returned, returned unchanged, or not donated: nothing overwrites it
         index[v] = k
         bit[producer] = bit.get(producer, 0) | (1 << k)
     if not index:
@@ -141,6 +142,22 @@ def _unordered_parameters(graph: OpGraph, params: dict[int, str], readers: dict[
         if any(not below[c] & waits for c in readers[v]):
             out.append(v)
     return out
+
+
+def _argument(keypath: str) -> int | None:
+    """The positional argument a flat input's keypath ("[0]['params']...") belongs to."""
+    m = re.match(r"\[(\d+)\]", keypath or "")
+    return int(m.group(1)) if m else None
+
+
+def _donated_arguments(graph: OpGraph, returned: set[str]) -> set[int | None]:
+    """The arguments the compiled step donates: those all of whose leaves it returns (emission's rule,
+    `bridge.emit.emit.donated_argnums`), so XLA aliases their buffers with the results."""
+    leaves: dict[int | None, list[str]] = {}
+    for v in graph.inputs:
+        kp = graph.values[v].keypath or ""
+        leaves.setdefault(_argument(kp), []).append(kp)
+    return {a for a, kps in leaves.items() if a is not None and all(kp in returned for kp in kps)}
 
 
 def _read_across_backward(graph: OpGraph, readers: set[int]) -> bool:
